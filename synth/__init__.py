@@ -1,0 +1,1 @@
+"""Schedule synthesis: model specs, lowering, search, the LLM agent, the CLI and runs/."""

@@ -1,0 +1,83 @@
+"""`validate FILE...`: exit 0 accepted, 1 rejected, 2 malformed or usage error (DESIGN.md §3)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from validator.errors import ScheduleError
+from validator.schedule import load_schedule, schema
+from validator.verify import Options, Report, verify
+
+
+def format_text(report: Report) -> str:
+    lines = [f"{report.file}: {report.verdict.upper()}"]
+    for f in report.findings:
+        lines.append(f"  [{f.category}] {f.message}")
+        for extra in f.details.get("text", []):
+            lines.append(f"      {extra}")
+    st = report.stats
+    parts = [f"{st.get('instructions', 0)} instructions"]
+    for key in ("conflicting_pairs", "proven_by_graph", "proven_by_z3", "counterexamples", "interleavings"):
+        if key in st:
+            parts.append(f"{st[key]} {key.replace('_', ' ')}")
+    parts.append(" ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items()))
+    lines.append("  stats: " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("--schema", "print_schema", is_flag=True, help="Print the JSON Schema of the format and exit.")
+@click.option("--format", "fmt", type=click.Choice(["text", "json", "sarif"]), default="text", show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False), help="Write the report here instead of stdout.")
+@click.option("--interleavings", type=click.IntRange(0, 10_000_000), default=1000, show_default=True,
+              help="Adversarial interleavings replayed against shadow memory.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--pipelined", is_flag=True, help="Consecutive instructions of a worker may overlap.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=1, show_default=True)
+def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | None, interleavings: int, seed: int,
+         pipelined: bool, jobs: int) -> None:
+    """Prove megakernel schedules free of races and deadlocks, or show an interleaving that breaks them."""
+    if print_schema:
+        click.echo(json.dumps(schema(), indent=2))
+        return
+    if not files:
+        raise click.UsageError("give at least one schedule file (or --schema)")
+    options = Options(interleavings=interleavings, seed=seed, pipelined=pipelined)
+    reports: list[Report] = []
+    malformed: list[ScheduleError] = []
+    for name in files:
+        try:
+            reports.append(verify(load_schedule(name), name, options))
+        except ScheduleError as exc:
+            exc.file = exc.file or name
+            malformed.append(exc)
+    text = _render(fmt, reports, malformed)
+    if output:
+        from validator.atomic import write_text_atomic
+        write_text_atomic(output, text + "\n")
+    else:
+        click.echo(text)
+    for exc in malformed:
+        click.echo(f"error: {exc}", err=True)
+    sys.exit(2 if malformed else (0 if all(r.accepted for r in reports) else 1))
+
+
+def _render(fmt: str, reports: list[Report], malformed: list[ScheduleError]) -> str:
+    if fmt == "json":
+        doc = {"reports": [r.to_json() for r in reports],
+               "malformed": [{"file": e.file, "path": e.path, "message": e.message} for e in malformed]}
+        return json.dumps(doc, indent=1)
+    if fmt == "sarif":
+        from validator.sarif import to_sarif
+        return json.dumps(to_sarif(reports, malformed), indent=1)
+    out = [format_text(r) for r in reports]
+    out += [f"{e.file}: MALFORMED\n  {e.path}: {e.message}" for e in malformed]
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()

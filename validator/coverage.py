@@ -1,0 +1,78 @@
+"""Coverage of catalogue ops: every logical output of every layer is produced exactly once (no gap, no duplicate)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from validator.catalogue import OPS, required_tiles
+from validator.program import Finding, Program
+
+
+def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]], prog: Program) -> list[Finding]:
+    """Check that `tiles` (rect, instruction index) partition the rectangle `domain` exactly."""
+    (r0, r1), (k0, k1) = domain
+    name = f"{key[0]}" + (f" layer {key[1]}" if len(key) > 1 and key[1] >= 0 else "") + \
+        (f" kv_head {key[2]}" if len(key) > 2 else "")
+    cuts = sorted({r0, r1} | {t[0][0][0] for t in tiles} | {t[0][0][1] for t in tiles})
+    out: list[Finding] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        if lo >= r1 or hi <= r0:
+            continue
+        cols = sorted((t[0][1], t[1]) for t in tiles if t[0][0][0] <= lo and hi <= t[0][0][1])
+        at = k0
+        for (c0, c1), i in cols:
+            if c0 < at:
+                clash = [prog.ids[j] for (a, b), j in cols if a < c1 and c0 < b and j != i][:1]
+                out.append(Finding("coverage", f"{name}: rows [{lo}, {hi}) x [{c0}, {at}) produced twice "
+                                   f"({prog.label(i)} and #{clash[0] if clash else '?'})",
+                                   [prog.ids[i], *clash], prog.path(i)))
+                return out
+            if c0 > at:
+                break
+            at = c1
+        if at < k1:
+            msg = f"[{at}, {k1})" if (k0, k1) != (0, 1) else ""
+            out.append(Finding("coverage", f"{name}: rows [{lo}, {hi}){' x ' + msg if msg else ''} are produced by "
+                               "no instruction", []))
+            return out
+    return out
+
+
+def check_coverage(prog: Program) -> list[Finding]:
+    """Findings for missing or duplicated outputs, and split counts that attn_reduce and attn_partial disagree on."""
+    geo = prog.geometry
+    if geo is None:
+        return []
+    tiles: dict[tuple, list] = defaultdict(list)
+    domains: dict[tuple, tuple] = {}
+    findings: list[Finding] = []
+    for i in range(prog.n):
+        spec = OPS.get(prog.op[i])
+        if spec is None:
+            continue
+        layer = prog.layer[i] if prog.layer[i] is not None else -1
+        key, rect, domain = spec.tile(geo, layer, prog.args[i])
+        if domains.setdefault(key, domain) != domain:
+            findings.append(Finding("coverage", f"{prog.label(i)}: its args say the output is "
+                                    f"{domain}, another instruction of the same op says {domains[key]}",
+                                    [prog.ids[i]], prog.path(i)))
+            continue
+        tiles[key].append((rect, i))
+    for key in required_tiles(geo):
+        if key not in tiles:
+            name = " ".join(str(k) for k in key if k != -1)
+            findings.append(Finding("coverage", f"{name}: no instruction produces it", []))
+    for key, ts in tiles.items():
+        findings.extend(_partition_findings(key, domains[key], ts, prog))
+    # attn_reduce must merge exactly the splits attn_partial produced for its heads.
+    group = geo.cfg.group_size
+    for i in range(prog.n):
+        if prog.op[i] != "attn_reduce":
+            continue
+        a = prog.args[i]
+        for g in range(a["start"] // group, (a["end"] + group - 1) // group):
+            dom = domains.get(("attn_partial", prog.layer[i], g))
+            if dom is not None and dom[0][1] != a["splits"]:
+                findings.append(Finding("coverage", f"{prog.label(i)} merges {a['splits']} splits but attn_partial "
+                                        f"of kv_head {g} produces {dom[0][1]}", [prog.ids[i]], prog.path(i)))
+    return findings

@@ -1,0 +1,77 @@
+"""The validator's pipeline: structure -> coverage -> deadlock -> races; returns a `Report` with timings per phase."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from validator.coverage import check_coverage
+from validator.deadlock import deadlock_findings, maximal_execution
+from validator.program import Finding, Program, resolve
+from validator.schedule import Schedule
+
+
+@dataclass
+class Report:
+    """A verdict and its evidence. `accepted` iff there are no findings."""
+
+    file: str | None
+    findings: list[Finding] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def accepted(self) -> bool:
+        return not self.findings
+
+    @property
+    def verdict(self) -> str:
+        return "accepted" if self.accepted else "rejected"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "verdict": self.verdict, "findings": [f.to_json() for f in self.findings],
+                "stats": self.stats, "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
+
+
+@dataclass
+class Options:
+    interleavings: int = 1000
+    seed: int = 0
+    pipelined: bool = False
+    races: bool = True  # the race phases (graph, z3, replay); off = structure, coverage and deadlock only
+
+
+def verify(schedule: Schedule, file: str | None = None, options: Options | None = None) -> Report:
+    """Validate a parsed schedule. Raises `ScheduleError` for structural defects (malformed, exit 2)."""
+    options = options or Options()
+    report = Report(file)
+    t = time.perf_counter()
+    prog = resolve(schedule, file)
+    report.seconds["structure"] = time.perf_counter() - t
+    report.findings.extend(prog.findings)
+    report.stats["instructions"] = prog.n
+    report.stats["workers"] = len(prog.queues)
+    report.stats["counters"] = prog.counters
+
+    t = time.perf_counter()
+    report.findings.extend(check_coverage(prog))
+    report.seconds["coverage"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    ex = maximal_execution(prog)
+    report.findings.extend(deadlock_findings(prog, ex))
+    report.seconds["deadlock"] = time.perf_counter() - t
+
+    if options.races:
+        _check_races(prog, report, options)
+    return report
+
+
+def _check_races(prog: Program, report: Report, options: Options) -> None:
+    """Race phases: filled in by `validator.races` (graph pass, z3 proofs, adversarial replay)."""
+    try:
+        from validator.races import check_races
+    except ImportError:
+        return
+    check_races(prog, report, options)
