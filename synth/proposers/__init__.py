@@ -1,0 +1,1 @@
+"""Proposers: where candidate schedules come from (heuristic, evolve, llm)."""
