@@ -1,0 +1,257 @@
+"""`synth runs list|show|report|serve` and the HTML report, on a realistic run folder (the tiny model, lowered,
+validated and given a trace in the shared format), plus defensive reading of broken run folders."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from synth.cli import main
+from synth.lower import lower
+from synth.models import get_model
+from synth.report import (
+    counterexample_events,
+    critical_path,
+    load_run,
+    parse_trace,
+    render_index,
+    render_report,
+    sequence_svg,
+)
+from synth.runs_cli import serve_in_thread
+from synth.strategy import Strategy
+from validator.atomic import write_json_atomic
+from validator.verify import Options, verify
+
+# ---------------------------------------------------------------------------------------------------------------
+# A realistic run folder, built the way the search writes one (runs/<run>/...), with a list-scheduled trace.
+
+
+def simulate_trace(schedule: Any, us_of: dict[str, float], estimated: bool = True) -> dict[str, Any]:
+    """List-schedule a lowered schedule (queues in order, waits honoured) into a trace in the shared format."""
+    ins = {i.id: i for i in schedule.instructions}
+    nxt = [0] * len(schedule.queues)
+    free = [0.0] * len(schedule.queues)
+    ends: dict[int, list[tuple[float, int]]] = {}  # counter -> (end time, add)
+    events = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": w, "args": {"name": f"SM {w}"}}
+              for w in range(len(schedule.queues))]
+    for _ in range(len(ins) + 1):
+        best = None
+        for w, q in enumerate(schedule.queues):
+            if nxt[w] >= len(q):
+                continue
+            i = ins[q[nxt[w]]]
+            ready = 0.0
+            for wt in i.waits:
+                total, when = 0, None
+                for t, add in sorted(ends.get(wt.counter, [])):
+                    total += add
+                    if total >= wt.value:
+                        when = t
+                        break
+                if when is None and wt.value > 0:
+                    ready = None
+                    break
+                ready = max(ready, when or 0.0)
+            if ready is None:
+                continue
+            start = max(free[w], ready)
+            if best is None or start < best[0]:
+                best = (start, w, i, max(0.0, ready - free[w]))
+        if best is None:
+            break
+        start, w, i, wait = best
+        dur = us_of.get(i.op, 1.0)
+        free[w] = start + dur
+        nxt[w] += 1
+        for s in i.signals:
+            ends.setdefault(s.counter, []).append((start + dur, s.add))
+        events.append({"name": f"{i.op} L{i.layer}", "cat": i.op, "ph": "X", "pid": 0, "tid": w, "ts": start,
+                       "dur": dur, "args": {"id": i.id, "op": i.op, "layer": i.layer, "wait_us": wait}})
+    return {"traceEvents": events, "metadata": {"model": "tiny", "device": "NVIDIA H200", "ctx": 32,
+                                                "estimated": estimated, "schedule_sha256": "0" * 64}}
+
+
+US = {"embed": 0.5, "attn_norm_qkv_rope": 2.0, "attn_partial": 3.0, "attn_reduce": 1.0, "o_proj_residual": 1.5,
+      "mlp_norm_gate_up": 2.5, "down_proj_residual": 1.5, "final_norm_lm_head": 2.0}
+
+
+def make_run(root: Path, name: str = "20261130-tiny-a", workers: int = 8, estimated: bool = True) -> Path:
+    """runs/<name>/ with run.json, leaderboard.json, best/*, candidates/*, rejected/* (a deadlock and a race)."""
+    spec = get_model("tiny")
+    run = root / name
+    naive = lower(spec, workers)
+    better = lower(spec, workers, Strategy(attn_splits=2), proposer="heuristic")
+    write_json_atomic(run / "run.json", {"command": ["synth", "search", "--model", "tiny", "--budget", "3"],
+                                         "model": "tiny", "gpu": None, "seed": 0, "started": "2026-11-30T04:00:00Z",
+                                         "versions": {"python": "3.11"}})
+    for cid, sch, ms in (("c0000", naive, 0.031), ("c0001", better, 0.024)):
+        write_json_atomic(run / "candidates" / cid / "schedule.json", sch.to_json())
+        write_json_atomic(run / "candidates" / cid / "validation.json",
+                          verify(sch, "schedule.json", Options(races=False)).to_json())
+        write_json_atomic(run / "candidates" / cid / "timing.json", {"ms": ms, "estimated": estimated, "ctx": 32})
+    write_json_atomic(run / "best" / "schedule.json", better.to_json())
+    write_json_atomic(run / "best" / "validation.json", verify(better, "schedule.json", Options(races=False)).to_json())
+    write_json_atomic(run / "best" / "timing.json", {"ms": 0.024, "estimated": estimated, "ctx": 32})
+    write_json_atomic(run / "best" / "trace.json", simulate_trace(better, US, estimated))
+    # a rejected candidate whose wait target no signaller can reach: the validator's real deadlock finding
+    doc = better.to_json()
+    doc["instructions"][5]["waits"] = [{"counter": 0, "value": 99}]
+    from validator.schedule import parse_schedule
+
+    dead = verify(parse_schedule(doc), "c0002", Options(races=False))
+    assert not dead.accepted
+    write_json_atomic(run / "rejected" / "c0002.json", {"candidate": "c0002", "proposer": "evolve",
+                                                        "counterexample": [f.to_json() for f in dead.findings]})
+    # a race with a counterexample interleaving (numbered events, as the validator prints them)
+    events = [{"step": 1, "worker": 0, "instruction": 3, "op": "attn_norm_qkv_rope", "layer": 0, "kind": "start"},
+              {"step": 2, "worker": 1, "instruction": 5, "op": "attn_partial", "layer": 0, "kind": "start"},
+              {"step": 3, "worker": 1, "instruction": 5, "op": "attn_partial", "layer": 0, "kind": "end",
+               "counters": {"2": 1}},
+              {"step": 4, "worker": 0, "instruction": 3, "op": "attn_norm_qkv_rope", "layer": 0, "kind": "end",
+               "counters": {"1": 1}}]
+    race = {"category": "race", "message": "#3 attn_norm_qkv_rope L0 writes k_cache[0:2048) while #5 reads it",
+            "instructions": [3, 5], "details": {"events": events, "text": ["1. worker 0 starts #3", "..."]}}
+    write_json_atomic(run / "rejected" / "c0003.json", {"candidate": "c0003", "proposer": "llm",
+                                                        "rationale": "dropped the qkv->attention wait",
+                                                        "counterexample": race})
+    write_json_atomic(run / "leaderboard.json", {"entries": [
+        {"candidate": "c0000", "proposer": "naive", "accepted": True, "ms": 0.031, "estimated": estimated},
+        {"candidate": "c0001", "proposer": "heuristic", "accepted": True, "ms": 0.024, "estimated": estimated},
+        {"candidate": "c0002", "proposer": "evolve", "accepted": False, "ms": None, "estimated": estimated},
+        {"candidate": "c0003", "proposer": "llm", "accepted": False, "ms": None, "estimated": estimated}]})
+    write_json_atomic(run / "bench.json", {"estimated": False, "results": [
+        {"name": "PyTorch eager", "median_ms": 0.09}, {"name": "PyTorch CUDA graph", "median_ms": 0.04}],
+        "floor_ms": 0.006})
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    make_run(root)
+    make_run(root, "20261129-tiny-old", workers=4)
+    (root / "20261129-empty").mkdir()
+    (root / "20261129-empty" / "run.json").write_text("{not json", encoding="utf-8")
+    return root
+
+
+def invoke(*args: str) -> Any:
+    result = CliRunner().invoke(main, list(args), catch_exceptions=False)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_list_shows_every_run_with_best_and_speedup(runs_dir: Path) -> None:
+    r = invoke("runs", "list", "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0, r.output
+    assert "20261130-tiny-a" in r.output and "20261129-tiny-old" in r.output and "20261129-empty" in r.output
+    assert "0.024 ms (estimated)" in r.output
+    assert "1.29×" in r.output  # 0.031 / 0.024
+    row = next(line for line in r.output.splitlines() if "20261130-tiny-a" in line)
+    assert " 2 " in row  # 2 accepted, 2 rejected
+
+
+def test_list_empty_dir_says_so(tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["runs", "list", "--runs-dir", str(tmp_path / "nothing")])
+    assert r.exit_code == 0 and "no runs" in r.output
+
+
+def test_show_by_prefix_and_unknown_run(runs_dir: Path) -> None:
+    r = invoke("runs", "show", "20261130", "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0, r.output
+    assert "synth search --model tiny" in r.output and "c0001" in r.output
+    r = CliRunner().invoke(main, ["runs", "show", "nope", "--runs-dir", str(runs_dir)])
+    assert r.exit_code == 2 and "run 'nope' not found" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["runs", "show", "2026112", "--runs-dir", str(runs_dir)])
+    assert r.exit_code == 2 and "ambiguous" in r.output
+
+
+def test_report_writes_every_report_and_the_index(runs_dir: Path) -> None:
+    r = invoke("runs", "report", "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0, r.output
+    index = (runs_dir / "index.html").read_text(encoding="utf-8")
+    for name in ("20261130-tiny-a", "20261129-tiny-old", "20261129-empty"):
+        assert (runs_dir / name / "report.html").is_file()
+        assert f'href="{name}/report.html"' in index
+    html = (runs_dir / "20261130-tiny-a" / "report.html").read_text(encoding="utf-8")
+    # self-contained: nothing fetched from the network when viewed
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
+    assert "<canvas" in html and "ui.perfetto.dev" in html and "chrome://tracing" in html
+    for section in ("summary", "chart", "timeline-section", "per-op", "critical-path", "validation", "leaderboard",
+                    "rejected"):
+        assert f'id="{section}"' in html, section
+    assert "estimated" in html and "PyTorch CUDA graph" in html and "bandwidth floor" in html
+    assert "<svg class=\"seq\"" in html  # the race's interleaving as a sequence diagram
+    assert "stuck worker" in html  # the deadlock's stuck workers
+    broken = (runs_dir / "20261129-empty" / "report.html").read_text(encoding="utf-8")
+    assert "invalid JSON" in broken and "No best/trace.json" in broken
+
+
+def test_report_of_one_run(runs_dir: Path, tmp_path: Path) -> None:
+    r = invoke("runs", "report", "20261129-tiny-old", "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0 and "20261129-tiny-old/report.html" in r.output and "index.html" in r.output
+
+
+def test_trace_parsing_lanes_and_critical_path(runs_dir: Path) -> None:
+    run = runs_dir / "20261130-tiny-a"
+    doc = json.loads((run / "best" / "trace.json").read_text())
+    sched = json.loads((run / "best" / "schedule.json").read_text())
+    t = parse_trace(doc)
+    assert t.lanes == len(sched["queues"]) == 8 and t.estimated
+    assert len(t.events) == len(sched["instructions"])
+    path = critical_path(t, sched)
+    # the chain starts at the embedding, ends at the LM head, and each step starts no earlier than the last ended
+    assert path[0]["op"] == "embed" and path[-1]["op"] == "final_norm_lm_head"
+    assert all(b["ts"] + 1e-9 >= a["ts"] + a["dur"] for a, b in zip(path, path[1:], strict=False))
+    assert abs(path[-1]["ts"] + path[-1]["dur"] - t.makespan_us) < 1e-9
+    # without the schedule the walk still finds a chain ending at the makespan
+    assert critical_path(t)[-1] is path[-1]
+
+
+def test_defensive_reading(tmp_path: Path) -> None:
+    run = tmp_path / "r1"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "trace.json").write_text('{"traceEvents": [{"ph": "X", "ts": "soon"}]}')
+    (run / "leaderboard.json").write_text('[1, {"candidate": 0, "ms": "fast"}]')
+    (run / "rejected").mkdir()
+    (run / "rejected" / "x.json").write_text('{"counterexample": {"details": {"events": [{"worker": "a"}]}}}')
+    r = load_run(run)
+    html = render_report(r)
+    assert "timeline omitted" in html and "run.json is missing" in html
+    assert render_index([r]).count("<tr>") == 2
+
+
+def test_counterexample_events_and_sequence_diagram() -> None:
+    f = {"category": "race", "instructions": [7], "details": {"events": [
+        {"worker": 0, "instruction": 7, "event": "start", "waits": [{"counter": 1, "value": 1}]},
+        {"worker": 1, "instruction": 8, "event": "end", "signals": [{"counter": 1, "add": 1}]},
+        {"worker": 0, "instruction": 9, "event": "start", "waits": [1]}]}}
+    evs = counterexample_events(f)
+    assert [e["kind"] for e in evs] == ["start", "end", "start"] and evs[1]["signals"] == [1]
+    svg = sequence_svg(evs, {7})
+    assert svg.count("worker ") >= 2 and "#d62728" in svg and "marker-end" in svg
+    assert counterexample_events({"details": {"text": ["no events"]}}) == []
+
+
+def test_serve_answers_on_localhost(runs_dir: Path) -> None:
+    server, thread = serve_in_thread(runs_dir, 0)
+    try:
+        host, port = server.server_address[:2]
+        assert host == "127.0.0.1"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/index.html", timeout=5) as resp:
+            assert resp.status == 200 and b"megasynth runs" in resp.read()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/20261130-tiny-a/best/trace.json", timeout=5) as resp:
+            assert json.loads(resp.read())["metadata"]["estimated"] is True
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
