@@ -1,0 +1,489 @@
+"""The agent's briefing: search context -> (system prompt, user message) within a measured token budget.
+
+Everything the model is told is read from its owner: the model graph and op arguments from `validator.catalogue`,
+sizes from `synth.models`, the strategy schema from `synth.strategy.Strategy`, the patch language from
+`synth.patches`, timings from the best result's profile (GPU trace or cost-model timeline, labelled), and the
+validator's counterexamples from the history. When the text is over budget, detail is dropped level by level
+(fewer history rows, fewer layers in the id layout, shorter critical path) and the sizes are reported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from synth.models import ModelSpec
+from synth.proposers.base import Result, SearchContext
+from synth.strategy import Strategy
+from validator.catalogue import OP_ORDER, OPS, Geometry
+from validator.program import geometry_of
+from validator.schedule import Schedule
+
+#: Detail levels tried in order until the briefing fits: history rows, counterexamples, layout layers shown
+#: (None = all), critical-path segments, idle SMs listed, schema descriptions kept, counterexample chars.
+LEVELS: list[dict[str, Any]] = [
+    {"history": 20, "cex": 3, "layers": None, "path": 48, "idle": 16, "descr": True, "cex_chars": 900},
+    {"history": 12, "cex": 2, "layers": 3, "path": 32, "idle": 12, "descr": True, "cex_chars": 600},
+    {"history": 6, "cex": 2, "layers": 2, "path": 20, "idle": 8, "descr": False, "cex_chars": 400},
+    {"history": 3, "cex": 1, "layers": 1, "path": 12, "idle": 4, "descr": False, "cex_chars": 300},
+]
+
+DEFAULT_BUDGET = 8000  # tokens for system + user; small enough for an 8k-context local model with room to answer
+
+
+def count_tokens(text: str) -> int:
+    """Token count: tiktoken's cl100k when it is installed, else the chars/4 estimate."""
+    try:
+        import tiktoken  # type: ignore[import-not-found]
+
+        return len(tiktoken.get_encoding("cl100k_base").encode(text))
+    except Exception:  # noqa: BLE001 - not installed, or its encoding file cannot be fetched offline
+        return (len(text) + 3) // 4
+
+
+@dataclass
+class Briefing:
+    """One request's text and its measured size (tokens per section, the level of detail that fitted)."""
+
+    system: str
+    user: str
+    sections: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    budget: int = DEFAULT_BUDGET
+    level: int = 0
+    truncated: bool = False
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.user}]
+
+
+SYSTEM = """You tune megakernel schedules for one LLM decode step (batch 1) on a GPU.
+A schedule is a list of instructions (catalogue ops on tiles) placed in per-SM queues: worker w runs queues[w] in
+order. Before starting, an instruction waits until counters[c] >= value for each of its waits; after its writes it
+adds to counters (signals). Its meaning is running all instructions one at a time in ascending id order, so every
+pair that touches one buffer region (not both reads, not both reduces) must stay ordered by queue order or by
+counters in every interleaving. A static validator proves this for every proposal: racy or deadlocking ones are
+rejected and you are shown the counterexample. Accepted ones are timed (GPU) or estimated (cost model, labelled).
+Goal: lower the time per decode step. Levers: strategy knobs (tiles, splits, assignment ...) and explicit patches
+(move instructions between queues, add/change/remove waits and signals). Drop a wait only when another ordering
+makes it redundant. Change a few things per proposal, learn from the history, do not repeat a rejected idea.
+Answer with ONE JSON object and nothing else:
+{"strategy": {<only the knobs you change, same shape as the strategy schema; merged onto the best strategy>},
+ "patches": [<patch objects, applied in order to the schedule lowered from the merged strategy; may be empty>],
+ "rationale": "<one line: what you changed and why it should be faster>"}"""
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=False)
+
+
+def _strip_schema(schema: Any, descr: bool) -> Any:
+    """Drop titles (and descriptions when asked) from a JSON schema: noise for the model, tokens for us."""
+    if isinstance(schema, dict):
+        return {k: _strip_schema(v, descr) for k, v in schema.items()
+                if k != "title" and (descr or k != "description")}
+    if isinstance(schema, list):
+        return [_strip_schema(v, descr) for v in schema]
+    return schema
+
+
+def patch_language(descr: bool = True) -> str:
+    """The patch language as `synth.patches` defines it (its docstring and schema), or a note when it is absent."""
+    try:
+        import synth.patches as patches
+    except ModuleNotFoundError:
+        return "Patches are not available in this build: leave \"patches\" empty."
+    parts = [(patches.__doc__ or "").strip()]
+    schema = patch_schema()
+    if schema is not None:
+        parts.append("Patch JSON schema: " + _compact(_strip_schema(schema, descr)))
+    return "\n".join(p for p in parts if p)
+
+
+def patch_schema() -> dict[str, Any] | None:
+    """The JSON schema of one patch, from `synth.patches` (a `PATCH_SCHEMA` dict, `patch_schema()`, or a pydantic
+    `Patch` model), or None when that module does not publish one."""
+    try:
+        import synth.patches as patches
+    except ModuleNotFoundError:
+        return None
+    for name in ("patch_schema", "PATCH_SCHEMA", "Patch"):
+        obj = getattr(patches, name, None)
+        if obj is None:
+            continue
+        if isinstance(obj, dict):
+            return obj
+        if hasattr(obj, "model_json_schema"):
+            return obj.model_json_schema()
+        if callable(obj):
+            return obj()
+    try:
+        from pydantic import TypeAdapter
+
+        adapter = getattr(patches, "PatchAdapter", None) or TypeAdapter(patches.PatchModel)  # type: ignore[attr-defined]
+        return adapter.json_schema()
+    except Exception:  # noqa: BLE001 - the module publishes no schema; the docstring alone describes patches
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sections
+
+
+def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
+    """Model sizes, the op graph (reads/writes per op, from catalogue footprints) and per-op bytes/flops."""
+    c = spec.config
+    lines = [f"## Model: {spec.name} ({spec.description})",
+             f"hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.num_hidden_layers}, "
+             f"heads {c.num_attention_heads}, kv heads {c.num_key_value_heads}, head_dim {c.hd}, "
+             f"vocab {c.vocab_size}, max_seq_len {spec.max_seq_len}; timings below are at sequence length {seq}.",
+             "Decode order: " + " -> ".join(op if not OPS[op].layered else f"{op}[L]" for op in OP_ORDER)
+             + f" (ops marked [L] repeat per layer, L = 0..{c.num_hidden_layers - 1}).",
+             "Ops (args are integers; reads/writes name activation buffers; weights are read-only):"]
+    geo = geometry_of(schedule) if schedule is not None else Geometry(c, spec.max_seq_len)
+    per_op: dict[str, list[Any]] = {}
+    if schedule is not None and geo is not None:
+        for ins in schedule.instructions:
+            if ins.op not in OPS:
+                continue
+            layer = ins.layer if ins.layer is not None else -1
+            nbytes, flops = OPS[ins.op].cost(geo, layer, ins.args, min(seq, spec.max_seq_len))
+            rec = per_op.setdefault(ins.op, [0, 0, 0, None])
+            rec[0] += 1
+            rec[1] += nbytes
+            rec[2] += flops
+            if rec[3] is None:
+                rec[3] = OPS[ins.op].footprint(geo, layer, ins.args)
+    total_bytes = sum(r[1] for r in per_op.values()) or 1
+    for op in OP_ORDER:
+        spec_op = OPS[op]
+        args = ", ".join(f"{k}: {v}" for k, v in spec_op.args.items())
+        line = f"- {op}: {spec_op.summary}. args {{{args}}}"
+        rec = per_op.get(op)
+        if rec is not None:
+            reads = sorted({a[1] for a in rec[3] if a[0] == "read"})
+            writes = sorted({a[1] + (" (reduce-add)" if a[0] == "reduce" else "") for a in rec[3] if a[0] != "read"})
+            per = c.num_hidden_layers if spec_op.layered else 1
+            line += (f". reads {','.join(reads) or '-'}; writes {','.join(writes)}. In the best schedule: "
+                     f"{rec[0] // per} instr{'/layer' if spec_op.layered else ''}, {rec[1] / per / 1e6:.3g} MB and "
+                     f"{rec[2] / per / 1e6:.3g} MFLOP{'/layer' if spec_op.layered else ''} "
+                     f"({100 * rec[1] / total_bytes:.0f}% of all bytes)")
+        lines.append(line)
+    if per_op:
+        lines.append(f"Total per step: {total_bytes / 1e6:.4g} MB moved.")
+    return "\n".join(lines)
+
+
+def _hardware_section(ctx: SearchContext) -> str:
+    lines = [f"## Hardware: {ctx.device}, {ctx.workers} workers (one persistent program per SM)"]
+    try:
+        from synth.costmodel import load_params  # the cost model owns the hardware numbers
+
+        p = load_params()
+        lines.append(f"Device memory bandwidth {p.total_bw / 1e6:.2f} TB/s in all, up to {p.sm_peak / 1e6:.3f} TB/s "
+                     f"for one SM; an inter-SM signal (counter hop) costs {p.hop_us:.2f} us; "
+                     f"cost-model parameters: {p.source}.")
+    except (ImportError, OSError, ValueError, TypeError):
+        pass
+    lines.append("Times are " + ("cost-model ESTIMATES (no GPU here)" if ctx.estimated else "measured on the GPU")
+                 + ".")
+    return "\n".join(lines)
+
+
+def _strategy_section(best: Result | None, descr: bool) -> str:
+    schema = _strip_schema(Strategy.model_json_schema(), descr)
+    current = best.proposal.strategy if best is not None else Strategy()
+    lines = ["## Strategy (JSON schema; your \"strategy\" holds only the knobs you change)", _compact(schema),
+             "Best strategy so far: " + _compact(current.model_dump(mode="json"))]
+    default = Strategy().model_dump(mode="json")
+    if current.model_dump(mode="json") != default:
+        lines.append("Default (naive baseline) strategy: " + _compact(default))
+    if best is not None and best.proposal.patches:
+        lines.append(f"Best schedule's patches ({len(best.proposal.patches)}; NOT inherited — repeat the ones you "
+                     f"want): " + _compact(best.proposal.patches[:20]))
+    return "\n".join(lines)
+
+
+def _layout_section(schedule: Schedule, layers: int | None) -> str:
+    """The best schedule's instruction ids grouped by (op, layer): id range, waits, signals, workers."""
+    where = {}
+    for w, q in enumerate(schedule.queues):
+        for p, ident in enumerate(q):
+            where[ident] = (w, p)
+    groups: list[dict[str, Any]] = []
+    for ins in sorted(schedule.instructions, key=lambda i: i.id):
+        key = (ins.op, ins.layer)
+        if not groups or groups[-1]["key"] != key:
+            groups.append({"key": key, "ids": [], "waits": Counter(), "signals": Counter(), "workers": set()})
+        g = groups[-1]
+        g["ids"].append(ins.id)
+        g["waits"].update(f"c{w.counter}>={w.value}" for w in ins.waits)
+        g["signals"].update(f"c{s.counter}+{s.add}" for s in ins.signals)
+        g["workers"].add(where.get(ins.id, (-1, -1))[0])
+    n_layers = 1 + max((g["key"][1] for g in groups if g["key"][1] is not None), default=-1)
+    shown = set(range(n_layers)) if layers is None or layers >= n_layers else \
+        set(range(max(1, layers - 1))) | {n_layers - 1}
+    lines = [f"## Best schedule layout: {len(schedule.instructions)} instructions, {schedule.counters} counters, "
+             f"{len(schedule.queues)} queues. Rows: op layer: ids first..last (count); waits; signals; workers.",
+             "(Ids and counters change when tiles/splits change; patches refer to the schedule lowered from YOUR "
+             "strategy, which equals this one when you change no lowering knob.)"]
+    skipped = []
+
+    def fmt(counter: Counter, n: int) -> str:
+        items = [f"{k}" + ("" if v == n else f" (x{v})") for k, v in counter.most_common(4)]
+        more = len(counter) - 4
+        return ",".join(items) + (f",+{more} more" if more > 0 else "") if items else "-"
+
+    for g in groups:
+        op, layer = g["key"]
+        if layer is not None and layer not in shown:
+            if not skipped or skipped[-1] != layer:
+                skipped.append(layer)
+            continue
+        ids, workers = g["ids"], sorted(g["workers"])
+        contiguous = ids[-1] - ids[0] + 1 == len(ids)
+        span = f"{ids[0]}..{ids[-1]}" + ("" if contiguous else " (gaps)")
+        wtxt = f"{workers[0]}..{workers[-1]}" if len(workers) > 3 else ",".join(map(str, workers))
+        lines.append(f"{op} {'L' + str(layer) if layer is not None else '-'}: {span} ({len(ids)}); "
+                     f"waits {fmt(g['waits'], len(ids))}; signals {fmt(g['signals'], len(ids))}; "
+                     f"{len(workers)} workers {wtxt}")
+    if skipped:
+        lines.append(f"(layers {skipped[0]}..{skipped[-1]} omitted: same pattern, ids and counters shifted per layer)")
+    return "\n".join(lines)
+
+
+def _first(d: dict[str, Any], *names: str) -> Any:
+    for n in names:
+        if n in d and d[n] is not None:
+            return d[n]
+    return None
+
+
+def _label(item: Any) -> str:
+    if isinstance(item, dict):
+        op = item.get("op") or item.get("name") or "?"
+        layer = item.get("layer")
+        ident = item.get("id")
+        return f"{op}" + (f" L{layer}" if layer is not None else "") + (f"#{ident}" if ident is not None else "")
+    return str(item)
+
+
+def _path_runs(path: list[Any], limit: int) -> str:
+    """A critical path as runs of consecutive steps with the same op+layer: `attn_partial L0 #12..#19 (x8)`."""
+    runs: list[list[Any]] = []
+    for item in path:
+        label = _label(item)
+        base = label.split("#")[0]
+        if runs and runs[-1][0] == base:
+            runs[-1][1] += 1
+            runs[-1][3] = label
+        else:
+            runs.append([base, 1, label, label])
+    out = [f"{r[2]}" + (f"..{r[3].split('#')[-1]} (x{r[1]})" if r[1] > 1 else "") for r in runs[:limit]]
+    more = len(runs) - limit
+    return " -> ".join(out) + (f" -> ... {more} more segments" if more > 0 else "")
+
+
+def normalise_profile(profile: dict[str, Any] | None, schedule: Schedule | None, seq: int,
+                      estimated: bool) -> dict[str, Any]:
+    """Per-op busy time, per-SM idle (µs) and the critical path (labelled ids) from a result's profile, a GPU
+    trace in the shared format, or — for what is missing — the cost model's timeline of `schedule` (labelled)."""
+    prof = dict(profile or {})
+    out: dict[str, Any] = {"source": "GPU trace" if not estimated else "cost model (estimated)"}
+    trace = prof.get("trace")
+    if isinstance(trace, dict) and "traceEvents" in trace:
+        try:
+            from kernels.trace import summarize  # type: ignore[import-not-found]
+
+            prof = {**summarize(trace), **prof}
+        except (ImportError, AttributeError, TypeError, ValueError, KeyError):
+            pass
+    per_op = _first(prof, "per_op_us", "time_per_op_us")
+    if per_op is None and isinstance(_first(prof, "per_op_ms"), dict):
+        per_op = {k: 1000 * float(v) for k, v in prof["per_op_ms"].items()}
+    idle = _first(prof, "per_sm_idle_us", "idle_us")
+    if idle is None and isinstance(_first(prof, "per_sm_idle_ms"), list | dict):
+        raw = prof["per_sm_idle_ms"]
+        idle = [1000 * float(v) for v in raw] if isinstance(raw, list) else {k: 1000 * float(v) for k, v in raw.items()}
+    path = _first(prof, "critical_path")
+    if isinstance(path, dict):
+        path = _first(path, "instructions", "ids", "path")
+    if (not isinstance(per_op, dict) or not isinstance(idle, list | dict) or not isinstance(path, list)) \
+            and schedule is not None:
+        try:
+            from synth.costmodel import estimate
+
+            est = estimate(schedule, seq)
+            per_op = per_op if isinstance(per_op, dict) else {k: 1000 * v for k, v in est.per_op_ms.items()}
+            idle = idle if isinstance(idle, list | dict) else [1000 * v for v in est.per_sm_idle_ms]
+            path = path if isinstance(path, list) else est.critical_path
+            out["source"] += "; missing parts from the cost model (estimated)" if not estimated else ""
+        except Exception as exc:  # noqa: BLE001 - the briefing goes on without a timeline; say why
+            out["error"] = f"no timeline: {type(exc).__name__}: {exc}"[:200]
+    if isinstance(per_op, dict):
+        out["per_op_us"] = {str(k): float(v) for k, v in per_op.items()}
+    if isinstance(idle, list):
+        out["idle_us"] = {w: float(v) for w, v in enumerate(idle)}
+    elif isinstance(idle, dict):
+        out["idle_us"] = {int(k) if str(k).isdigit() else k: float(v) for k, v in idle.items()}
+    if isinstance(path, list):
+        info = {ins.id: ins for ins in schedule.instructions} if schedule is not None else {}
+        labelled = []
+        for item in path:
+            ins = info.get(item) if isinstance(item, int) else None
+            labelled.append({"id": item, "op": ins.op, "layer": ins.layer} if ins is not None else item)
+        out["critical_path"] = labelled
+    return out
+
+
+def _best_section(ctx: SearchContext, prof: dict[str, Any], level: dict[str, Any]) -> str:
+    best = ctx.best
+    if best is None:
+        return "## Best so far: none evaluated yet."
+    label = "estimated by the cost model" if best.estimated else "measured on the GPU"
+    lines = [f"## Best so far: candidate {best.candidate} ({best.proposal.proposer or '?'}): "
+             f"{best.ms:.4f} ms per step, {label}" if best.ms is not None else
+             f"## Best so far: candidate {best.candidate}, no time"]
+    if ctx.baseline_ms and best.ms:
+        lines.append(f"Naive baseline: {ctx.baseline_ms:.4f} ms; speed-up {ctx.baseline_ms / best.ms:.3f}x.")
+    lines.append(f"Profile source: {prof.get('source')}" + (f" ({prof['error']})" if prof.get("error") else ""))
+    per_op = prof.get("per_op_us") or {}
+    if per_op:
+        total = sum(per_op.values()) or 1.0
+        lines.append("Busy time per op, summed over SMs: " + ", ".join(
+            f"{op} {us:.1f}us ({100 * us / total:.0f}%)" for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])))
+    idle = prof.get("idle_us") or {}
+    if idle:
+        vals = sorted(idle.values())
+        top = sorted(idle.items(), key=lambda kv: -kv[1])[:level["idle"]]
+        lines.append(f"Idle per SM (us): min {vals[0]:.1f}, median {vals[len(vals) // 2]:.1f}, max {vals[-1]:.1f}; "
+                     "most idle: " + ", ".join(f"SM{w} {v:.1f}" for w, v in top))
+    path = prof.get("critical_path") or []
+    if path:
+        lines.append(f"Critical path ({len(path)} instructions, first to last): {_path_runs(path, level['path'])}")
+    return "\n".join(lines)
+
+
+def _strategy_diff(strategy: Strategy, base: dict[str, Any]) -> str:
+    cur = strategy.model_dump(mode="json")
+    diff: dict[str, Any] = {}
+    for k, v in cur.items():
+        if isinstance(v, dict) and isinstance(base.get(k), dict):
+            sub = {kk: vv for kk, vv in v.items() if base[k].get(kk) != vv}
+            if sub:
+                diff[k] = sub
+        elif base.get(k) != v:
+            diff[k] = v
+    return _compact(diff) if diff else "default"
+
+
+def _history_section(history: list[Result], rows: int) -> str:
+    if not history:
+        return "## History: nothing evaluated yet."
+    base = Strategy().model_dump(mode="json")
+    shown = history[-rows:]
+    lines = [f"## History (last {len(shown)} of {len(history)}; strategy shown as its difference from the default)"]
+    for r in shown:
+        if r.accepted:
+            verdict = f"accepted {r.ms:.4f} ms" + (" est" if r.estimated else "") if r.ms is not None else "accepted"
+        elif r.error:
+            verdict = "could not be built: " + r.error[:160]
+        else:
+            cat = _cex_categories(r.counterexample)
+            verdict = "REJECTED by the validator" + (f" ({cat})" if cat else "")
+        diff = _strategy_diff(r.proposal.strategy, base)
+        lines.append(f"- {r.candidate} [{r.proposal.proposer or '?'}] strategy {diff}"
+                     f"{f'; {len(r.proposal.patches)} patches' if r.proposal.patches else ''}: {verdict}"
+                     + (f" — \"{r.proposal.rationale[:120]}\"" if r.proposal.rationale else ""))
+    return "\n".join(lines)
+
+
+def _findings(cex: Any) -> list[dict[str, Any]]:
+    if isinstance(cex, dict):
+        if isinstance(cex.get("findings"), list):
+            return [f for f in cex["findings"] if isinstance(f, dict)]
+        return [cex]
+    if isinstance(cex, list):
+        return [f for f in cex if isinstance(f, dict)]
+    return []
+
+
+def _cex_categories(cex: Any) -> str:
+    return ", ".join(sorted({str(f.get("category", "?")) for f in _findings(cex)}))
+
+
+def compact_counterexample(cex: Any, chars: int = 900) -> str:
+    """A validator counterexample in a few lines: category, message, instructions, the first interleaving events."""
+    out = []
+    for f in _findings(cex)[:3]:
+        line = f"{f.get('category', '?')}: {str(f.get('message', ''))}"
+        ids = f.get("instructions") or []
+        if ids:
+            line += f" [instructions {ids[:12]}{'...' if len(ids) > 12 else ''}]"
+        details = f.get("details") or {}
+        events = None
+        if isinstance(details, dict):
+            events = _first(details, "interleaving", "events", "trace", "witness")
+            if isinstance(events, dict):
+                events = _first(events, "events", "steps")
+        if isinstance(events, list) and events:
+            line += " interleaving: " + "; ".join(e if isinstance(e, str) else _compact(e) for e in events[:10])
+            if len(events) > 10:
+                line += f"; ... {len(events) - 10} more events"
+        out.append(line)
+    if not out and cex is not None:
+        out.append(_compact(cex))
+    text = "\n".join(out)
+    return text if len(text) <= chars else text[: chars - 15] + " ...[truncated]"
+
+
+def _cex_section(history: list[Result], count: int, chars: int) -> str:
+    rejected = [r for r in history if not r.accepted and (r.counterexample is not None or r.error)][-count:]
+    if not rejected:
+        return ""
+    lines = ["## Validator counterexamples for the latest rejected proposals (do not repeat these mistakes)"]
+    for r in rejected:
+        head = f"- {r.candidate} [{r.proposal.proposer or '?'}]"
+        if r.proposal.patches:
+            head += " patches " + _compact(r.proposal.patches[:6])[:300]
+        lines.append(head)
+        lines.append("  " + (compact_counterexample(r.counterexample, chars) if r.counterexample is not None
+                             else "error: " + str(r.error)[:chars]).replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule | None, *,
+                   budget: int = DEFAULT_BUDGET, seq: int = 1024, notes: list[str] | None = None) -> Briefing:
+    """Build the request for one round, dropping detail level by level until it fits `budget` tokens."""
+    system = SYSTEM
+    sys_tokens = count_tokens(system)
+    seq = max(1, min(seq, spec.max_seq_len))
+    prof = normalise_profile(ctx.best.profile, best_schedule, seq, ctx.best.estimated) if ctx.best else {}
+    for lvl, level in enumerate(LEVELS):
+        sections = {
+            "model": _model_section(spec, best_schedule, seq),
+            "hardware": _hardware_section(ctx),
+            "strategy": _strategy_section(ctx.best, level["descr"]),
+            "patches": "## Patch language\n" + patch_language(level["descr"]),
+            "layout": _layout_section(best_schedule, level["layers"]) if best_schedule is not None else "",
+            "best": _best_section(ctx, prof, level),
+            "history": _history_section(ctx.history, level["history"]),
+            "counterexamples": _cex_section(ctx.history, level["cex"], level["cex_chars"]),
+            "notes": ("## Notes from your previous rounds\n" + "\n".join(f"- {n}" for n in notes[-5:])) if notes
+            else "",
+        }
+        sections = {k: v for k, v in sections.items() if v}
+        user = "\n\n".join(sections.values()) + "\n\nPropose one schedule change now, as the JSON object described."
+        sizes = {"system": sys_tokens, **{k: count_tokens(v) for k, v in sections.items()}}
+        total = sys_tokens + count_tokens(user)
+        if total <= budget or lvl == len(LEVELS) - 1:
+            truncated = False
+            if total > budget:
+                keep = max(0, (budget - sys_tokens) * 4 - 200)
+                user = user[:keep] + "\n...[briefing truncated to fit the token budget]\nAnswer with the JSON object."
+                truncated = True
+                total = sys_tokens + count_tokens(user)
+            return Briefing(system, user, sizes, total, budget, lvl, truncated)
+    raise AssertionError("unreachable: the last level always returns")

@@ -1,0 +1,285 @@
+"""The LLM agent against a real OpenAI-compatible HTTP server on 127.0.0.1 (scripted replies), driven by the real
+`openai` client: structured output and its fallback, error feedback, bounded retries on timeouts/429/5xx, the
+transcript, the token budget of the briefing, and (when the search loop exists) the whole search on `tiny`."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from synth.briefing import build_briefing, compact_counterexample, count_tokens
+from synth.lower import lower
+from synth.models import get_model
+from synth.proposers.base import Proposal, Result, SearchContext
+from synth.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
+from synth.strategy import Strategy
+
+# ---------------------------------------------------------------------------------------------------------------
+# A scripted OpenAI-compatible server
+
+
+class ScriptedServer:
+    """Serves /v1/chat/completions from a script of replies; records every request body it receives.
+
+    Script items: ("ok", content) | ("status", code) | ("slow", seconds, content) | ("refusal", text)
+    | ("no_format", content) (400 when the request carries response_format, else content)."""
+
+    def __init__(self, script: list[tuple[Any, ...]]) -> None:
+        self.script = list(script)
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if self.path.rstrip("/") != "/v1/chat/completions":
+                    return self._send(404, {"error": {"message": "not found"}})
+                with server.lock:
+                    server.requests.append(body)
+                    item = server.script.pop(0) if server.script else ("status", 500)
+                kind = item[0]
+                if kind == "status":
+                    headers = {"retry-after": "0"} if item[1] == 429 else {}
+                    return self._send(item[1], {"error": {"message": f"scripted {item[1]}", "type": "scripted"}},
+                                      headers)
+                if kind == "slow":
+                    time.sleep(item[1])
+                    return self._reply(body, item[2])
+                if kind == "no_format" and "response_format" in body:
+                    return self._send(400, {"error": {"message": "response_format json_schema is not supported"}})
+                if kind == "refusal":
+                    return self._reply(body, None, refusal=item[1])
+                return self._reply(body, item[1])
+
+            def _reply(self, body: dict[str, Any], content: str | None, refusal: str | None = None) -> None:
+                prompt = sum(len(m.get("content") or "") for m in body.get("messages", [])) // 4
+                done = len(content or "") // 4
+                self._send(200, {"id": "chatcmpl-test", "object": "chat.completion", "created": 0,
+                                 "model": body.get("model", "scripted"),
+                                 "choices": [{"index": 0, "finish_reason": "stop",
+                                              "message": {"role": "assistant", "content": content,
+                                                          "refusal": refusal}}],
+                                 "usage": {"prompt_tokens": prompt, "completion_tokens": done,
+                                           "total_tokens": prompt + done}})
+
+            def _send(self, code: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(payload).encode()
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    for k, v in (headers or {}).items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up (the slow reply): expected
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> ScriptedServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _answer(strategy: dict[str, Any] | None = None, patches: list[dict[str, Any]] | None = None,
+            rationale: str = "test") -> str:
+    return json.dumps({"strategy": strategy or {}, "patches": patches or [], "rationale": rationale})
+
+
+def _options(server: ScriptedServer, **kw: Any) -> LLMOptions:
+    base = {"model": "scripted", "base_url": server.base_url, "api_key": "sk-test", "timeout_s": 1.0,
+            "attempts": 3, "max_calls": 20, "backoff_s": 0.01, "backoff_max_s": 0.05, "seq": 64}
+    return LLMOptions(**{**base, **kw})
+
+
+def _ctx(history: list[Result] | None = None, best: Result | None = None) -> SearchContext:
+    history = history or []
+    return SearchContext("tiny", 8, "NVIDIA H200", best, history, best.ms if best else None, True)
+
+
+def _naive_result() -> Result:
+    return Result("c0000", Proposal(Strategy(), proposer="naive"), True, 0.05, True)
+
+
+def _transcript(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "agent.jsonl").read_text().splitlines()]
+
+
+TINY = get_model("tiny")
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing and schema
+
+
+def test_extract_json_from_text_fences_and_prose() -> None:
+    assert extract_json('{"a": 1}') == {"a": 1}
+    assert extract_json('Sure!\n```json\n{"strategy": {}, "patches": []}\n```\nDone.') == {"strategy": {},
+                                                                                          "patches": []}
+    assert extract_json('I propose {"rationale": "x", "strategy": {"attn_splits": 2}} as my answer') == {
+        "rationale": "x", "strategy": {"attn_splits": 2}}
+    with pytest.raises(ValueError, match="invalid JSON"):
+        extract_json("{not json at all")
+
+
+def test_response_schema_accepts_a_proposal() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema, strict = response_schema()
+    answer = {"strategy": {"attn_splits": 2}, "patches": [], "rationale": "x"}
+    if strict:  # strict mode: every knob present, null = keep
+        props = schema["properties"]["strategy"]["properties"]
+        answer["strategy"] = {k: None for k in props} | {"attn_splits": 2}
+    jsonschema.validate(answer, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"strategy": {}, "patches": [], "rationale": "x", "extra": 1}, schema)
+
+
+def test_agent_configured_by_env() -> None:
+    assert not agent_configured({})
+    assert agent_configured({"OPENAI_BASE_URL": "http://localhost:8000/v1"})
+    assert agent_configured({"OPENAI_API_KEY": "sk-x"})
+    assert not agent_configured({"OPENAI_API_KEY": ""})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The briefing
+
+
+def test_briefing_contents_and_measured_budget() -> None:
+    spec = get_model("llama-1b")
+    schedule = lower(spec, 132)
+    best = Result("c0000", Proposal(Strategy(), proposer="naive"), True, 1.5, True,
+                  profile={"per_op_ms": {"mlp_norm_gate_up": 0.5, "down_proj_residual": 0.3},
+                           "per_sm_idle_ms": [0.1 * (w % 7) for w in range(132)],
+                           "critical_path": list(range(0, 400, 3))})
+    rejected = Result("c0001", Proposal(Strategy(), [{"op": "remove_wait", "id": 5}], "x", "llm"), False,
+                      counterexample={"findings": [{"category": "race", "message": "#1 and #5 race on x[0:16]",
+                                                    "instructions": [1, 5],
+                                                    "details": {"interleaving": [f"event {k}" for k in range(30)]}}]})
+    ctx = SearchContext("llama-1b", 132, "NVIDIA H200", best, [best, rejected] * 15, 1.5, True)
+    full = build_briefing(ctx, spec, schedule, budget=8000)
+    assert full.tokens <= 8000 and full.level == 0 and not full.truncated
+    assert full.tokens == count_tokens(full.system) + count_tokens(full.user)
+    for needle in ("attn_partial", "kv_head", "Critical path", "Idle per SM", "estimated", "race: #1 and #5",
+                   "mlp_norm_gate_up L0", "\"attn_splits\"", "4.19 TB/s", "c0001"):
+        assert needle in full.user, needle
+    assert set(full.sections) >= {"system", "model", "hardware", "strategy", "patches", "layout", "best", "history",
+                                  "counterexamples"}
+    tight = build_briefing(ctx, spec, schedule, budget=3000)
+    assert tight.level > 0 and tight.tokens <= 3000 and tight.tokens < full.tokens
+    assert "race: #1 and #5" in tight.user  # the counterexample survives the trimming
+
+
+def test_compact_counterexample_is_bounded() -> None:
+    cex = {"findings": [{"category": "deadlock", "message": "m" * 5000, "instructions": list(range(100))}]}
+    text = compact_counterexample(cex, chars=300)
+    assert len(text) <= 300 and text.startswith("deadlock:")
+
+
+def test_briefing_estimates_the_profile_when_missing() -> None:
+    schedule = lower(TINY, 8)
+    best = _naive_result()
+    b = build_briefing(_ctx([best], best), TINY, schedule, seq=64)
+    assert "Profile source: cost model (estimated)" in b.user and "Critical path" in b.user
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The proposer against the server
+
+
+def test_malformed_then_good_answer_feeds_the_error_back(tmp_path: Path) -> None:
+    good = _answer({"attn_splits": 2, "tiles": {"mlp_norm_gate_up": 32}}, rationale="split attention\nmore")
+    with ScriptedServer([("ok", "{this is not json"), ("ok", good)]) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path)
+        best = _naive_result()
+        out = prop.propose(_ctx([best], best), 1)
+    assert len(out) == 1
+    p = out[0]
+    assert p.strategy.attn_splits == 2 and p.strategy.tiles["mlp_norm_gate_up"] == 32
+    assert p.strategy.tiles["o_proj_residual"] == Strategy().tiles["o_proj_residual"]  # merged onto the best
+    assert p.rationale == "split attention more" and p.proposer == "llm" and p.parent == "c0000"
+    assert len(srv.requests) == 2
+    second = json.dumps(srv.requests[1]["messages"])
+    assert "invalid JSON" in second and "{this is not json" in second
+    assert srv.requests[0]["response_format"]["type"] == "json_schema"
+    kinds = [r["type"] for r in _transcript(tmp_path)]
+    assert kinds == ["request", "response", "verdict", "request", "response", "verdict"]
+    usage = json.loads((tmp_path / "agent_usage.json").read_text())
+    assert usage["calls"] == 2 and usage["proposals"] == 1 and usage["prompt_tokens"] > 500
+
+
+def test_out_of_range_and_unknown_keys_are_fed_back(tmp_path: Path) -> None:
+    script = [("ok", _answer({"attn_splits": 100000})), ("ok", json.dumps({"strategy": {}, "oops": 1})),
+              ("ok", _answer({"assignment": "zigzag"} if "zigzag" in json.dumps(Strategy.model_json_schema())
+                             else {"attn_splits": 4}))]
+    with ScriptedServer(script) as srv:
+        out = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path).propose(_ctx(), 1)
+    assert len(out) == 1
+    assert "$.strategy.attn_splits" in json.dumps(srv.requests[1]["messages"])
+    assert "$.oops: unknown key" in json.dumps(srv.requests[2]["messages"])
+
+
+def test_transport_failures_are_retried_then_the_round_gives_up(tmp_path: Path) -> None:
+    script = [("status", 429), ("status", 503), ("slow", 2.5, _answer())]
+    with ScriptedServer(script) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv, timeout_s=1.0), run_dir=tmp_path)
+        t0 = time.monotonic()
+        out = prop.propose(_ctx(), 1)
+        elapsed = time.monotonic() - t0
+    assert out == [] and elapsed < 10
+    assert prop.usage.errors == {"rate_limit": 1, "server_error": 1, "timeout": 1}
+    assert prop.usage.rounds_given_up == 1
+    log = _transcript(tmp_path)
+    assert [r["kind"] for r in log if r["type"] == "error"] == ["rate_limit", "server_error", "timeout"]
+    assert log[-1]["type"] == "notice" and "no usable proposal" in log[-1]["message"]
+
+
+def test_refusal_and_duplicate_are_rejected_and_budget_is_bounded(tmp_path: Path) -> None:
+    best = _naive_result()
+    script = [("refusal", "I can't help with that"), ("ok", _answer()), ("ok", _answer({"attn_splits": 2}))]
+    with ScriptedServer(script) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv, max_calls=3), run_dir=tmp_path)
+        out = prop.propose(_ctx([best], best), 1)
+        assert len(out) == 1 and out[0].strategy.attn_splits == 2
+        assert "refusal" in json.dumps(srv.requests[1]["messages"])
+        assert "already evaluated as candidate c0000" in json.dumps(srv.requests[2]["messages"])
+        assert prop.propose(_ctx([best], best), 1) == []  # call budget spent: no request is sent
+        assert len(srv.requests) == 3
+
+
+def test_fallback_without_structured_output(tmp_path: Path) -> None:
+    fenced = "Here is my proposal:\n```json\n" + _answer({"attn_splits": 2}) + "\n```"
+    with ScriptedServer([("no_format", fenced), ("no_format", fenced)]) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path)
+        out = prop.propose(_ctx(), 1)
+    assert len(out) == 1 and out[0].strategy.attn_splits == 2
+    assert "response_format" in srv.requests[0] and "response_format" not in srv.requests[1]
+    assert prop.usage.structured_output is False
+
+
+def test_unreachable_server_never_raises(tmp_path: Path) -> None:
+    opts = LLMOptions(model="m", base_url="http://127.0.0.1:9/v1", api_key="x", timeout_s=0.5, attempts=2,
+                      backoff_s=0.01, backoff_max_s=0.01)
+    prop = LLMProposer(TINY, 8, opts, run_dir=tmp_path)
+    assert prop.propose(_ctx(), 1) == []
+    assert prop.usage.errors.get("connection") == 2
