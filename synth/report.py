@@ -665,6 +665,7 @@ window.__timeline = {
 def _page(title: str, body: str, script: str = "") -> str:
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
+            "<link rel=\"icon\" href=\"data:,\">"
             f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>{body}"
             + (f"<script>{script}</script>" if script else "") + "</body></html>\n")
 
