@@ -174,3 +174,37 @@ def test_load_errors_name_the_tensor(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{\"hidden_size\": 64")
     with pytest.raises(WeightsError, match="cannot read config.json"):
         config_from_hf_dir(tmp_path)
+
+
+LLAMA_32_1B_CONFIG = {  # config.json of meta-llama/Llama-3.2-1B as published on the Hub
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256}
+
+
+def test_config_of_the_real_llama_1b(tmp_path) -> None:
+    from synth.models import MODELS
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B_CONFIG))
+    assert config_from_hf_dir(tmp_path) == MODELS["llama-1b"].config
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_32_1B_CONFIG, "hidden_act": "gelu"}))
+    with pytest.raises(WeightsError, match=r"\$\.hidden_act = 'gelu'"):
+        config_from_hf_dir(tmp_path)
+
+
+def test_bf16_checkpoint_loads_in_any_dtype(tmp_path) -> None:
+    from synth.models import MODELS
+
+    cfg = MODELS["tiny"].config
+    weights = random_weights(cfg, dtype=torch.bfloat16)
+    write_checkpoint(tmp_path, cfg, weights)
+    as_bf16 = load_hf_weights(tmp_path, cfg, dtype=torch.bfloat16)
+    as_fp32 = load_hf_weights(tmp_path, cfg)
+    for name in weights:
+        assert as_bf16[name].dtype == torch.bfloat16 and torch.equal(as_bf16[name], weights[name])
+        assert as_fp32[name].dtype == torch.float32 and torch.equal(as_fp32[name], weights[name].float())
