@@ -455,12 +455,17 @@ def _cex_section(history: list[Result], count: int, chars: int) -> str:
 
 
 def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule | None, *,
-                   budget: int = DEFAULT_BUDGET, seq: int = 1024, notes: list[str] | None = None) -> Briefing:
-    """Build the request for one round, dropping detail level by level until it fits `budget` tokens."""
+                   budget: int = DEFAULT_BUDGET, seq: int = 1024, notes: list[str] | None = None,
+                   profile: dict[str, Any] | None = None) -> Briefing:
+    """Build the request for one round, dropping detail level by level until it fits `budget` tokens.
+    `profile` is the best's `normalise_profile` when the caller has it cached (else it is computed here)."""
     system = SYSTEM
     sys_tokens = count_tokens(system)
     seq = max(1, min(seq, spec.max_seq_len))
-    prof = normalise_profile(ctx.best.profile, best_schedule, seq, ctx.best.estimated) if ctx.best else {}
+    if profile is not None:
+        prof = profile
+    else:
+        prof = normalise_profile(ctx.best.profile, best_schedule, seq, ctx.best.estimated) if ctx.best else {}
     for lvl, level in enumerate(LEVELS):
         sections = {
             "model": _model_section(spec, best_schedule, seq),

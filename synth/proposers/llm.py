@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from synth.briefing import DEFAULT_BUDGET, Briefing, build_briefing, patch_schema
+from synth.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
 from synth.lower import lower
 from synth.models import ModelSpec
 from synth.proposers.base import Proposal, Result, SearchContext
@@ -66,6 +66,23 @@ class LLMOptions:
 
     def resolved_model(self) -> str:
         return self.model or os.environ.get("OPENAI_MODEL") or "gpt-4o-mini"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> LLMOptions:
+        """Options from the environment (SYNTH_LLM_BRIEFING_TOKENS, SYNTH_LLM_PRICE_IN / _OUT in USD per million
+        tokens), then `overrides` that are not None (the CLI's --llm-* flags)."""
+        env = dict(os.environ) if env is None else env
+        values: dict[str, Any] = {}
+        for key, name, kind in (("SYNTH_LLM_BRIEFING_TOKENS", "budget_tokens", int),
+                                ("SYNTH_LLM_PRICE_IN", "price_in_per_mtok", float),
+                                ("SYNTH_LLM_PRICE_OUT", "price_out_per_mtok", float)):
+            if env.get(key):
+                try:
+                    values[name] = kind(env[key])
+                except ValueError:
+                    raise ValueError(f"{key}={env[key]!r} is not a number") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
 
 
 class ProposalError(ValueError):
@@ -257,6 +274,7 @@ class LLMProposer:
         self._schema, self._strict = response_schema()
         self._notes: list[str] = []
         self._schedules: dict[str, Schedule] = {}
+        self._profile: tuple[str | None, dict[str, Any]] = (None, {})
         self._seen: dict[str, str] = {}  # canonical proposal -> candidate id + verdict
         self._round = 0
         self._exhausted_noted = False
@@ -350,8 +368,14 @@ class LLMProposer:
             self._seen.setdefault(_canonical(r.proposal.strategy, r.proposal.patches),
                                   f"{r.candidate} ({'accepted' if r.accepted else 'rejected'})")
         base_schedule = self._schedule_for(ctx.best)
+        profile = None
+        if ctx.best is not None:
+            if self._profile[0] != ctx.best.candidate:
+                self._profile = (ctx.best.candidate, normalise_profile(ctx.best.profile, base_schedule, opts.seq,
+                                                                       ctx.best.estimated))
+            profile = self._profile[1]
         briefing = build_briefing(ctx, self.spec, base_schedule, budget=opts.budget_tokens, seq=opts.seq,
-                                  notes=self._notes)
+                                  notes=self._notes, profile=profile)
         self.usage.briefing_tokens_last = briefing.tokens
         self.usage.briefing_tokens_max = max(self.usage.briefing_tokens_max, briefing.tokens)
         self.usage.briefing_sections_last = briefing.sections
