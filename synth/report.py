@@ -487,6 +487,9 @@ def bench_rows(doc: Any, ctx: int | None = None) -> tuple[list[tuple[str, float]
         if pick:
             rows, floor, est = bench_rows(pick[0], ctx)
             return rows, floor if floor is not None else _num(_first(doc, "floor_ms")), est
+    if isinstance(doc, dict) and isinstance(doc.get("results"), list) and any(
+            isinstance(r, dict) and isinstance(r.get("variants"), dict) for r in doc["results"]):
+        return _bench_by_ctx(doc, ctx)
     items: Any = _first(doc, "results", "baselines", "measurements", "rows", "variants") if isinstance(doc, dict) \
         else doc
     if isinstance(items, dict):
@@ -511,6 +514,32 @@ def bench_rows(doc: Any, ctx: int | None = None) -> tuple[list[tuple[str, float]
         floor = _num(f)
     est = bool(_first(doc, "estimated")) if isinstance(doc, dict) else False
     return rows, floor, est
+
+
+def _variant_label(name: str) -> str:
+    """The bench's own label of a variant (synth.bench owns them), or the name itself."""
+    try:
+        from synth.bench import VARIANTS
+    except Exception:  # noqa: BLE001 - the labels are cosmetic; never fail a report over them
+        return name
+    v = VARIANTS.get(name)
+    return v[0] if v else name
+
+
+def _bench_by_ctx(doc: dict[str, Any], ctx: int | None) -> tuple[list[tuple[str, float]], float | None, bool]:
+    """`synth bench --json` (format megasynth-bench/1): results per ctx, each with variants and a measured floor.
+    A CPU dry run is labelled so (its numbers are CPU timings, not the GPU's)."""
+    recs = [r for r in doc["results"] if isinstance(r, dict) and isinstance(r.get("variants"), dict)]
+    pick = next((r for r in recs if r.get("ctx") == ctx), recs[0])
+    suffix = " (CPU dry run)" if doc.get("dry_run") else ""
+    rows = []
+    for name, v in pick["variants"].items():
+        ms = _ms_of(v) if isinstance(v, dict) and v.get("status", "ok") == "ok" else None
+        if ms is not None:
+            rows.append((f"{_variant_label(name)}{suffix}" + ("" if pick.get("ctx") == ctx or ctx is None
+                                                              else f" @ctx {pick.get('ctx')}"), ms))
+    floor = _ms_of(pick.get("floor")) if isinstance(pick.get("floor"), dict) else _num(pick.get("floor"))
+    return rows, floor, False
 
 
 def estimated_floor_ms(schedule: dict[str, Any] | None, ctx: int | None) -> float | None:

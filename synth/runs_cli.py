@@ -94,10 +94,24 @@ def _show(r: Run) -> None:
 
 @runs.command("report")
 @click.argument("run", required=False)
+@click.option("--bench", "bench_file", type=click.Path(exists=True, dir_okay=False),
+              help="A `synth bench --json` file to keep in the run (as bench.json) and chart: baselines and floor.")
 @_RUNS_DIR
-def report_cmd(run: str | None, runs_dir: str) -> None:
+def report_cmd(run: str | None, bench_file: str | None, runs_dir: str) -> None:
     """Write runs/<run>/report.html (every run when RUN is left out) and runs/index.html."""
     paths = [_resolve_run(runs_dir, run)] if run else [r.path for r in list_runs(runs_dir)]
+    if bench_file:
+        if not run:
+            raise click.BadParameter("--bench needs a RUN (the bench belongs to one run)", param_hint="--bench")
+        from synth.report import read_json
+        from validator.atomic import write_json_atomic
+
+        notes: list[str] = []
+        doc = read_json(Path(bench_file), notes)
+        if doc is None:
+            click.echo(f"error: {notes[0] if notes else bench_file + ': unreadable'}", err=True)
+            sys.exit(2)
+        write_json_atomic(paths[0] / "bench.json", doc)
     for p in paths:
         click.echo(str(write_report(p)))
     if Path(runs_dir).is_dir():

@@ -255,3 +255,32 @@ def test_serve_answers_on_localhost(runs_dir: Path) -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+def test_report_charts_a_synth_bench_json(runs_dir: Path, tmp_path: Path) -> None:
+    """`synth runs report RUN --bench FILE` keeps the bench in the run and charts its variants and measured floor
+    (format megasynth-bench/1: results per ctx, variants with timing.median_ms, floor.ms)."""
+    bench = {"format": "megasynth-bench/1", "dry_run": False, "results": [
+        {"ctx": 1024, "floor": {"bytes": {"total": 1}, "ms": 0.61},
+         "variants": {"torch_eager": {"status": "ok", "timing": {"median_ms": 19.3}},
+                      "torch_graph": {"status": "ok", "timing": {"median_ms": 3.24}},
+                      "torch_compile": {"status": "skipped", "reason": "timeout"}}},
+        {"ctx": 32, "floor": {"bytes": {"total": 1}, "ms": 0.0042},
+         "variants": {"torch_graph": {"status": "ok", "timing": {"median_ms": 0.05}},
+                      "megakernel": {"status": "ok", "timing": {"median_ms": 0.02}}}}]}
+    f = tmp_path / "bench.json"
+    f.write_text(json.dumps(bench))
+    r = invoke("runs", "report", "20261129-tiny-old", "--bench", str(f), "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0, r.output
+    assert json.loads((runs_dir / "20261129-tiny-old" / "bench.json").read_text()) == bench
+    html = (runs_dir / "20261129-tiny-old" / "report.html").read_text(encoding="utf-8")
+    chart = html[html.index('id="chart"'):html.index('id="timeline-section"')]
+    assert "0.050 ms" in chart and "0.020 ms" in chart and "0.004 ms" in chart  # the trace's ctx (32) is picked
+    assert "19.3" not in chart and "timeout" not in chart
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    r = CliRunner().invoke(main, ["runs", "report", "20261129-tiny-old", "--bench", str(bad), "--runs-dir",
+                                  str(runs_dir)])
+    assert r.exit_code == 2 and "invalid JSON" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["runs", "report", "--bench", str(f), "--runs-dir", str(runs_dir)])
+    assert r.exit_code == 2 and "needs a RUN" in r.output
