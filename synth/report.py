@@ -388,7 +388,7 @@ def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
     workers = sorted({e["worker"] for e in evs})
     if not workers:
         return ""
-    col_w, row_h, top, left = 150, 22, 34, 34
+    col_w, row_h, top, left = 200, 22, 34, 34
     x_of = {w: left + col_w // 2 + k * col_w for k, w in enumerate(workers)}
     width = left + col_w * len(workers) + 10
     height = top + row_h * len(evs) + 16
@@ -412,7 +412,7 @@ def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
         p.append(f'<text x="6" y="{y + 14}" class="num">{k + 1}</text>')
         p.append(f'<rect x="{x - col_w // 2 + 6}" y="{y + 2}" width="{col_w - 12}" height="{row_h - 4}" rx="3" '
                  f'fill="{fill}" stroke="{stroke}"/>')
-        p.append(f'<text x="{x}" y="{y + 15}" text-anchor="middle" class="ev">{esc(label[:26])}'
+        p.append(f'<text x="{x}" y="{y + 15}" text-anchor="middle" class="ev">{esc(label[:34])}'
                  f'<title>{esc(e.get("text") or label)}</title></text>')
         if e["kind"] == "start":
             for c in e.get("waits_on", []):
