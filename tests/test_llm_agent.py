@@ -27,7 +27,7 @@ from synth.strategy import Strategy
 class ScriptedServer:
     """Serves /v1/chat/completions from a script of replies; records every request body it receives.
 
-    Script items: ("ok", content) | ("status", code) | ("slow", seconds, content) | ("refusal", text)
+    Script items: ("ok", content) | ("status", code[, message]) | ("slow", seconds, content) | ("refusal", text)
     | ("no_format", content) (400 when the request carries response_format, else content)."""
 
     def __init__(self, script: list[tuple[Any, ...]]) -> None:
@@ -50,8 +50,8 @@ class ScriptedServer:
                 kind = item[0]
                 if kind == "status":
                     headers = {"retry-after": "0"} if item[1] == 429 else {}
-                    return self._send(item[1], {"error": {"message": f"scripted {item[1]}", "type": "scripted"}},
-                                      headers)
+                    message = item[2] if len(item) > 2 else f"scripted {item[1]}"
+                    return self._send(item[1], {"error": {"message": message, "type": "scripted"}}, headers)
                 if kind == "slow":
                     time.sleep(item[1])
                     return self._reply(body, item[2])
@@ -283,3 +283,18 @@ def test_unreachable_server_never_raises(tmp_path: Path) -> None:
     prop = LLMProposer(TINY, 8, opts, run_dir=tmp_path)
     assert prop.propose(_ctx(), 1) == []
     assert prop.usage.errors.get("connection") == 2
+
+
+def test_requests_adapt_to_what_a_400_names(tmp_path: Path) -> None:
+    script = [("status", 400, "This model's maximum context length is 2048 tokens, you requested 3000"),
+              ("status", 400, "Unsupported parameter: 'max_tokens'; use 'max_completion_tokens' instead"),
+              ("ok", _answer({"attn_splits": 2}))]
+    with ScriptedServer(script) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv, budget_tokens=4000), run_dir=tmp_path)
+        out = prop.propose(_ctx(), 1)
+    assert len(out) == 1
+    size = [len(json.dumps(r["messages"])) for r in srv.requests]
+    assert size[1] < size[0]  # the briefing was rebuilt for a 2000-token budget
+    assert prop.options.budget_tokens == 2000 and prop.usage.briefing_tokens_last <= 2000
+    assert "max_tokens" in srv.requests[1] and "max_completion_tokens" in srv.requests[2]
+    assert "response_format" in srv.requests[2]  # structured output was not given up for an unrelated 400

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -267,10 +267,13 @@ class LLMProposer:
                  run_dir: str | Path | None = None, client: Any = None) -> None:
         self.spec = spec
         self.workers = workers
-        self.options = options or LLMOptions()
+        self.options = replace(options) if options is not None else LLMOptions()  # own copy: _adapt edits it
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self._client = client
         self._structured = True
+        self._max_param = "max_tokens"
+        self._send_temperature = True
+        self._rebuild = False
         self._schema, self._strict = response_schema()
         self._notes: list[str] = []
         self._schedules: dict[str, Schedule] = {}
@@ -374,11 +377,17 @@ class LLMProposer:
                 self._profile = (ctx.best.candidate, normalise_profile(ctx.best.profile, base_schedule, opts.seq,
                                                                        ctx.best.estimated))
             profile = self._profile[1]
-        briefing = build_briefing(ctx, self.spec, base_schedule, budget=opts.budget_tokens, seq=opts.seq,
-                                  notes=self._notes, profile=profile)
-        self.usage.briefing_tokens_last = briefing.tokens
-        self.usage.briefing_tokens_max = max(self.usage.briefing_tokens_max, briefing.tokens)
-        self.usage.briefing_sections_last = briefing.sections
+
+        def brief() -> Briefing:
+            b = build_briefing(ctx, self.spec, base_schedule, budget=opts.budget_tokens, seq=opts.seq,
+                               notes=self._notes, profile=profile)
+            self.usage.briefing_tokens_last = b.tokens
+            self.usage.briefing_tokens_max = max(self.usage.briefing_tokens_max, b.tokens)
+            self.usage.briefing_sections_last = b.sections
+            self.usage.briefing_budget = b.budget
+            return b
+
+        briefing = brief()
         messages: list[dict[str, str]] = briefing.messages()
         last_error = "no attempt made"
         for attempt in range(1, opts.attempts + 1):
@@ -388,6 +397,10 @@ class LLMProposer:
             reply = self._call(messages, briefing, attempt)
             if reply is None:
                 last_error = self._last_transport_error
+                if self._rebuild:  # the server's context is smaller than the budget: a smaller briefing
+                    self._rebuild = False
+                    briefing = brief()
+                    messages = briefing.messages()
                 continue
             content, finish, refusal = reply
             try:
@@ -416,6 +429,27 @@ class LLMProposer:
 
     _last_transport_error = ""
 
+    def _adapt(self, exc: Exception) -> str | None:
+        """A 400 says the request does not suit this server: change the one thing it names, say what (or None)."""
+        msg = _short(exc).lower()
+        if "context" in msg and any(w in msg for w in ("length", "window", "too long", "maximum", "exceed")) \
+                and self.options.budget_tokens > 1500:
+            self.options.budget_tokens = max(1500, self.options.budget_tokens // 2)
+            self._rebuild = True
+            return f"briefing budget lowered to {self.options.budget_tokens} tokens"
+        if "max_tokens" in msg and self._max_param == "max_tokens":
+            self._max_param = "max_completion_tokens"
+            return "retrying with max_completion_tokens"
+        if "temperature" in msg and self._send_temperature:
+            self._send_temperature = False
+            return "retrying without temperature"
+        if self._structured:
+            # Most often: this server does not take response_format json_schema. Fall back to plain text.
+            self._structured = False
+            self.usage.structured_output = False
+            return "retrying without response_format (plain text + JSON extraction)"
+        return None
+
     def _call(self, messages: list[dict[str, str]], briefing: Briefing, attempt: int
               ) -> tuple[str, str | None, str | None] | None:
         """One API call with transcript; None on a transport failure (after the backoff it asks for)."""
@@ -423,7 +457,9 @@ class LLMProposer:
 
         opts = self.options
         kwargs: dict[str, Any] = {"model": opts.resolved_model(), "messages": messages,
-                                  "temperature": opts.temperature, "max_tokens": opts.max_output_tokens}
+                                  self._max_param: opts.max_output_tokens}
+        if self._send_temperature:
+            kwargs["temperature"] = opts.temperature
         if self._structured:
             kwargs["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "schedule_proposal", "strict": self._strict, "schema": self._schema}}
@@ -441,12 +477,10 @@ class LLMProposer:
         except openai.RateLimitError as exc:
             return self._transport("rate_limit", "429 rate limited", t0, attempt, _retry_after(exc))
         except openai.APIStatusError as exc:
-            if exc.status_code in (400, 422) and self._structured:
-                # Most often: this server does not take response_format json_schema. Fall back to plain text.
-                self._structured = False
-                self.usage.structured_output = False
-                return self._transport("structured_output_refused",
-                                       f"{exc.status_code} with response_format; retrying without it", t0, attempt, 0)
+            fix = self._adapt(exc) if exc.status_code in (400, 413, 422) else None
+            if fix is not None:
+                return self._transport("request_adapted", f"HTTP {exc.status_code}: {_short(exc)[:120]}; {fix}",
+                                       t0, attempt, 0)
             kind = "server_error" if exc.status_code >= 500 else f"http_{exc.status_code}"
             return self._transport(kind, f"HTTP {exc.status_code}: {_short(exc)}", t0, attempt)
         except openai.APIConnectionError as exc:
