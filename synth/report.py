@@ -359,9 +359,18 @@ def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", wi
     """Horizontal bars: (label, value, colour, estimated). Estimated bars are hatched and say so."""
     if not rows:
         return ""
-    label_w, bar_h, gap = 260, 22, 8
+    label_w, bar_h, gap = 300, 22, 8
     vmax = max(v for _, v, _, _ in rows) or 1.0
-    plot = width - label_w - 140
+    vmin = min((v for _, v, _, _ in rows if v > 0), default=vmax)
+    log = vmax / vmin > 30  # a 200x spread would squash the bars that matter into slivers
+    plot = width - label_w - 160
+
+    def length(v: float) -> float:
+        if not log:
+            return plot * v / vmax
+        lo = math.log10(vmin) - 0.3
+        return plot * (math.log10(max(v, vmin)) - lo) / (math.log10(vmax) - lo)
+
     h = len(rows) * (bar_h + gap) + gap
     parts = [f'<svg class="bars" width="{width}" height="{h}" viewBox="0 0 {width} {h}" role="img">',
              '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
@@ -370,7 +379,7 @@ def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", wi
              '</defs>']
     for k, (label, v, colour, est) in enumerate(rows):
         y = gap + k * (bar_h + gap)
-        w = max(1.0, plot * v / vmax)
+        w = max(1.0, length(v))
         parts.append(f'<text x="{label_w - 8}" y="{y + bar_h * 0.7:.1f}" text-anchor="end">{esc(label)}</text>')
         parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}"/>')
         if est:
@@ -378,6 +387,8 @@ def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", wi
         val = f"{v:.3f} {unit}" + (" (estimated)" if est else "")
         parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h * 0.7:.1f}">{esc(val)}</text>')
     parts.append("</svg>")
+    if log:
+        parts.append("<p class='note'>Bar lengths on a log scale (the values span more than 30×).</p>")
     return "".join(parts)
 
 
@@ -536,7 +547,8 @@ def _bench_by_ctx(doc: dict[str, Any], ctx: int | None) -> tuple[list[tuple[str,
     for name, v in pick["variants"].items():
         ms = _ms_of(v) if isinstance(v, dict) and v.get("status", "ok") == "ok" else None
         if ms is not None:
-            rows.append((f"{_variant_label(name)}{suffix}" + ("" if pick.get("ctx") == ctx or ctx is None
+            label = _variant_label(name)
+            rows.append((label + ("" if "dry run" in label else suffix) + ("" if pick.get("ctx") == ctx or ctx is None
                                                               else f" @ctx {pick.get('ctx')}"), ms))
     floor = _ms_of(pick.get("floor")) if isinstance(pick.get("floor"), dict) else _num(pick.get("floor"))
     return rows, floor, False
@@ -858,8 +870,10 @@ def render_report(run: Run) -> str:
                     "(no GPU was used for them), not from a measurement.</p>")
 
     # summary cards
-    floor_ms, floor_est, baselines, b_est = None, False, [], False
+    floor_ms, floor_est, baselines, b_est, floor_note = None, False, [], False, ""
     for _p, doc in _bench_docs(run):
+        if isinstance(doc, dict) and doc.get("dry_run") and not floor_note:
+            floor_note = " (CPU dry run)"
         rows, fl, e = bench_rows(doc, ctx if isinstance(ctx, int) else None)
         baselines += [(f"{name}", ms) for name, ms in rows]
         if fl is not None and floor_ms is None:
@@ -872,7 +886,7 @@ def render_report(run: Run) -> str:
     cards = [("best schedule", fmt_ms(best.ms, best.estimated) if best else "—"),
              ("naive schedule", fmt_ms(naive.ms, naive.estimated) if naive else "—"),
              ("speed-up over naive", f"{sp:.2f}×" if sp else "—"),
-             ("bandwidth floor", fmt_ms(floor_ms, floor_est) if floor_ms else "—"),
+             ("bandwidth floor", fmt_ms(floor_ms, floor_est) + floor_note if floor_ms else "—"),
              ("candidates", f"{run.accepted} accepted / {run.rejected} rejected")]
     if isinstance(ctx, int):
         cards.append(("context", str(ctx)))
@@ -887,7 +901,8 @@ def render_report(run: Run) -> str:
     if best and best.ms:
         bars.append(("best schedule", best.ms, "#4e79a7", best.estimated))
     if floor_ms:
-        bars.append(("bandwidth floor" + (" (4.19 TB/s)" if floor_est else ""), floor_ms, "#59a14f", floor_est))
+        bars.append(("bandwidth floor" + (" (4.19 TB/s)" if floor_est else floor_note), floor_ms, "#59a14f",
+                     floor_est))
     chart_note = "" if baselines else ("<p class='note'>No bench JSON in this run (bench.json): baselines are not "
                                        "shown; run <code>synth bench --json RUN/bench.json</code> on the GPU.</p>")
     body.append('<section id="chart"><h2>Milliseconds per token: baselines, naive, best, floor</h2>'
