@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from synth.models import ModelSpec
@@ -292,21 +293,31 @@ def normalise_profile(profile: dict[str, Any] | None, schedule: Schedule | None,
     trace in the shared format, or — for what is missing — the cost model's timeline of `schedule` (labelled)."""
     prof = dict(profile or {})
     out: dict[str, Any] = {"source": "GPU trace" if not estimated else "cost model (estimated)"}
-    trace = prof.get("trace")
-    if isinstance(trace, dict) and "traceEvents" in trace:
+    trace = prof.get("trace") or prof.get("trace_path")
+    if isinstance(trace, str | Path) or (isinstance(trace, dict) and "traceEvents" in trace):
         try:
-            from kernels.trace import summarize  # type: ignore[import-not-found]
+            from kernels.trace import read_trace, summarize
 
-            prof = {**summarize(trace), **prof}
-        except (ImportError, AttributeError, TypeError, ValueError, KeyError):
+            summary = summarize(read_trace(trace) if isinstance(trace, str | Path) else trace)
+            prof = {**summary, **prof}
+            out["source"] = "cost model trace (estimated)" if summary.get("estimated") else "GPU trace"
+        except (ImportError, OSError, TypeError, ValueError, KeyError):
             pass
     per_op = _first(prof, "per_op_us", "time_per_op_us")
     if per_op is None and isinstance(_first(prof, "per_op_ms"), dict):
         per_op = {k: 1000 * float(v) for k, v in prof["per_op_ms"].items()}
+    if per_op is None and isinstance(prof.get("per_op"), dict):  # kernels.trace.summarize
+        per_op = {k: float(v.get("total_us", 0.0)) if isinstance(v, dict) else float(v)
+                  for k, v in prof["per_op"].items()}
     idle = _first(prof, "per_sm_idle_us", "idle_us")
     if idle is None and isinstance(_first(prof, "per_sm_idle_ms"), list | dict):
         raw = prof["per_sm_idle_ms"]
         idle = [1000 * float(v) for v in raw] if isinstance(raw, list) else {k: 1000 * float(v) for k, v in raw.items()}
+    per_sm = prof.get("per_sm")
+    if isinstance(per_sm, dict) and per_sm and all(isinstance(v, dict) for v in per_sm.values()):
+        if idle is None:
+            idle = {k: float(v.get("idle_us", 0.0)) for k, v in per_sm.items()}
+        out["wait_us"] = {int(k) if str(k).isdigit() else k: float(v.get("wait_us", 0.0)) for k, v in per_sm.items()}
     path = _first(prof, "critical_path")
     if isinstance(path, dict):
         path = _first(path, "instructions", "ids", "path")
@@ -360,6 +371,12 @@ def _best_section(ctx: SearchContext, prof: dict[str, Any], level: dict[str, Any
         top = sorted(idle.items(), key=lambda kv: -kv[1])[:level["idle"]]
         lines.append(f"Idle per SM (us): min {vals[0]:.1f}, median {vals[len(vals) // 2]:.1f}, max {vals[-1]:.1f}; "
                      "most idle: " + ", ".join(f"SM{w} {v:.1f}" for w, v in top))
+    waiting = prof.get("wait_us") or {}
+    if waiting and any(waiting.values()):
+        vals = sorted(waiting.values())
+        top = sorted(waiting.items(), key=lambda kv: -kv[1])[:level["idle"]]
+        lines.append(f"Spin-waiting on counters per SM (us): median {vals[len(vals) // 2]:.1f}, max {vals[-1]:.1f}; "
+                     "most waiting: " + ", ".join(f"SM{w} {v:.1f}" for w, v in top))
     path = prof.get("critical_path") or []
     if path:
         lines.append(f"Critical path ({len(path)} instructions, first to last): {_path_runs(path, level['path'])}")

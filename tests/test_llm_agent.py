@@ -203,6 +203,18 @@ def test_briefing_estimates_the_profile_when_missing() -> None:
     assert "Profile source: cost model (estimated)" in b.user and "Critical path" in b.user
 
 
+def test_briefing_reads_a_trace_in_the_shared_format() -> None:
+    costmodel = pytest.importorskip("synth.costmodel")
+    pytest.importorskip("kernels.trace")
+    schedule = lower(TINY, 8)
+    est = costmodel.estimate(schedule, 64)
+    best = Result("c0003", Proposal(Strategy(), proposer="heuristic"), True, est.makespan_ms, False,
+                  profile={"trace": est.trace})
+    text = build_briefing(_ctx([best], best), TINY, schedule, seq=64).user
+    assert "Profile source: cost model trace (estimated)" in text  # the trace's own label wins
+    assert "Spin-waiting on counters per SM" in text and "final_norm_lm_head#81" in text
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The proposer against the server
 
