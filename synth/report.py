@@ -842,6 +842,38 @@ def _one_rejected(name: str, doc: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _agent_section(run: Run) -> str:
+    """The LLM agent's bookkeeping when it took part: agent_usage.json (calls, tokens, cost) and agent.jsonl."""
+    usage = read_json(run.path / "agent_usage.json", run.notes)
+    log = run.path / "agent.jsonl"
+    if not isinstance(usage, dict) and not log.is_file():
+        return ""
+    rows = []
+    if isinstance(usage, dict):
+        for key in ("model", "base_url", "calls", "rounds", "proposals", "accepted", "rejected", "prompt_tokens",
+                    "completion_tokens", "total_tokens", "cost_usd", "briefing_tokens_max", "errors"):
+            if usage.get(key) not in (None, {}, ""):
+                rows.append([esc(key), esc(json.dumps(usage[key]) if isinstance(usage[key], dict) else usage[key])])
+    kinds: dict[str, int] = {}
+    if log.is_file():
+        try:
+            with open(log, encoding="utf-8") as fh:
+                for k, line in enumerate(fh):
+                    if k >= 100_000:
+                        break
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        rec = {"type": "unreadable line"}
+                    t = str(rec.get("type", "?")) if isinstance(rec, dict) else "?"
+                    kinds[t] = kinds.get(t, 0) + 1
+        except OSError as exc:
+            run.notes.append(f"agent.jsonl: cannot read ({exc.strerror or exc})")
+    lines = ", ".join(f"{n} {esc(t)}" for t, n in sorted(kinds.items()))
+    return ('<section id="agent"><h2>LLM agent</h2>' + (_table(["", ""], rows) if rows else "")
+            + (f'<p>Transcript <a href="agent.jsonl">agent.jsonl</a>: {lines}.</p>' if kinds else "") + "</section>")
+
+
 def render_report(run: Run) -> str:
     """The HTML report of one run (self-contained)."""
     best_dir = run.path / "best"
@@ -932,6 +964,7 @@ def render_report(run: Run) -> str:
     body.append(_validation_section(validation, "Validation of the best schedule"))
     body.append(_leaderboard_section(run))
     body.append(_rejected_section(run))
+    body.append(_agent_section(run))
     if run.notes:
         body.append('<section id="notes"><h2>Notes</h2><ul>' + "".join(f"<li>{esc(n)}</li>" for n in run.notes)
                     + "</ul></section>")

@@ -126,6 +126,9 @@ def make_run(root: Path, name: str = "20261130-tiny-a", workers: int = 8, estima
         {"candidate": "c0001", "proposer": "heuristic", "accepted": True, "ms": 0.024, "estimated": estimated},
         {"candidate": "c0002", "proposer": "evolve", "accepted": False, "ms": None, "estimated": estimated},
         {"candidate": "c0003", "proposer": "llm", "accepted": False, "ms": None, "estimated": estimated}]})
+    write_json_atomic(run / "agent_usage.json", {"model": "gpt-test", "calls": 2, "prompt_tokens": 9000,
+                                                 "completion_tokens": 400, "total_tokens": 9400})
+    (run / "agent.jsonl").write_text('{"type": "request"}\n{"type": "response"}\n{"type": "request"}\nnot json\n')
     write_json_atomic(run / "bench.json", {"estimated": False, "results": [
         {"name": "PyTorch eager", "median_ms": 0.09}, {"name": "PyTorch CUDA graph", "median_ms": 0.04}],
         "floor_ms": 0.006})
@@ -192,6 +195,7 @@ def test_report_writes_every_report_and_the_index(runs_dir: Path) -> None:
     assert "estimated" in html and "PyTorch CUDA graph" in html and "bandwidth floor" in html
     assert "<svg class=\"seq\"" in html  # the race's interleaving as a sequence diagram
     assert "stuck worker" in html  # the deadlock's stuck workers
+    assert 'id="agent"' in html and "9400" in html and "2 request" in html and "1 unreadable line" in html
     broken = (runs_dir / "20261129-empty" / "report.html").read_text(encoding="utf-8")
     assert "invalid JSON" in broken and "No best/trace.json" in broken
 
