@@ -747,6 +747,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     unknown = [v for v in opts.variants or [] if v not in VARIANTS]
     if unknown:
         raise BenchError(f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")
+    if not 0 <= opts.token < spec.config.vocab_size:
+        raise BenchError(f"--token {opts.token} is outside the vocabulary [0, {spec.config.vocab_size})")
     if opts.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("CUDA is not available; use --dry-run to exercise the command on the CPU")
     t0 = time.perf_counter()

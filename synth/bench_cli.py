@@ -28,7 +28,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
             except ValueError:
                 raise click.BadParameter(f"{part!r} is not an integer", param_hint="--ctx") from None
     out.extend(extra)
-    return list(dict.fromkeys(out)) or [1024]
+    return list(dict.fromkeys(out))
 
 
 @click.command("bench")
@@ -37,7 +37,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
               help="Schedule JSON for the megakernel (default: the naive lowering for this GPU's SM count).")
 @click.option("--ctx", multiple=True, metavar="N[,N...]",
               help="Context length(s) to measure; repeat, comma-separate, or list after --ctx: --ctx 128 1024 4096. "
-                   "[default: 1024]")
+                   "[default: 1024, or max_seq_len if smaller]")
 @click.argument("extra_ctx", nargs=-1, type=int, metavar="")
 @click.option("--reps", type=click.IntRange(1, 100000), default=100, show_default=True,
               help="Timed repetitions per variant.")
@@ -70,7 +70,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 
     console = Console(stderr=True)
     try:
-        get_model(model_name)
+        spec = get_model(model_name)
     except KeyError as exc:
         raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
     import torch
@@ -80,8 +80,9 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         device = "cpu"
     elif not torch.cuda.is_available():
         _fail("CUDA is not available: `synth bench` measures on a GPU; pass --dry-run to exercise it on the CPU")
-    opts = BenchOptions(model=model_name, schedule=schedule_file, ctxs=_ctx_values(ctx, extra_ctx), reps=reps,
-                        warmup=warmup, seed=seed, token=token, device=device,
+    ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
+    opts = BenchOptions(model=model_name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
+                        seed=seed, token=token, device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                         compile_timeout_s=compile_timeout, flush_l2=flush_l2, verify=verify)
     if dry_run:
