@@ -310,3 +310,13 @@ def test_requests_adapt_to_what_a_400_names(tmp_path: Path) -> None:
     assert prop.options.budget_tokens == 2000 and prop.usage.briefing_tokens_last <= 2000
     assert "max_tokens" in srv.requests[1] and "max_completion_tokens" in srv.requests[2]
     assert "response_format" in srv.requests[2]  # structured output was not given up for an unrelated 400
+
+
+def test_bad_key_stops_the_agent_and_usage_resumes(tmp_path: Path) -> None:
+    with ScriptedServer([("status", 401, "Incorrect API key provided")]) as srv:
+        prop = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path)
+        assert prop.propose(_ctx(), 1) == [] and prop.propose(_ctx(), 1) == []
+        assert len(srv.requests) == 1  # no retry, no second round
+    assert "check OPENAI_API_KEY" in _transcript(tmp_path)[-1]["message"]
+    again = LLMProposer(TINY, 8, LLMOptions(model="m", base_url="http://127.0.0.1:9/v1"), run_dir=tmp_path)
+    assert again.usage.calls == 1 and again.usage.errors == {"http_401": 1}  # a resumed run keeps counting

@@ -284,7 +284,8 @@ class LLMProposer:
         self.usage = Usage(model=self.options.resolved_model(),
                            base_url=self.options.base_url or os.environ.get("OPENAI_BASE_URL"),
                            briefing_budget=self.options.budget_tokens)
-        self.usage.structured_output = True
+        self._fatal: str | None = None  # set by 401/403/404: no later round will do better
+        self._resume_usage()
 
     # -- plumbing ------------------------------------------------------------------------------------------------
 
@@ -313,6 +314,22 @@ class LLMProposer:
     def _save_usage(self) -> None:
         if self.run_dir is not None:
             write_json_atomic(self.run_dir / "agent_usage.json", self.usage.to_json())
+
+    def _resume_usage(self) -> None:
+        """A resumed run keeps counting its calls, tokens and cost from where it stopped."""
+        if self.run_dir is None or not (self.run_dir / "agent_usage.json").exists():
+            return
+        try:
+            old = json.loads((self.run_dir / "agent_usage.json").read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return
+        for k in ("calls", "rounds", "proposals", "rounds_given_up", "prompt_tokens", "completion_tokens",
+                  "accepted", "rejected"):
+            if isinstance(old.get(k), int):
+                setattr(self.usage, k, old[k])
+        if isinstance(old.get("errors"), dict):
+            self.usage.errors = {str(k): int(v) for k, v in old["errors"].items() if isinstance(v, int)}
+        self._round = self.usage.rounds
 
     def _error(self, kind: str) -> None:
         self.usage.errors[kind] = self.usage.errors.get(kind, 0) + 1
@@ -360,10 +377,11 @@ class LLMProposer:
 
     def _propose(self, ctx: SearchContext) -> list[Proposal]:
         opts = self.options
-        if self.usage.calls >= opts.max_calls:
+        if self.usage.calls >= opts.max_calls or self._fatal:
             if not self._exhausted_noted:
                 self._exhausted_noted = True
-                self._log({"type": "notice", "message": f"call budget spent ({opts.max_calls} calls)"})
+                why = self._fatal or f"call budget spent ({opts.max_calls} calls)"
+                self._log({"type": "notice", "message": f"the agent stops proposing: {why}"})
             return []
         self._round += 1
         self.usage.rounds += 1
@@ -397,6 +415,8 @@ class LLMProposer:
             reply = self._call(messages, briefing, attempt)
             if reply is None:
                 last_error = self._last_transport_error
+                if self._fatal:
+                    break
                 if self._rebuild:  # the server's context is smaller than the budget: a smaller briefing
                     self._rebuild = False
                     briefing = brief()
@@ -482,6 +502,10 @@ class LLMProposer:
                 return self._transport("request_adapted", f"HTTP {exc.status_code}: {_short(exc)[:120]}; {fix}",
                                        t0, attempt, 0)
             kind = "server_error" if exc.status_code >= 500 else f"http_{exc.status_code}"
+            if exc.status_code in (401, 403, 404):  # bad key, no access, unknown model/path: retrying cannot help
+                self._fatal = f"HTTP {exc.status_code}: {_short(exc)[:160]} (check OPENAI_API_KEY, " \
+                              "OPENAI_BASE_URL and --llm-model)"
+                return self._transport(kind, self._fatal, t0, attempt, 0)
             return self._transport(kind, f"HTTP {exc.status_code}: {_short(exc)}", t0, attempt)
         except openai.APIConnectionError as exc:
             return self._transport("connection", f"connection failed: {_short(exc)}", t0, attempt)
