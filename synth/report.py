@@ -151,6 +151,8 @@ class Run:
 
     def best(self) -> Entry | None:
         timed = [e for e in self.entries if e.accepted and e.ms is not None]
+        measured = [e for e in timed if not e.estimated]
+        timed = measured or timed  # a GPU measurement beats any estimate
         if timed:
             return min(timed, key=lambda e: e.ms or 0.0)
         timing = read_json(self.path / "best" / "timing.json")
@@ -180,7 +182,7 @@ def load_run(path: str | Path) -> Run:
     info = read_json(p / "run.json", run.notes)
     if isinstance(info, dict):
         run.info = info
-    else:
+    elif not (p / "run.json").exists():
         run.notes.append("run.json is missing: command, versions and GPU are unknown")
     lb = read_json(p / "leaderboard.json", run.notes)
     run.entries = _entries(lb) if lb is not None else []
