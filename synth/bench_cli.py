@@ -171,7 +171,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
         step = mk.step
         mk.step(prompt_token, 0)  # compile + warm up; position 0 is written again, identically, below
         torch.cuda.synchronize()
-        how = f"megakernel ({getattr(mk, 'launch_mode', 'Megakernel.step')})"
+        how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
     else:
         from kernels.reference import decode_step, new_kv_cache
 

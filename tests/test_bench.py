@@ -225,3 +225,97 @@ def test_gpu_variants_tiny() -> None:
         assert v[name]["status"] == "ok", (name, v[name])
         assert v[name]["check"]["rel_l2"] < 2e-2, (name, v[name]["check"])
         assert v[name]["speedup_vs_graph"] > 0
+
+
+class FakeMegakernel:
+    """The interface of kernels.gpu.Megakernel on the CPU: instructions run in ascending id order with the
+    catalogue's compute; each packed table has its own attention scratch, as on the GPU."""
+
+    def __init__(self, schedule, weights, *, max_seq_len):
+        from kernels.reference import new_kv_cache
+        from validator.program import resolve
+
+        self.weights = weights
+        self.k_cache, self.v_cache = new_kv_cache(get_model("tiny").config, max_seq_len, dtype=torch.bfloat16)
+        prog = resolve(schedule)
+        self.ws = {n: torch.full((size,), float("nan")) for n, size in prog.buffers.items()
+                   if n not in ("k_cache", "v_cache", "attn_o_part", "attn_lse")}
+        self.occupancy: dict = {}
+        self.launches = 0
+        self.packed = self.pack(schedule)
+
+    @property
+    def logits(self):
+        return self.ws["logits"]
+
+    def pack(self, schedule):
+        from types import SimpleNamespace
+
+        from validator.program import resolve
+
+        prog = resolve(schedule)
+        scratch = {"opart": torch.full((prog.buffers["attn_o_part"],), float("nan")),
+                   "lse": torch.full((prog.buffers["attn_lse"],), float("nan"))}
+        return SimpleNamespace(prog=prog, workers=len(prog.queues), n=prog.n, device=scratch)
+
+    def set_position(self, token, pos):
+        self.token, self.pos = token, pos
+
+    def launch(self, p=None):
+        from kernels.reference import rope_cos_sin
+        from validator.catalogue import OPS
+
+        p = p or self.packed
+        prog = p.prog
+        cos, sin = rope_cos_sin(prog.geometry.cfg, self.pos)
+        rt = {"pos": self.pos, "token": self.token, "cos": cos, "sin": sin}
+        ws = {**self.ws, "attn_o_part": p.device["opart"], "attn_lse": p.device["lse"], "k_cache": self.k_cache,
+              "v_cache": self.v_cache}
+        for i in range(prog.n):
+            layer = prog.layer[i]
+            OPS[prog.op[i]].compute(ws, self.weights, rt, prog.geometry, -1 if layer is None else layer, prog.args[i])
+        self.launches += 1
+
+    def graph(self, p=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(replay=lambda: self.launch(p))
+
+    def check(self, p=None):
+        pass
+
+    def step(self, token, pos):
+        self.set_position(token, pos)
+        self.launch()
+        return self.logits.clone()
+
+
+def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The megakernel and per-op runners against a CPU stand-in of the Megakernel interface: same logits as the
+    reference, stage launches share the attention scratch (attn_splits=3), step_call is timed."""
+    from types import SimpleNamespace
+
+    import synth.bench as bench
+    from kernels.reference import decode_step
+    from synth.strategy import Strategy
+
+    monkeypatch.setattr(bench, "_megakernel_api", lambda: SimpleNamespace(Megakernel=FakeMegakernel))
+    monkeypatch.setattr(bench, "capture_graph", lambda fn: fn)
+    spec = get_model("tiny")
+    opts = BenchOptions(model="tiny", ctxs=[10], reps=2, warmup=0, device="cpu")
+    st = bench._new_state(spec, opts)
+    st.schedule = lower(spec, 8, Strategy(attn_splits=3))
+    st.ctx = 10
+    hist = bench.kv_history(spec.config, spec.max_seq_len, 10, 0)
+    bench.prefill(st.k, st.v, hist)
+    ref = decode_step(spec.config, st.weights, st.k, st.v, st.token, st.pos)
+    for name in ("megakernel", "per_op_graph"):
+        step, notes = bench.RUNNERS[name](st)
+        chk = bench.compare(step(), ref)
+        assert chk["rel_l2"] < 1e-4, (name, chk)
+        rec: dict = {}
+        notes["_after"](rec, opts)
+        if name == "megakernel":
+            assert rec["step_call"]["reps"] == 2 and rec["kernel"]["instructions"] == len(st.schedule.instructions)
+        else:
+            assert notes["stages"] == 2 + 6 * spec.config.num_hidden_layers
