@@ -1,0 +1,412 @@
+"""The persistent Triton megakernel: one program per SM walks its queue of a packed schedule (kernels/gpu/pack.py).
+
+Per instruction: wait on its counters with acquire loads (bounded by a `%globaltimer` watchdog: on timeout the program
+records worker, instruction id, counter, current and needed value in an error buffer and exits; the host raises
+`WatchdogError`), dispatch on the opcode to the op's Triton code (kernels/gpu/ops.py), CTA barrier, then signal with a
+release atomic at GPU scope from one thread. The schedule is data (int32 tables): a new assignment, order or counter
+layout needs no recompile; token and KV position are read from a device tensor, so one CUDA graph serves every step.
+
+`Megakernel.step(token, pos)` replays a CUDA graph holding the whole step: counter reset + the kernel (embedding,
+all layers, the LM head). Static queues deadlock unless every program is resident at once, so the grid is checked
+against the SM count and the compiled kernel's occupancy before the first launch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gpu import ops
+from kernels.gpu.pack import F_ID, OPCODES, ROW, Packed, pack
+from validator.catalogue import rope_inv_freq
+from validator.errors import ScheduleError
+from validator.model import ModelConfig
+from validator.schedule import Schedule
+
+OP_EMBED: tl.constexpr = tl.constexpr(OPCODES["embed"])
+OP_QKV: tl.constexpr = tl.constexpr(OPCODES["attn_norm_qkv_rope"])
+OP_PARTIAL: tl.constexpr = tl.constexpr(OPCODES["attn_partial"])
+OP_REDUCE: tl.constexpr = tl.constexpr(OPCODES["attn_reduce"])
+OP_OPROJ: tl.constexpr = tl.constexpr(OPCODES["o_proj_residual"])
+OP_GATE_UP: tl.constexpr = tl.constexpr(OPCODES["mlp_norm_gate_up"])
+OP_DOWN: tl.constexpr = tl.constexpr(OPCODES["down_proj_residual"])
+OP_LM_HEAD: tl.constexpr = tl.constexpr(OPCODES["final_norm_lm_head"])
+ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
+
+
+class WatchdogError(RuntimeError):
+    """A worker waited past the watchdog timeout: the schedule (or the kernel) would have hung the GPU."""
+
+
+@triton.jit
+def _megakernel(
+    ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, qitems_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+    embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr,
+    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+    timeout_ns,
+    H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
+    EPS: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, GP: tl.constexpr,
+    BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
+    BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
+    BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr,
+):
+    QS: tl.constexpr = NH * HD
+    KVS: tl.constexpr = NKV * HD
+    G: tl.constexpr = NH // NKV
+    pid = tl.program_id(0)
+    tl.store(smid_ptr + pid, ops.smid())
+    qi = tl.load(qoff_ptr + pid)
+    q1 = tl.load(qoff_ptr + pid + 1)
+    token = tl.load(rt_ptr)
+    pos = tl.load(rt_ptr + 1)
+    ok = pid * 0 + 1
+    while (qi < q1) & (ok != 0):
+        idx = tl.load(qitems_ptr + qi)
+        row = ins_ptr + idx * ROWW
+        op = tl.load(row)
+        layer = tl.load(row + 1)
+        a0 = tl.load(row + 2)
+        a1 = tl.load(row + 3)
+        a2 = tl.load(row + 4)
+        a3 = tl.load(row + 5)
+        woff = tl.load(row + 7)
+        wn = tl.load(row + 8)
+        soff = tl.load(row + 9)
+        sn = tl.load(row + 10)
+        if TRACE:
+            t_wait = ops.globaltimer()
+        wi = woff * 0
+        while (wi < wn) & (ok != 0):
+            c = tl.load(waits_ptr + 2 * (woff + wi))
+            need = tl.load(waits_ptr + 2 * (woff + wi) + 1)
+            cur = ops.load_acquire(counters_ptr + c)
+            if cur < need:
+                t0 = ops.globaltimer()
+                elapsed = t0 - t0
+                while (cur < need) & (elapsed < timeout_ns):
+                    cur = ops.load_acquire(counters_ptr + c)
+                    elapsed = ops.globaltimer() - t0
+                if cur < need:
+                    e = err_ptr + pid * 8
+                    tl.store(e + 1, pid)
+                    tl.store(e + 2, tl.load(row + 6))
+                    tl.store(e + 3, c)
+                    tl.store(e + 4, cur)
+                    tl.store(e + 5, need)
+                    tl.store(e + 6, ops.smid())
+                    tl.store(e, 1)
+                    ok = pid * 0
+            wi += 1
+        if ok != 0:
+            if TRACE:
+                t_start = ops.globaltimer()
+            if op == OP_EMBED:
+                ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
+            elif op == OP_QKV:
+                ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
+                                a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS)
+            elif op == OP_PARTIAL:
+                ops.op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
+                                    NH, NKV, HD, S, G, GP, BT, SCALE)
+            elif op == OP_REDUCE:
+                ops.op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP)
+            elif op == OP_OPROJ:
+                ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS)
+            elif op == OP_GATE_UP:
+                ops.op_gate_up(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, BLOCK_H, EPS,
+                               BR_GU, BK_GU, NS)
+            elif op == OP_DOWN:
+                ops.op_matvec_residual(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BK_D, NS)
+            elif op == OP_LM_HEAD:
+                ops.op_lm_head(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, BLOCK_H, EPS, BR_LM,
+                               BK_LM, NS)
+            tl.debug_barrier()
+            si = soff * 0
+            while si < sn:
+                sc = tl.load(sigs_ptr + 2 * (soff + si))
+                sa = tl.load(sigs_ptr + 2 * (soff + si) + 1)
+                ops.signal_release(counters_ptr + sc, sa)
+                si += 1
+            if TRACE:
+                t_end = ops.globaltimer()
+                tr = trace_ptr + idx.to(tl.int64) * 4
+                tl.store(tr, t_wait)
+                tl.store(tr + 1, t_start)
+                tl.store(tr + 2, t_end)
+                tl.store(tr + 3, pid.to(tl.int64))
+        qi += 1
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time tile shapes and pipelining of the interpreter (none of them depend on the schedule)."""
+
+    num_warps: int = 8
+    num_stages: int = 3  # software-pipelining depth of the weight-streaming K loops
+    bk_qkv: int = 256
+    br_o: int = 16
+    bk_o: int = 512
+    br_gu: int = 16
+    bk_gu: int = 512
+    br_d: int = 16
+    bk_d: int = 512
+    br_lm: int = 32
+    bk_lm: int = 512
+    bt: int = 32  # KV positions per attention block
+    be: int = 1024  # embedding copy block
+
+
+def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Catalogue weights -> per-kind stacks across layers (one base pointer + layer offset): matrices bf16, norms
+    fp32; a tied LM head shares the embedding's storage."""
+    n = cfg.num_hidden_layers
+
+    def mat(name: str) -> torch.Tensor:
+        return torch.stack([weights[f"layers.{i}.{name}"].to(device=device, dtype=torch.bfloat16)
+                            for i in range(n)]).contiguous()
+
+    def vec(name: str) -> torch.Tensor:
+        return torch.stack([weights[f"layers.{i}.{name}"].to(device=device, dtype=torch.float32)
+                            for i in range(n)]).contiguous()
+
+    out = {"wqkv": mat("wqkv"), "wo": mat("wo"), "w_gate": mat("w_gate"), "w_up": mat("w_up"),
+           "w_down": mat("w_down"), "attn_norm": vec("attn_norm"), "mlp_norm": vec("mlp_norm"),
+           "embed": weights["embed"].to(device=device, dtype=torch.bfloat16).contiguous(),
+           "final_norm": weights["final_norm"].to(device=device, dtype=torch.float32).contiguous()}
+    tied = weights["lm_head"] is weights["embed"] or (
+        weights["lm_head"].shape == weights["embed"].shape
+        and weights["lm_head"].data_ptr() == weights["embed"].data_ptr())
+    out["lm_head"] = out["embed"] if tied else weights["lm_head"].to(device=device, dtype=torch.bfloat16).contiguous()
+    shapes = {"wqkv": (n, cfg.qkv_size, cfg.hidden_size), "wo": (n, cfg.hidden_size, cfg.q_size),
+              "w_gate": (n, cfg.intermediate_size, cfg.hidden_size), "w_up": (n, cfg.intermediate_size,
+                                                                               cfg.hidden_size),
+              "w_down": (n, cfg.hidden_size, cfg.intermediate_size), "embed": (cfg.vocab_size, cfg.hidden_size),
+              "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    for name, shape in shapes.items():
+        if tuple(out[name].shape) != shape:
+            raise ValueError(f"weight {name} has shape {tuple(out[name].shape)}, expected {shape}")
+    return out
+
+
+class Megakernel:
+    """A compiled persistent interpreter for one model config, its weights, KV cache and workspace."""
+
+    def __init__(self, schedule: Schedule, weights: dict[str, torch.Tensor], *, max_seq_len: int | None = None,
+                 trace: bool = False, device: str | torch.device = "cuda", timeout_s: float = 2.0,
+                 config: KernelConfig | None = None) -> None:
+        if schedule.model is None:
+            raise ScheduleError("the GPU interpreter needs a schedule with `model`", "$.model")
+        self.cfg = ModelConfig.from_hf(schedule.model.config)
+        self.device = torch.device(device)
+        self.max_seq_len = int(max_seq_len or schedule.model.max_seq_len)
+        self.trace = trace
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.kcfg = config or KernelConfig()
+        c = self.cfg
+        # On the CPU (Triton's interpreter, TRITON_INTERPRET=1) programs run one after another: one worker only.
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 1)
+        self.w = stack_weights(c, weights, self.device)
+        shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_seq_len, c.hd)
+        self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self.x = torch.zeros(c.hidden_size, **f32)
+        self.q = torch.zeros(c.q_size, **f32)
+        self.attn = torch.zeros(c.q_size, **f32)
+        self.act = torch.zeros(c.intermediate_size, **f32)
+        self.logits = torch.zeros(c.vocab_size, **f32)
+        angles = np.arange(self.max_seq_len, dtype=np.float64)[:, None] * np.array(rope_inv_freq(c))[None, :]
+        self.cos = torch.tensor(np.cos(angles), **f32).contiguous()
+        self.sin = torch.tensor(np.sin(angles), **f32).contiguous()
+        self.rt = torch.zeros(2, dtype=torch.int32, device=self.device)
+        self._rt_host = torch.zeros(2, dtype=torch.int32).pin_memory() if self.device.type == "cuda" else None
+        self.smids = torch.zeros(self.num_sms, dtype=torch.int32, device=self.device)
+        self.compiled: Any = None
+        self.occupancy: dict[str, Any] = {}
+        self.packed: Packed | None = None
+        self.set_schedule(schedule)
+
+    # -- schedule tables -------------------------------------------------------------------------------------
+
+    def pack(self, schedule: Schedule) -> Packed:
+        """Resolve + pack a schedule and copy its tables (and its own counters/workspace) to the device."""
+        if schedule.model is None or ModelConfig.from_hf(schedule.model.config) != self.cfg:
+            raise ScheduleError("the schedule's model config differs from this Megakernel's", "$.model.config")
+        p = pack(schedule)
+        if p.workers > self.num_sms:
+            raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
+                                "than the machine deadlocks", "$.queues")
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        c = self.cfg
+        p.device = {
+            "ins": torch.tensor(p.ins.reshape(-1), **i32), "waits": torch.tensor(p.waits.reshape(-1), **i32),
+            "sigs": torch.tensor(p.sigs.reshape(-1), **i32), "qoff": torch.tensor(p.qoff, **i32),
+            "qitems": torch.tensor(p.qitems, **i32),
+            "counters": torch.zeros(max(p.counters, 1), **i32),
+            "err": torch.zeros(max(p.workers, 1) * ERR_FIELDS, **i32),
+            "opart": torch.zeros(p.max_splits * c.q_size, dtype=torch.float32, device=dev),
+            "lse": torch.zeros(p.max_splits * c.num_attention_heads, dtype=torch.float32, device=dev),
+            "trace": torch.zeros((max(p.n, 1), 4), dtype=torch.int64, device=dev),
+            "graph": None,
+        }
+        return p
+
+    def set_schedule(self, schedule: Schedule) -> Packed:
+        """Make `schedule` the one `step` runs (no recompile: only the tables change)."""
+        self.packed = self.pack(schedule)
+        return self.packed
+
+    # -- launching ---------------------------------------------------------------------------------------------
+
+    def _args(self, p: Packed, trace: bool) -> tuple[list[Any], dict[str, Any]]:
+        d, w, c, k = p.device, self.w, self.cfg, self.kcfg
+        args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
+                self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
+                w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], self.x, self.q, self.k_cache, self.v_cache,
+                d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.timeout_ns]
+        hp = _pow2(c.hidden_size)
+        consts = dict(
+            H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
+            S=self.max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
+            GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
+            BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
+            BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
+            ROWW=ROW, num_warps=k.num_warps, num_stages=1)
+        return args, consts
+
+    def _check_residency(self, p: Packed, trace: bool) -> None:
+        """Compile (once per trace flag) and refuse a grid whose programs cannot all be resident at once."""
+        key = ("compiled", trace)
+        if self.device.type != "cuda":
+            return
+        if key not in self.occupancy:
+            args, consts = self._args(p, trace)
+            kern = _megakernel.warmup(*args, grid=(1,), **consts)
+            if hasattr(kern, "_init_handles"):
+                kern._init_handles()
+            regs = int(getattr(kern, "n_regs", 0))
+            smem = int(getattr(kern.metadata, "shared", 0))
+            threads = 32 * self.kcfg.num_warps
+            props = torch.cuda.get_device_properties(self.device)
+            regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
+            smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
+            per_block_regs = -(-regs * threads // 256) * 256 if regs else 0
+            by_regs = regs_per_sm // per_block_regs if per_block_regs else 32
+            by_smem = smem_per_sm // (smem + 1024) if smem else 32
+            per_sm = min(by_regs, by_smem, 2048 // threads)
+            self.occupancy[key] = {"regs": regs, "spills": int(getattr(kern, "n_spills", 0)), "shared_bytes": smem,
+                                   "threads": threads, "ctas_per_sm": per_sm, "sms": self.num_sms}
+        occ = self.occupancy[key]
+        if occ["ctas_per_sm"] < 1 or p.workers > occ["ctas_per_sm"] * self.num_sms or p.workers > self.num_sms:
+            raise RuntimeError(f"{p.workers} workers cannot all be resident: {occ}")
+
+    def set_position(self, token: int, pos: int) -> None:
+        """Write token and KV position into the device-side runtime inputs (read by the kernel and its graphs)."""
+        c = self.cfg
+        if not 0 <= token < c.vocab_size:
+            raise ValueError(f"token {token} outside the vocabulary [0, {c.vocab_size})")
+        if not 0 <= pos < self.max_seq_len:
+            raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq_len})")
+        if self._rt_host is not None:
+            self._rt_host[0], self._rt_host[1] = token, pos
+            self.rt.copy_(self._rt_host, non_blocking=True)
+        else:
+            self.rt.copy_(torch.tensor([token, pos], dtype=torch.int32))
+
+    def launch(self, packed: Packed | None = None, token: int | None = None, pos: int | None = None, *,
+               reset: bool = True, trace: bool | None = None) -> None:
+        """Enqueue one run of `packed` on the current stream (counter reset first unless `reset=False`); no sync."""
+        p = packed or self.packed
+        assert p is not None
+        trace = self.trace if trace is None else trace
+        self._check_residency(p, trace)
+        if token is not None and pos is not None:
+            self.set_position(token, pos)
+        if reset:
+            p.device["counters"].zero_()
+        args, consts = self._args(p, trace)
+        _megakernel[(p.workers,)](*args, **consts)
+
+    def check(self, packed: Packed | None = None) -> None:
+        """Raise `WatchdogError` naming every stuck worker, instruction and counter of the last run (syncs)."""
+        p = packed or self.packed
+        assert p is not None
+        err = p.device["err"].view(-1, ERR_FIELDS)
+        flags = err[:, 0]
+        if int(flags.max().item()) == 0:
+            return
+        rows = err[flags != 0].cpu().tolist()
+        p.device["err"].zero_()
+        where = {i: k for k, i in enumerate(p.ids)}
+        lines = []
+        for _, worker, ident, counter, cur, need, sm, _ in rows[:8]:
+            label = p.labels[where[ident]] if ident in where else f"#{ident}"
+            lines.append(f"worker {worker} (SM {sm}) stuck at {label}: counter {counter} = {cur}, needs {need}")
+        more = f" (+{len(rows) - 8} more)" if len(rows) > 8 else ""
+        raise WatchdogError(f"watchdog timeout after {self.timeout_ns / 1e9:g} s: " + "; ".join(lines) + more)
+
+    def graph(self, packed: Packed | None = None) -> torch.cuda.CUDAGraph:
+        """The CUDA graph of one whole step of `packed`: counter reset + the kernel (captured once, replayed)."""
+        p = packed or self.packed
+        assert p is not None
+        if p.device.get("graph") is None:
+            self.launch(p)  # compile and warm up outside the capture
+            torch.cuda.synchronize(self.device)
+            self.check(p)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.launch(p)
+            p.device["graph"] = g
+        return p.device["graph"]
+
+    def step(self, token: int, pos: int) -> torch.Tensor:
+        """One decode step (CUDA-graph replay); returns a copy of the fp32 logits. Raises `WatchdogError` on a hang."""
+        self.set_position(token, pos)
+        if self.device.type == "cuda":
+            self.graph().replay()
+        else:
+            self.launch()
+        out = self.logits.clone()
+        self.check()
+        return out
+
+    def counters(self, packed: Packed | None = None) -> np.ndarray:
+        p = packed or self.packed
+        assert p is not None
+        return p.device["counters"][:p.counters].cpu().numpy()
+
+    def raw_trace(self, packed: Packed | None = None) -> np.ndarray:
+        """[N, 4] int64 (wait start, start, end ns; worker) of the last traced run, by instruction index."""
+        p = packed or self.packed
+        assert p is not None
+        return p.device["trace"][:p.n].cpu().numpy()
+
+    def traced_step(self, token: int, pos: int, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""
+        from kernels.trace import from_raw
+
+        p = self.packed
+        assert p is not None
+        p.device["trace"].zero_()
+        self.launch(p, token, pos, trace=True)
+        torch.cuda.synchronize(self.device)
+        self.check(p)
+        meta = {"model": None, "device": torch.cuda.get_device_name(self.device), "ctx": pos + 1,
+                "estimated": False, **(metadata or {})}
+        return from_raw(self.raw_trace(p), p.ids, p.ops, p.layers, meta)
+
+
+def instruction_ids(p: Packed) -> np.ndarray:
+    return p.ins[:p.n, F_ID].copy()

@@ -1,0 +1,297 @@
+"""The catalogue's ops as Triton device functions, inlined into the persistent interpreter (kernels/gpu/interpreter.py).
+
+Each function computes exactly what `validator.catalogue`'s `compute` of the same op computes (fp32 activations,
+bf16 weights and KV cache, fp32 accumulation). Data written by other SMs during the kernel (activations, this step's
+K/V) is read with `cache_modifier=".cg"` (L2, never a stale L1 line). Residual reduces into `x` are fp32 atomics.
+
+Matrix-vector products stream weights in [BR, BK] tiles with unmasked, 16-byte-aligned loads along K (the fast path,
+taken when the K range starts on a multiple of 16 elements) and a software-pipelined K loop (`tl.range(num_stages)`);
+a fully masked path keeps any other K split correct.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter runs no inline PTX: plain equivalents
+    # (programs run one after another there, so only single-worker schedules can be interpreted).
+
+    @triton.jit
+    def globaltimer():
+        return tl.full((), 0, tl.int64)
+
+    @triton.jit
+    def smid():
+        return tl.full((), 0, tl.int32)
+
+    @triton.jit
+    def load_acquire(ptr):
+        return tl.load(ptr)
+
+    @triton.jit
+    def signal_release(ptr, add):
+        return tl.atomic_add(ptr, add)
+
+else:
+
+    @triton.jit
+    def globaltimer():
+        """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def smid():
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def load_acquire(ptr):
+        """Acquire load at GPU scope: later loads of this thread see every write released before the value read."""
+        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def signal_release(ptr, add):
+        """`*ptr += add` once per CTA (thread 0), with release semantics at GPU scope. Call after a CTA barrier."""
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
+            "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptr, add], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def rms_rstd(x_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of the residual stream (read from L2)."""
+    offs = tl.arange(0, BLOCK_H)
+    x = tl.load(x_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(x * x, 0) / H + EPS)
+
+
+@triton.jit
+def _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(v_ptr + kk, mask=kmask, other=0.0, cache_modifier=".cg")
+        if NORM:
+            v = v * rstd * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+    else:
+        v = tl.load(v_ptr + kk, cache_modifier=".cg")
+        if NORM:
+            v = v * rstd * tl.load(nw_ptr + kk)
+    return v
+
+
+@triton.jit
+def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr, rstd,
+             NORM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """sum_k W[rows, k] * v[k] over k in [k0, k1); v = x * rstd * norm_weight when NORM. Returns fp32 [BR]."""
+    acc = tl.zeros((BR, BK), tl.float32)
+    ks = tl.arange(0, BK)
+    wrow = w_ptr + rows[:, None].to(tl.int64) * ld
+    if k0 % 16 == 0:
+        k0a = tl.multiple_of(k0, 16)
+        nfull = (k1 - k0a) // BK
+        kend = k0a + nfull * BK
+        for kb in tl.range(0, nfull, num_stages=NS):
+            kk = tl.multiple_of(k0a + kb * BK, 16) + ks
+            v = _vec(v_ptr, nw_ptr, kk, kk < k1, rstd, NORM, False)
+            w = tl.load(wrow + kk[None, :], mask=rmask[:, None], other=0.0)
+            acc += w.to(tl.float32) * v[None, :]
+        if kend < k1:
+            kk = kend + ks
+            kmask = kk < k1
+            v = _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM, True)
+            w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * v[None, :]
+    else:
+        for k in tl.range(k0, k1, BK):
+            kk = k + ks
+            kmask = kk < k1
+            v = _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM, True)
+            w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * v[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, rstd, K: tl.constexpr,
+              BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """Two normed row sets against the same vector in one K loop (gate/up, or the two RoPE halves of a head)."""
+    acc1 = tl.zeros((BR, BK), tl.float32)
+    acc2 = tl.zeros((BR, BK), tl.float32)
+    ks = tl.arange(0, BK)
+    w1row = w1_ptr + rows1[:, None].to(tl.int64) * ld
+    w2row = w2_ptr + rows2[:, None].to(tl.int64) * ld
+    if K % BK == 0:
+        for k in tl.range(0, K, BK, num_stages=NS):
+            kk = k + ks
+            v = tl.load(v_ptr + kk, cache_modifier=".cg") * rstd * tl.load(nw_ptr + kk)
+            w1 = tl.load(w1row + kk[None, :], mask=rmask[:, None], other=0.0)
+            w2 = tl.load(w2row + kk[None, :], mask=rmask[:, None], other=0.0)
+            acc1 += w1.to(tl.float32) * v[None, :]
+            acc2 += w2.to(tl.float32) * v[None, :]
+    else:
+        for k in tl.range(0, K, BK, num_stages=NS):
+            kk = k + ks
+            kmask = kk < K
+            v = tl.load(v_ptr + kk, mask=kmask, other=0.0, cache_modifier=".cg")
+            v = v * rstd * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+            m = rmask[:, None] & kmask[None, :]
+            w1 = tl.load(w1row + kk[None, :], mask=m, other=0.0)
+            w2 = tl.load(w2row + kk[None, :], mask=m, other=0.0)
+            acc1 += w1.to(tl.float32) * v[None, :]
+            acc2 += w2.to(tl.float32) * v[None, :]
+    return tl.sum(acc1, 1), tl.sum(acc2, 1)
+
+
+@triton.jit
+def op_embed(embed_ptr, x_ptr, token, start, end, H: tl.constexpr, BE: tl.constexpr):
+    """x[start:end] = embed[token, start:end]."""
+    offs0 = tl.arange(0, BE)
+    for e in range(start, end, BE):
+        offs = e + offs0
+        m = offs < end
+        v = tl.load(embed_ptr + token.to(tl.int64) * H + offs, mask=m, other=0.0)
+        tl.store(x_ptr + offs, v.to(tl.float32), mask=m)
+
+
+@triton.jit
+def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, start, end, pos,
+                H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr, KVS: tl.constexpr,
+                S: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache."""
+    HALF: tl.constexpr = HD // 2
+    QKV: tl.constexpr = QS + 2 * KVS
+    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
+    nw = norm_ptr + layer * H
+    wl = wqkv_ptr + layer.to(tl.int64) * QKV * H
+    j = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + j)
+    sin = tl.load(sin_ptr + pos * HALF + j)
+    rtrue = j < HALF
+    for r in range(start, end, HD):
+        y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, rstd, H, HALF, BK, NS)
+        if r < QS + KVS:
+            o1 = y1 * cos - y2 * sin
+            o2 = y2 * cos + y1 * sin
+            if r < QS:
+                tl.store(q_ptr + r + j, o1)
+                tl.store(q_ptr + r + HALF + j, o2)
+            else:
+                g = (r - QS) // HD
+                base = ((layer * NKV + g).to(tl.int64) * S + pos) * HD
+                tl.store(kc_ptr + base + j, o1.to(tl.bfloat16))
+                tl.store(kc_ptr + base + HALF + j, o2.to(tl.bfloat16))
+        else:
+            g = (r - QS - KVS) // HD
+            base = ((layer * NKV + g).to(tl.int64) * S + pos) * HD
+            tl.store(vc_ptr + base + j, y1.to(tl.bfloat16))
+            tl.store(vc_ptr + base + HALF + j, y2.to(tl.bfloat16))
+
+
+@triton.jit
+def op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos,
+                    NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+                    GP: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr):
+    """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1."""
+    T = pos + 1
+    lo = split * T // splits
+    hi = (split + 1) * T // splits
+    gi = tl.arange(0, GP)
+    gm = gi < G
+    d = tl.arange(0, HD)
+    h0 = g * G
+    q = tl.load(q_ptr + (h0 + gi)[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+    q = q * SCALE
+    base = (layer * NKV + g).to(tl.int64) * S * HD
+    m_i = tl.full((GP,), -1.0e30, tl.float32)
+    l_i = tl.zeros((GP,), tl.float32)
+    acc = tl.zeros((GP, HD), tl.float32)
+    tb = tl.arange(0, BT)
+    for t0 in range(lo, hi, BT):
+        ts = t0 + tb
+        tm = ts < hi
+        offs = base + ts[:, None] * HD + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        v = tl.load(vc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        s = tl.sum(q[:, None, :] * k[None, :, :], 2)  # [GP, BT]
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m_i = m_new
+    empty = hi <= lo
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = tl.where(empty, 0.0, acc / safe_l[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(safe_l))
+    row = split * NH + h0 + gi
+    tl.store(opart_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None])
+    tl.store(lse_ptr + row, lse, mask=gm)
+
+
+@triton.jit
+def op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: tl.constexpr, HD: tl.constexpr,
+                   HB: tl.constexpr):
+    """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end)."""
+    d = tl.arange(0, HD)
+    for hc in range(start, end, HB):
+        hs = hc + tl.arange(0, HB)
+        hm = hs < end
+        m = tl.full((HB,), -1.0e30, tl.float32)
+        for s in range(0, splits):
+            m = tl.maximum(m, tl.load(lse_ptr + s * NH + hs, mask=hm, other=float("-inf"), cache_modifier=".cg"))
+        den = tl.zeros((HB,), tl.float32)
+        acc = tl.zeros((HB, HD), tl.float32)
+        for s in range(0, splits):
+            wgt = tl.exp(tl.load(lse_ptr + s * NH + hs, mask=hm, other=float("-inf"), cache_modifier=".cg") - m)
+            o = tl.load(opart_ptr + (s * NH + hs)[:, None] * HD + d[None, :], mask=hm[:, None], other=0.0,
+                        cache_modifier=".cg")
+            den += wgt
+            acc += wgt[:, None] * o
+        den = tl.where(den > 0, den, 1.0)
+        tl.store(attn_ptr + hs[:, None] * HD + d[None, :], acc / den[:, None], mask=hm[:, None])
+
+
+@triton.jit
+def op_matvec_residual(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.constexpr, K: tl.constexpr,
+                       BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """x[start:end] += W[layer][start:end, k0:k1] @ v[k0:k1] (W is [L, R, K]); fp32 atomics (K-split safe)."""
+    wl = w_ptr + layer.to(tl.int64) * R * K
+    rb = tl.arange(0, BR)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        y = dot_rows(wl, K, rows, rmask, k0, k1, v_ptr, v_ptr, 1.0, False, BR, BK, NS)
+        tl.atomic_add(x_ptr + rows, y, mask=rmask, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def op_gate_up(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr, IS: tl.constexpr,
+               BLOCK_H: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """act[start:end] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm."""
+    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
+    nw = norm_ptr + layer * H
+    off = layer.to(tl.int64) * IS * H
+    rb = tl.arange(0, BR)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        g, u = dot_rows2(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, nw, rstd, H, BR, BK, NS)
+        tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rmask)
+
+
+@triton.jit
+def op_lm_head(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, BLOCK_H: tl.constexpr,
+               EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """logits[start:end] = lm_head[start:end] @ (rmsnorm(x) * final_norm)."""
+    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
+    rb = tl.arange(0, BR)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        y = dot_rows(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, norm_ptr, rstd, True, BR, BK, NS)
+        tl.store(logits_ptr + rows, y, mask=rmask)

@@ -1,0 +1,105 @@
+"""Pack pass: a resolved schedule -> the int32 tables the persistent Triton interpreter walks (numpy, no torch).
+
+The tables are data, not code: a new assignment, order or counter layout is a new set of tables for the same compiled
+kernel. Layout (all int32):
+
+  ins    [N, ROW]   per instruction, indexed by ascending id: opcode, layer, four op arguments in the catalogue's
+                    argument order (`OPS[op].args`), the instruction id, and (offset, count) into `waits`/`signals`
+  waits  [NW, 2]    (counter, value) pairs
+  sigs   [NS, 2]    (counter, add) pairs
+  qoff   [W + 1]    worker w runs qitems[qoff[w]:qoff[w+1]] in order
+  qitems [N]        instruction indices (rows of `ins`)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from validator.catalogue import OP_ORDER, OPS
+from validator.errors import ScheduleError
+from validator.program import Program, resolve
+from validator.schedule import Schedule
+
+#: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
+OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
+ROW = 12  # fields per instruction row
+F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
+MAX_ARGS = 4
+
+for _name, _spec in OPS.items():
+    if len(_spec.args) > MAX_ARGS:  # pragma: no cover - a catalogue change the kernel must follow
+        raise RuntimeError(f"catalogue op {_name} has more than {MAX_ARGS} arguments; widen the packed row")
+
+
+@dataclass
+class Packed:
+    """One schedule as interpreter tables (numpy) plus what the host needs to launch and explain it."""
+
+    ins: np.ndarray
+    waits: np.ndarray
+    sigs: np.ndarray
+    qoff: np.ndarray
+    qitems: np.ndarray
+    workers: int
+    counters: int
+    max_splits: int
+    ids: list[int]
+    labels: list[str]
+    ops: list[str]
+    layers: list[int | None]
+    worker_of: list[int]
+    expected_counters: np.ndarray  # each counter's value once every instruction has signalled
+    device: dict[str, object] = field(default_factory=dict)  # device copies, filled by the interpreter
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+def pack_program(prog: Program) -> Packed:
+    """Pack a resolved program; ops the catalogue does not know cannot run and raise `ScheduleError`."""
+    n = prog.n
+    ins = np.zeros((max(n, 1), ROW), dtype=np.int32)
+    waits: list[tuple[int, int]] = []
+    sigs: list[tuple[int, int]] = []
+    expected = np.zeros(max(prog.counters, 1), dtype=np.int64)
+    max_splits = 1
+    for i in range(n):
+        op = prog.op[i]
+        if op not in OPCODES:
+            raise ScheduleError(f"op {op!r} is not a catalogue op; the GPU interpreter cannot execute it",
+                                f"{prog.path(i)}.op")
+        row = ins[i]
+        row[F_OP] = OPCODES[op]
+        layer = prog.layer[i]
+        row[F_LAYER] = layer if layer is not None else 0
+        for j, name in enumerate(OPS[op].args):
+            row[F_A0 + j] = prog.args[i][name]
+        if "splits" in prog.args[i]:
+            max_splits = max(max_splits, prog.args[i]["splits"])
+        row[F_ID] = prog.ids[i]
+        row[F_WOFF], row[F_WN] = len(waits), len(prog.waits[i])
+        waits.extend(prog.waits[i])
+        row[F_SOFF], row[F_SN] = len(sigs), len(prog.signals[i])
+        sigs.extend(prog.signals[i])
+        for c, add in prog.signals[i]:
+            expected[c] += add
+    if int(expected.max(initial=0)) >= 2**31:
+        raise ScheduleError("a counter's total adds exceed the int32 range", "$.instructions")
+    qoff = np.zeros(len(prog.queues) + 1, dtype=np.int32)
+    for w, q in enumerate(prog.queues):
+        qoff[w + 1] = qoff[w] + len(q)
+    qitems = np.array([i for q in prog.queues for i in q] or [0], dtype=np.int32)
+    return Packed(
+        ins=ins, waits=np.array(waits or [(0, 0)], dtype=np.int32).reshape(-1, 2),
+        sigs=np.array(sigs or [(0, 0)], dtype=np.int32).reshape(-1, 2), qoff=qoff, qitems=qitems,
+        workers=len(prog.queues), counters=prog.counters, max_splits=max_splits, ids=list(prog.ids),
+        labels=[prog.label(i) for i in range(n)], ops=list(prog.op), layers=list(prog.layer),
+        worker_of=list(prog.worker), expected_counters=expected[:prog.counters].astype(np.int32))
+
+
+def pack(schedule: Schedule) -> Packed:
+    """Resolve (structural checks) and pack a schedule."""
+    return pack_program(resolve(schedule))

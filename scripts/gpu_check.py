@@ -1,0 +1,319 @@
+"""Build, check and time the persistent megakernel in one device call (METHOD.md: one script, a short table last).
+
+    python scripts/gpu_check.py [--out DIR] [--quick] [--variants a,b,...] [--ctx 128,1024,4096]
+
+1. environment + copy bandwidth (the floor's denominator), 2. correctness on tiny configs (naive and a different
+assignment/counter layout) against kernels.reference, the watchdog on a schedule that deadlocks, 3. llama-1b
+correctness at positions >= 2048 over a random KV history, 4. timings (CUDA-graph replays of the whole step) of kernel
+and lowering variants at several contexts, 5. one traced step exported as trace.json with its summary. Full results
+go to DIR/gpu_check.json; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
+from kernels.gpu.timing import time_schedule  # noqa: E402
+from kernels.reference import decode_step  # noqa: E402
+from kernels.trace import format_summary, summarize, write_trace  # noqa: E402
+from kernels.weights import random_weights  # noqa: E402
+from synth.lower import lower  # noqa: E402
+from synth.models import get_model  # noqa: E402
+from synth.strategy import Strategy  # noqa: E402
+from validator.model import ModelConfig  # noqa: E402
+from validator.schedule import parse_schedule  # noqa: E402
+
+RESULTS: dict[str, Any] = {"checks": [], "timings": [], "errors": []}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def gpu_random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Same scaling as kernels.weights.random_weights, drawn on the GPU (a 1.2B-parameter model in a second)."""
+    from kernels.weights import weight_shapes
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
+        elif name == "embed":
+            t = torch.randn(shape, generator=gen, device="cuda")
+            if cfg.tie_word_embeddings:
+                t /= math.sqrt(cfg.hidden_size)
+        else:
+            t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
+        out[name] = t.to(torch.bfloat16)
+    if cfg.tie_word_embeddings:
+        out["lm_head"] = out["embed"]
+    return out
+
+
+def variant_schedule(spec: Any, workers: int, strategy: Strategy, reverse: bool = False, shuffle_counters: int = 0):
+    """The lowering, optionally with the worker assignment reversed and the counter ids permuted."""
+    doc = lower(spec, workers, strategy).to_json()
+    if reverse:
+        doc["queues"] = list(reversed(doc["queues"]))
+    if shuffle_counters:
+        n = doc["counters"]
+        perm = list(range(n))
+        import random
+
+        random.Random(shuffle_counters).shuffle(perm)
+        doc["counters"] = n + 7  # unused counters are legal
+        for ins in doc["instructions"]:
+            for w in ins.get("waits", []):
+                w["counter"] = perm[w["counter"]] + 7
+            for s in ins.get("signals", []):
+                s["counter"] = perm[s["counter"]] + 7
+    return parse_schedule(doc)
+
+
+def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
+    rel = float((out - ref).norm() / ref.norm())
+    top2 = torch.topk(ref, 2).values
+    margin = float(top2[0] - top2[1])
+    same = int(out.argmax()) == int(ref.argmax())
+    return {"rel_l2": rel, "margin": margin, "same_token": same, "finite": bool(torch.isfinite(out).all())}
+
+
+def check_model(name: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], schedule: Any, label: str,
+                positions: list[int], history: int, max_seq_len: int, tol: float = 2e-2) -> bool:
+    """Decode `positions` with the megakernel and the reference from the same random KV history; record the check."""
+    mk = Megakernel(schedule, weights, max_seq_len=max_seq_len)
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    if history:
+        mk.k_cache[:, :, :history].copy_(torch.randn(mk.k_cache[:, :, :history].shape, generator=gen,
+                                                     device="cuda") * 0.5)
+        mk.v_cache[:, :, :history].copy_(torch.randn(mk.v_cache[:, :, :history].shape, generator=gen,
+                                                     device="cuda"))
+    kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+    worst, ok, rows = 0.0, True, []
+    for pos in positions:
+        token = (pos * 7919 + 13) % cfg.vocab_size
+        out = mk.step(token, pos)
+        ref = decode_step(cfg, weights, kref, vref, token, pos)
+        r = compare(ref, out)
+        r["pos"] = pos
+        rows.append(r)
+        worst = max(worst, r["rel_l2"])
+        good = r["finite"] and r["rel_l2"] <= tol and (r["same_token"] or r["margin"] <= 0.05)
+        ok &= good
+    kv_err = float((mk.k_cache.float() - kref.float()).abs().max())
+    counters_ok = bool((mk.counters() == mk.packed.expected_counters).all())
+    ok &= counters_ok and kv_err < 0.05
+    RESULTS["checks"].append({"model": name, "schedule": label, "ok": ok, "worst_rel_l2": worst,
+                              "kv_max_abs_err": kv_err, "counters_ok": counters_ok, "positions": rows,
+                              "occupancy": mk.occupancy.get(("compiled", False))})
+    log(f"check {name:9s} {label:32s} {'OK ' if ok else 'FAIL'} worst rel L2 {worst:.2e} kv err {kv_err:.1e} "
+        f"counters {'ok' if counters_ok else 'WRONG'} occ {mk.occupancy.get(('compiled', False))}")
+    del mk
+    return ok
+
+
+def check_watchdog(cfg: ModelConfig, spec: Any, weights: dict[str, torch.Tensor]) -> None:
+    doc = lower(spec, 8, Strategy()).to_json()
+    victim = doc["instructions"][len(doc["instructions"]) // 2]
+    victim["waits"] = [{"counter": victim["waits"][0]["counter"], "value": 10_000}]
+    sched = parse_schedule(doc)
+    mk = Megakernel(sched, weights, max_seq_len=spec.max_seq_len, timeout_s=0.5)
+    t = time.time()
+    try:
+        mk.step(1, 3)
+        RESULTS["checks"].append({"model": "tiny", "schedule": "watchdog", "ok": False, "msg": "no error raised"})
+        log("check watchdog FAIL: no error")
+    except WatchdogError as exc:
+        dt = time.time() - t
+        RESULTS["checks"].append({"model": "tiny", "schedule": "watchdog", "ok": True, "msg": str(exc)[:400],
+                                  "seconds": dt})
+        log(f"check watchdog OK in {dt:.2f} s: {str(exc)[:200]}")
+
+
+def copy_bandwidth() -> float:
+    n = 2 * 1024**3 // 2
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(20):
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1))
+    times.sort()
+    del a, b
+    return 2 * n * 2 / (times[len(times) // 2] * 1e-3) / 1e12
+
+
+def floor_bytes(cfg: ModelConfig, ctx: int) -> int:
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.hd * 2
+    return cfg.weight_bytes(2) + kv
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ctx", default="128,1024,4096")
+    ap.add_argument("--variants", default="base,ns1")
+    ap.add_argument("--lowerings", default="naive")
+    ap.add_argument("--reps", type=int, default=100)
+    ap.add_argument("--skip-correctness", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    env = {"gpu": torch.cuda.get_device_name(0), "sms": props.multi_processor_count, "torch": torch.__version__,
+           "triton": triton.__version__}
+    RESULTS["env"] = env
+    log(f"env {env}")
+    bw = copy_bandwidth()
+    RESULTS["copy_tb_s"] = bw
+    log(f"copy bandwidth {bw:.2f} TB/s (read + write)")
+    sms = props.multi_processor_count
+
+    if not args.skip_correctness:
+        for name in ("tiny", "tiny-gqa4"):
+            spec = get_model(name)
+            cfg = spec.config
+            w = {k: v.to("cuda", torch.bfloat16) for k, v in random_weights(cfg, seed=3).items()}
+            if cfg.tie_word_embeddings:
+                w["lm_head"] = w["embed"]
+            try:
+                hist = spec.max_seq_len - 12
+                check_model(name, cfg, w, lower(spec, 8), "naive w=8", list(range(hist, hist + 8)), hist,
+                            spec.max_seq_len)
+                alt = variant_schedule(spec, 5, Strategy(attn_splits=3, k_splits={"o_proj_residual": 2,
+                                                                                  "down_proj_residual": 2},
+                                                         tiles={"attn_norm_qkv_rope": 32, "o_proj_residual": 8,
+                                                                "mlp_norm_gate_up": 24, "down_proj_residual": 8,
+                                                                "final_norm_lm_head": 40}),
+                                       reverse=True, shuffle_counters=7)
+                check_model(name, cfg, w, alt, "rev w=5 splits3 k2 perm", list(range(hist, hist + 8)), hist,
+                            spec.max_seq_len)
+                check_model(name, cfg, w, lower(spec, sms), f"naive w={sms} from pos 0", list(range(0, 6)), 0,
+                            spec.max_seq_len)
+                if name == "tiny":
+                    check_watchdog(cfg, spec, w)
+            except Exception as exc:  # keep going: every other check still runs
+                RESULTS["errors"].append(f"{name}: {exc!r}\n{traceback.format_exc()}")
+                log(f"ERROR {name}: {exc!r}")
+                traceback.print_exc()
+
+    spec = get_model("llama-1b")
+    cfg = spec.config
+    t = time.time()
+    w = gpu_random_weights(cfg)
+    torch.cuda.synchronize()
+    log(f"llama-1b weights in {time.time() - t:.1f} s")
+    if not args.skip_correctness:
+        try:
+            n = 4 if args.quick else 8
+            check_model("llama-1b", cfg, w, lower(spec, sms), f"naive w={sms}", list(range(2048, 2048 + n)), 2048,
+                        spec.max_seq_len)
+            alt = variant_schedule(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2,
+                                                                                "down_proj_residual": 2}),
+                                   reverse=True, shuffle_counters=3)
+            check_model("llama-1b", cfg, w, alt, "rev splits4 k2 perm", list(range(3000, 3000 + n // 2)), 3000,
+                        spec.max_seq_len)
+        except Exception as exc:
+            RESULTS["errors"].append(f"llama-1b: {exc!r}\n{traceback.format_exc()}")
+            log(f"ERROR llama-1b: {exc!r}")
+            traceback.print_exc()
+
+    variants = {
+        "base": KernelConfig(),
+        "ns1": KernelConfig(num_stages=1),
+        "ns2": KernelConfig(num_stages=2),
+        "ns4": KernelConfig(num_stages=4),
+        "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
+        "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
+        "w4": KernelConfig(num_warps=4),
+    }
+    lowerings = {
+        "naive": Strategy(),
+        "split4": Strategy(attn_splits=4),
+        "split8": Strategy(attn_splits=8),
+        "t32": Strategy(tiles={"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16,
+                               "mlp_norm_gate_up": 32, "down_proj_residual": 16, "final_norm_lm_head": 1024},
+                        attn_splits=4),
+    }
+    ctxs = [int(c) for c in args.ctx.split(",")]
+    mk = None
+    for vname in args.variants.split(","):
+        kcfg = variants[vname]
+        for lname in args.lowerings.split(","):
+            sched = lower(spec, sms, lowerings[lname])
+            try:
+                t = time.time()
+                if mk is None or mk.kcfg != kcfg:
+                    del mk
+                    torch.cuda.empty_cache()
+                    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=kcfg)
+                    gen = torch.Generator(device="cuda").manual_seed(5)
+                    mk.k_cache.normal_(generator=gen)
+                    mk.v_cache.normal_(generator=gen)
+                for ctx in ctxs:
+                    r = time_schedule(mk, sched, ctx, reps=args.reps)
+                    nbytes = floor_bytes(cfg, ctx)
+                    r.update({"variant": vname, "lowering": lname, "kernel_config": dataclasses.asdict(kcfg),
+                              "bytes": nbytes, "achieved_tb_s": nbytes / (r["median_ms"] * 1e-3) / 1e12,
+                              "floor_ms": nbytes / (bw * 1e12) * 1e3, "occupancy": mk.occupancy.get(("compiled",
+                                                                                                      False))})
+                    RESULTS["timings"].append(r)
+                    log(f"time {vname:7s} {lname:7s} ctx {ctx:5d}: {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f} "
+                        f"p90 {r['p90_ms']:.3f}) {r['achieved_tb_s']:.2f} TB/s [{time.time() - t:.0f}s]")
+            except Exception as exc:
+                RESULTS["errors"].append(f"timing {vname}/{lname}: {exc!r}\n{traceback.format_exc()}")
+                log(f"ERROR timing {vname}/{lname}: {exc!r}")
+                traceback.print_exc()
+
+    if mk is not None:
+        try:
+            sched = lower(spec, sms, lowerings[args.lowerings.split(",")[0]])
+            mk.set_schedule(sched)
+            tr = mk.traced_step(1, 1023, {"model": "llama-1b", "ctx": 1024})
+            write_trace(out / "trace.json", tr)
+            summ = summarize(tr)
+            RESULTS["trace_summary"] = {k: v for k, v in summ.items() if k != "per_sm"}
+            log(format_summary(summ))
+        except Exception as exc:
+            RESULTS["errors"].append(f"trace: {exc!r}\n{traceback.format_exc()}")
+            log(f"ERROR trace: {exc!r}")
+
+    (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    log("\n=== summary ===")
+    for c in RESULTS["checks"]:
+        log(f"{'PASS' if c['ok'] else 'FAIL'} {c['model']:9s} {c['schedule']:32s} "
+            f"{c.get('worst_rel_l2', float('nan')):.2e}")
+    for r in RESULTS["timings"]:
+        log(f"{r['variant']:7s} {r['lowering']:7s} ctx {r['ctx']:5d} {r['median_ms']:.3f} ms "
+            f"[{r['p10_ms']:.3f},{r['p90_ms']:.3f}] {r['achieved_tb_s']:.2f} TB/s floor {r['floor_ms']:.3f} ms")
+    log(f"errors: {len(RESULTS['errors'])}")
+    return 0 if not RESULTS["errors"] and all(c["ok"] for c in RESULTS["checks"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
