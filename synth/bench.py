@@ -389,6 +389,8 @@ def hf_model(cfg: ModelConfig, weights: dict[str, Any], device: str, dtype: Any)
         import transformers
     except ImportError:
         raise Skip("transformers is not installed") from None
+    import torch
+
     from kernels.weights import to_hf_state_dict
 
     scaling = cfg.rope_scaling_dict()
@@ -400,9 +402,11 @@ def hf_model(cfg: ModelConfig, weights: dict[str, Any], device: str, dtype: Any)
         num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hd, rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, rope_theta=cfg.rope_theta,
         rope_scaling=scaling, max_position_embeddings=131072)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(dtype=dtype)
-    state = to_hf_state_dict({k: v.to("cpu") for k, v in weights.items()}, cfg)
+    with torch.device(device):  # initialise on the device: a 1B model's random init on the CPU takes long
+        model = transformers.LlamaForCausalLM(hf_cfg).to(dtype=dtype)
+    state = to_hf_state_dict(weights, cfg)
     missing, unexpected = model.load_state_dict(state, strict=False)
+    del state
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise BenchError(f"HF state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")

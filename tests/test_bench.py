@@ -319,3 +319,22 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
             assert rec["step_call"]["reps"] == 2 and rec["kernel"]["instructions"] == len(st.schedule.instructions)
         else:
             assert notes["stages"] == 2 + 6 * spec.config.num_hidden_layers
+
+
+def test_hf_baseline_is_the_same_model() -> None:
+    """The transformers baseline built from our config and weights (Llama-3 RoPE scaling, GQA) computes the
+    reference's logits over a pre-filled cache, in fp32."""
+    pytest.importorskip("transformers")
+    from kernels.reference import decode_step, new_kv_cache
+    from kernels.weights import random_weights
+    from synth.bench import State, _v_hf_eager, compare, kv_history, prefill
+
+    spec = get_model("tiny-gqa4")
+    cfg = spec.config
+    k, v = new_kv_cache(cfg, spec.max_seq_len)
+    st = State(spec, "cpu", random_weights(cfg, seed=1), k, v, token=5, ctx=40)
+    prefill(k, v, kv_history(cfg, spec.max_seq_len, st.ctx, 0))
+    ref = decode_step(cfg, st.weights, k, v, st.token, st.pos)
+    step, notes = _v_hf_eager(st)
+    assert compare(step(), ref)["rel_l2"] < 1e-5
+    assert "attn_implementation" in notes["note"]
