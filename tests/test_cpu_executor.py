@@ -15,6 +15,7 @@ from validator.program import resolve
 from validator.schedule import parse_schedule
 
 SEEDS = range(20)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

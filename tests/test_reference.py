@@ -22,6 +22,7 @@ from kernels.weights import (
 from validator.model import ModelConfig
 
 PROMPT_LEN = 12
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
