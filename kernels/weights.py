@@ -174,8 +174,11 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     if single.exists():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as fh:
-            return {name: single for name in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        try:
+            with safe_open(str(single), framework="pt") as fh:
+                return {name: single for name in fh.keys()}  # noqa: SIM118 (safe_open is not a dict)
+        except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+            raise WeightsError(f"{single}: cannot open: {exc}") from None
     raise WeightsError(f"{folder}: neither model.safetensors nor model.safetensors.index.json found")
 
 
@@ -195,7 +198,7 @@ def load_hf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = tor
         if file not in handles:
             try:
                 handles[file] = safe_open(str(file), framework="pt")
-            except (OSError, RuntimeError, Exception) as exc:  # safetensors raises its own error types
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
                 raise WeightsError(f"{file}: cannot open: {exc}") from None
         try:
             t = handles[file].get_tensor(hf_name)

@@ -168,6 +168,9 @@ def test_load_errors_name_the_tensor(tmp_path) -> None:
     with pytest.raises(WeightsError, match=r"k_proj\.weight has shape \[63, 64\], the config needs \[64, 64\]"):
         load_hf_weights(tmp_path, cfg)
 
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WeightsError, match="model.safetensors: cannot open"):
+        load_hf_weights(tmp_path, cfg)
     with pytest.raises(WeightsError, match="neither model.safetensors"):
         load_hf_weights(tmp_path / "empty", cfg)
     with pytest.raises(WeightsError, match="no config.json"):
