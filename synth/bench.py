@@ -681,6 +681,10 @@ def run_compile(opts: BenchOptions, log: Callable[[str], None]) -> dict[int, dic
             rec = json.loads(line[len(RESULT_TAG):])
             results[rec.pop("ctx")] = rec
     tail = (err or "").strip().splitlines()
+    skipped_graphs = [ln.strip() for ln in tail if "skipping cudagraphs" in ln]
+    if skipped_graphs:  # inductor fell back to plain launches: the time is not a CUDA-graph time, say so
+        for rec in results.values():
+            rec["note"] = f"{rec.get('note', '')}; inductor: {skipped_graphs[0][:200]}".lstrip("; ")
     why = (f"compile + timing exceeded the {opts.compile_timeout_s:.0f} s limit (child killed)" if timed_out else
            f"child exited with code {proc.returncode}: {tail[-1][:200] if tail else 'no output'}")
     for c in opts.ctxs:

@@ -338,3 +338,19 @@ def test_hf_baseline_is_the_same_model() -> None:
     step, notes = _v_hf_eager(st)
     assert compare(step(), ref)["rel_l2"] < 1e-5
     assert "attn_implementation" in notes["note"]
+
+
+def test_bf16_baseline_matches_reference() -> None:
+    """The bf16-native PyTorch step (the fair PyTorch line) computes the reference's logits to bf16 precision."""
+    from kernels.reference import decode_step, new_kv_cache, rope_cos_sin
+    from kernels.weights import random_weights
+    from synth.bench import bf16_decode_step, compare, kv_history, prefill
+
+    spec = get_model("tiny-gqa4")
+    cfg = spec.config
+    w = random_weights(cfg, seed=1, dtype=torch.bfloat16)
+    k, v = new_kv_cache(cfg, spec.max_seq_len, dtype=torch.bfloat16)
+    prefill(k, v, kv_history(cfg, spec.max_seq_len, 30, 0))
+    ref = decode_step(cfg, w, k, v, 5, 29)
+    cos, sin = rope_cos_sin(cfg, 29)
+    assert compare(bf16_decode_step(cfg, w, k, v, 5, 29, cos, sin), ref)["rel_l2"] < 2e-2
