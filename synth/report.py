@@ -212,6 +212,7 @@ def list_runs(runs_dir: str | Path) -> list[Run]:
 
 @dataclass
 class Trace:
+    doc: dict[str, Any]  # the trace as read (the shared format)
     lanes: int
     events: list[dict[str, Any]]  # {"id", "op", "layer", "tid", "ts", "dur", "wait"} sorted by (tid, ts)
     metadata: dict[str, Any]
@@ -228,10 +229,11 @@ class Trace:
 
 def parse_trace(doc: Any) -> Trace:
     """Trace events -> a `Trace`; raises ValueError naming the first bad event (the caller notes and skips it)."""
+    from kernels.trace import check_trace
+
     if isinstance(doc, list):
         doc = {"traceEvents": doc}
-    if not isinstance(doc, dict) or not isinstance(doc.get("traceEvents"), list):
-        raise ValueError("no traceEvents list")
+    check_trace(doc, "best/trace.json")  # raises TraceError (a ValueError) naming the JSON path
     events, names = [], {}
     for k, ev in enumerate(doc["traceEvents"]):
         if not isinstance(ev, dict):
@@ -252,79 +254,33 @@ def parse_trace(doc: Any) -> Trace:
     events.sort(key=lambda e: (e["tid"], e["ts"]))
     lanes = max([t + 1 for t in names] + [e["tid"] + 1 for e in events] + [0])
     meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    return Trace(lanes, events, meta, [names.get(w, f"SM {w}") for w in range(lanes)])
+    return Trace(doc, lanes, events, meta, [names.get(w, f"SM {w}") for w in range(lanes)])
 
 
-def time_per_op(trace: Trace) -> list[tuple[str, float, int]]:
-    """(op, total µs of busy time, instructions), largest first."""
-    acc: dict[str, list[float]] = {}
-    for e in trace.events:
-        a = acc.setdefault(e["op"], [0.0, 0])
-        a[0] += e["dur"]
-        a[1] += 1
-    return sorted(((op, t, int(n)) for op, (t, n) in acc.items()), key=lambda r: -r[1])
-
-
-def per_lane(trace: Trace) -> list[dict[str, float]]:
-    """Busy, waiting and idle µs per lane over the trace's makespan."""
-    span = trace.makespan_us
-    out = [{"busy": 0.0, "wait": 0.0} for _ in range(trace.lanes)]
-    for e in trace.events:
-        out[e["tid"]]["busy"] += e["dur"]
-        out[e["tid"]]["wait"] += e["wait"]
-    for o in out:
-        o["idle"] = max(span - o["busy"], 0.0)
+def producers_of(schedule: Any) -> dict[int, list[int]] | None:
+    """Instruction id -> the ids that signal a counter it waits on (who can have held it up), from schedule JSON."""
+    if not isinstance(schedule, dict) or not isinstance(schedule.get("instructions"), list):
+        return None
+    signallers: dict[int, list[int]] = {}
+    for ins in schedule["instructions"]:
+        if isinstance(ins, dict):
+            for sg in ins.get("signals") or []:
+                if isinstance(sg, dict) and isinstance(sg.get("counter"), int):
+                    signallers.setdefault(sg["counter"], []).append(ins.get("id"))
+    out: dict[int, list[int]] = {}
+    for ins in schedule["instructions"]:
+        if isinstance(ins, dict) and isinstance(ins.get("id"), int):
+            out[ins["id"]] = [p for w in ins.get("waits") or [] if isinstance(w, dict)
+                              for p in signallers.get(w.get("counter"), [])]
     return out
 
 
-def critical_path(trace: Trace, schedule: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """The chain of instructions that ends last, walked backwards: each step's predecessor is the one that let it
-    start (its queue predecessor, or, when it waited, the signaller of a counter it waited on that ended last before
-    it started; without the schedule, the latest-ending instruction on any lane). Returns events, first to last."""
-    if not trace.events:
-        return []
-    by_id = {e["id"]: e for e in trace.events}
-    prev_on_lane: dict[Any, dict[str, Any]] = {}
-    for a, b in zip(trace.events, trace.events[1:], strict=False):
-        if a["tid"] == b["tid"]:
-            prev_on_lane[b["id"]] = a
-    signallers: dict[int, list[int]] = {}
-    waits: dict[int, list[int]] = {}
-    for ins in (schedule or {}).get("instructions", []) if isinstance(schedule, dict) else []:
-        if not isinstance(ins, dict):
-            continue
-        for s in ins.get("signals") or []:
-            if isinstance(s, dict) and isinstance(s.get("counter"), int):
-                signallers.setdefault(s["counter"], []).append(ins.get("id"))
-        waits[ins.get("id")] = [w["counter"] for w in ins.get("waits") or []
-                                if isinstance(w, dict) and isinstance(w.get("counter"), int)]
-    ends = sorted(trace.events, key=lambda e: e["ts"] + e["dur"])
-    end_times = [e["ts"] + e["dur"] for e in ends]
-    cur = ends[-1]
-    path = [cur]
-    eps = 1e-6
-    for _ in range(len(trace.events)):
-        cands = []
-        lp = prev_on_lane.get(cur["id"])
-        if lp is not None:
-            cands.append(lp)
-        if cur["wait"] > 0 or lp is None:
-            if schedule is not None and cur["id"] in waits:
-                for c in waits[cur["id"]]:
-                    cands += [by_id[s] for s in signallers.get(c, []) if s in by_id]
-            else:  # no schedule: the latest end at or before our start, on any lane
-                import bisect
+def summarize(trace: Trace, schedule: Any = None) -> dict[str, Any]:
+    """Time per op, per-SM busy/wait/idle and the critical path, as `kernels.trace.summarize` (the format's owner)
+    computes them; the schedule, when given, tells it which instructions each one waited on."""
+    from kernels.trace import summarize as trace_summary
 
-                k = bisect.bisect_right(end_times, cur["ts"] + eps) - 1
-                if k >= 0:
-                    cands.append(ends[k])
-        cands = [c for c in cands if c is not cur and c["ts"] + c["dur"] <= cur["ts"] + eps]
-        if not cands:
-            break
-        cur = max(cands, key=lambda c: c["ts"] + c["dur"])
-        path.append(cur)
-    path.reverse()
-    return path
+    return trace_summary(trace.doc, producers_of(schedule))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -888,7 +844,7 @@ def render_report(run: Run) -> str:
         try:
             trace = parse_trace(trace_doc)
         except ValueError as exc:
-            run.notes.append(f"best/trace.json: {exc}; timeline omitted")
+            run.notes.append(f"{exc}; timeline omitted")
     best, naive = run.best(), run.naive()
     est_any = bool(best and best.estimated) or bool(trace and trace.estimated) or bool(_first(timing, "estimated"))
     ctx = _first(trace.metadata, "ctx") if trace else None
@@ -945,7 +901,8 @@ def render_report(run: Run) -> str:
 
     # timeline
     if trace is not None and trace.events:
-        crit = critical_path(trace, schedule if isinstance(schedule, dict) else None)
+        summary = summarize(trace, schedule)
+        crit = summary["critical_path"]
         data = _timeline_data(trace, crit)
         legend = "".join(f'<span><i style="background:{c}"></i>{esc(o)}</span>'
                          for o, c in zip(data["ops"], data["colors"], strict=True))
@@ -958,7 +915,7 @@ def render_report(run: Run) -> str:
             f'</label></div><div id="tl-wrap"><canvas id="timeline"></canvas></div><div id="tip"></div>'
             f'<p class="note">{esc(PERFETTO_HINT)} (<a href="best/trace.json">best/trace.json</a>)</p>'
             + _json_script("tl-data", data) + "</section>")
-        body.append(_op_section(trace))
+        body.append(_op_section(trace, summary))
         body.append(_crit_section(trace, crit))
     else:
         body.append('<section id="timeline-section"><h2>Timeline</h2><p class="note">No best/trace.json: the '
@@ -978,25 +935,26 @@ def render_report(run: Run) -> str:
     return _page(f"megasynth run {run.name}", "".join(body), _TIMELINE_JS if has_tl else "")
 
 
-def _op_section(trace: Trace) -> str:
-    rows = time_per_op(trace)
-    colours = op_colors([r[0] for r in rows])
-    total = sum(t for _, t, _ in rows) or 1.0
-    tmax = max((t for _, t, _ in rows), default=1.0) or 1.0
-    trs = [[f'<i class="opbar" style="background:{colours[op]};width:10px"></i> {esc(op)}', str(n),
-            f"{t:.1f}", f"{100 * t / total:.1f}%", f"{t / n:.2f}",
-            f'<span class="opbar" style="background:{colours[op]};width:{max(1, int(240 * t / tmax))}px"></span>']
-           for op, t, n in rows]
-    lanes = per_lane(trace)
-    span = trace.makespan_us or 1.0
-    busy = sum(x["busy"] for x in lanes) / (span * max(1, trace.lanes))
-    wait = sum(x["wait"] for x in lanes)
-    worst = sorted(range(trace.lanes), key=lambda w: -lanes[w]["idle"])[:5]
-    idle = ", ".join(f"{esc(trace.lane_names[w])} {lanes[w]['idle']:.1f} µs" for w in worst)
+def _op_section(trace: Trace, summary: dict[str, Any]) -> str:
+    per_op = summary.get("per_op", {})
+    colours = op_colors(list(per_op))
+    total = sum(d["total_us"] for d in per_op.values()) or 1.0
+    tmax = max((d["total_us"] for d in per_op.values()), default=1.0) or 1.0
+    trs = [[f'<i class="opbar" style="background:{colours[op]};width:10px"></i> {esc(op)}', str(d["count"]),
+            f"{d['total_us']:.1f}", f"{100 * d['total_us'] / total:.1f}%", f"{d['mean_us']:.2f}",
+            f"{d['wait_us']:.1f}", f'<span class="opbar" style="background:{colours[op]};'
+            f'width:{max(1, int(240 * d["total_us"] / tmax))}px"></span>'] for op, d in per_op.items()]
+    per_sm = summary.get("per_sm", {})
+    worst = sorted(per_sm, key=lambda w: -per_sm[w]["idle_us"])[:5]
+    idle = ", ".join(f"{esc(trace.lane_names[w] if 0 <= w < trace.lanes else w)} {per_sm[w]['idle_us']:.1f} µs"
+                     for w in worst)
+    cp = summary.get("critical_path_by_op_us", {})
     return (f'<section id="per-op"><h2>Time per op {_badge(trace.estimated)}</h2>'
-            + _table(["op", "instructions", "busy µs", "share", "µs each", ""], trs, {1, 2, 3, 4})
-            + f"<p>SMs busy {100 * busy:.1f}% of the makespan; {wait:.1f} µs spent waiting on counters in all. "
-            f"Most idle: {idle}.</p></section>")
+            + _table(["op", "instructions", "busy µs", "share", "µs each", "waited µs", ""], trs, {1, 2, 3, 4, 5})
+            + f"<p>SMs busy {100 * summary.get('busy_fraction', 0):.1f}% of the makespan, waiting on counters "
+            f"{100 * summary.get('wait_fraction', 0):.1f}%; the rest is idle. Most idle: {idle}.</p>"
+            + ("<p>On the critical path: " + ", ".join(f"{esc(op)} {us:.1f} µs" for op, us in cp.items()) + ".</p>"
+               if cp else "") + "</section>")
 
 
 def _crit_section(trace: Trace, crit: list[dict[str, Any]]) -> str:
@@ -1004,7 +962,7 @@ def _crit_section(trace: Trace, crit: list[dict[str, Any]]) -> str:
         return ""
     busy = sum(e["dur"] for e in crit)
     rows = [[str(k + 1), f"#{e['id']}", esc(e["op"]), "" if e["layer"] is None else str(e["layer"]),
-             esc(trace.lane_names[e["tid"]]), f"{e['ts']:.2f}", f"{e['dur']:.2f}", f"{e['wait']:.2f}"]
+             esc(trace.lane_names[e["tid"]]), f"{e['ts']:.2f}", f"{e['dur']:.2f}", f"{e['wait_us']:.2f}"]
             for k, e in enumerate(crit[:MAX_CRITICAL_ROWS])]
     more = f"<p class='note'>first {MAX_CRITICAL_ROWS} of {len(crit)} steps shown</p>" if len(crit) > \
         MAX_CRITICAL_ROWS else ""

@@ -17,12 +17,13 @@ from synth.lower import lower
 from synth.models import get_model
 from synth.report import (
     counterexample_events,
-    critical_path,
     load_run,
     parse_trace,
+    producers_of,
     render_index,
     render_report,
     sequence_svg,
+    summarize,
 )
 from synth.runs_cli import serve_in_thread
 from synth.strategy import Strategy
@@ -212,13 +213,17 @@ def test_trace_parsing_lanes_and_critical_path(runs_dir: Path) -> None:
     t = parse_trace(doc)
     assert t.lanes == len(sched["queues"]) == 8 and t.estimated
     assert len(t.events) == len(sched["instructions"])
-    path = critical_path(t, sched)
+    path = summarize(t, sched)["critical_path"]
     # the chain starts at the embedding, ends at the LM head, and each step starts no earlier than the last ended
     assert path[0]["op"] == "embed" and path[-1]["op"] == "final_norm_lm_head"
     assert all(b["ts"] + 1e-9 >= a["ts"] + a["dur"] for a, b in zip(path, path[1:], strict=False))
     assert abs(path[-1]["ts"] + path[-1]["dur"] - t.makespan_us) < 1e-9
+    # every waited-on step is held up by an instruction that signals a counter it waits on
+    prods = producers_of(sched)
+    for a, b in zip(path, path[1:], strict=False):
+        assert a["tid"] == b["tid"] or a["id"] in prods[b["id"]]
     # without the schedule the walk still finds a chain ending at the makespan
-    assert critical_path(t)[-1] is path[-1]
+    assert summarize(t)["critical_path"][-1]["id"] == path[-1]["id"]
 
 
 def test_defensive_reading(tmp_path: Path) -> None:
