@@ -729,7 +729,9 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
         info: dict[str, Any] = {"path": None, "source": f"naive lowering (synth.lower.lower, {workers} workers)"}
     else:
         schedule = load_schedule(path)
-        text = open(path, encoding="utf-8").read()  # noqa: SIM115 - read whole, closed by refcount
+        from pathlib import Path
+
+        text = Path(path).read_text(encoding="utf-8")
         info = {"path": path, "source": "file"}
         if schedule.model is None:
             raise ScheduleError("the schedule has no `model`; only catalogue-op schedules can run", "$.model", path)
@@ -808,7 +810,9 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
                      "dtype": "bfloat16 weights and KV cache", "flush_l2": opts.flush_l2,
                      "timer": "CUDA events per repetition" if opts.device == "cuda" else "perf_counter",
                      "position": "pos = ctx - 1 (attention over ctx positions), random KV history",
-                     "compile_timeout_s": opts.compile_timeout_s},
+                     "compile_timeout_s": opts.compile_timeout_s,
+                     "weights_over_l2": (floor_bytes(spec.config, 1)["weights"] / dev["l2_bytes"]
+                                         if dev.get("l2_bytes") else None)},
         "schedule": sched_info, "copy_bandwidth": copy, "results": [],
     }
     for ctx in opts.ctxs:
