@@ -368,7 +368,9 @@ def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
         x = x_of[w]
         p.append(f'<text x="{x}" y="18" text-anchor="middle" class="lh">worker {esc(w)}</text>')
         p.append(f'<line x1="{x}" y1="{top - 8}" x2="{x}" y2="{height - 6}" stroke="#bbb" stroke-dasharray="3,3"/>')
+    n_head = len(p)
     last_end: dict[int, tuple[int, int]] = {}  # counter -> (row, x) of the latest end that signalled it
+    arrows: set[tuple[int, int, int, int]] = set()
     for k, e in enumerate(evs):
         y = top + k * row_h
         x = x_of[e["worker"]]
@@ -378,22 +380,24 @@ def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
         label = f'{e["kind"]} #{e.get("instruction")}' + (f' {e["op"]}' if e.get("op") else "")
         if e.get("layer") is not None:
             label += f' L{e["layer"]}'
-        p.append(f'<text x="6" y="{y + 14}" class="num">{k + 1}</text>')
+        p.append(f'<text x="6" y="{y + 14}" class="num">{esc(e.get("n") or k + 1)}</text>')
         p.append(f'<rect x="{x - col_w // 2 + 6}" y="{y + 2}" width="{col_w - 12}" height="{row_h - 4}" rx="3" '
                  f'fill="{fill}" stroke="{stroke}"/>')
         p.append(f'<text x="{x}" y="{y + 15}" text-anchor="middle" class="ev">{esc(label[:34])}'
                  f'<title>{esc(e.get("text") or label)}</title></text>')
         if e["kind"] == "start":
             for c in e.get("waits_on", []):
-                if c in last_end and last_end[c][1] != x:
+                if c in last_end and last_end[c][1] != x:  # box edge to box edge
                     r0, x0 = last_end[c]
-                    y0 = top + r0 * row_h + row_h // 2
-                    x1 = x - col_w // 2 + 8 if x0 < x else x + col_w // 2 - 8
-                    p.append(f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y + row_h // 2}" stroke="#777" '
-                             'stroke-dasharray="4,2" marker-end="url(#arr)"/>')
+                    right = x0 < x
+                    arrows.add((x0 + (col_w // 2 - 6 if right else 6 - col_w // 2), top + r0 * row_h + row_h // 2,
+                                x - col_w // 2 + 6 if right else x + col_w // 2 - 6, y + row_h // 2))
         else:
             for c in e.get("signals", []):
                 last_end[c] = (k, x)
+    lines = [f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y1}" stroke="#777" stroke-dasharray="4,2" '
+             'marker-end="url(#arr)"/>' for x0, y0, x1, y1 in sorted(arrows)]
+    p[n_head:n_head] = lines  # under the boxes
     p.append("</svg>")
     return "".join(p)
 
@@ -424,12 +428,43 @@ def counterexample_events(finding: Any) -> list[dict[str, Any]]:
         if not isinstance(w, int):
             continue
         sig = [s.get("counter") if isinstance(s, dict) else s for s in (ev.get("signals") or [])]
+        if isinstance(ev.get("counters"), dict) and kind == "end":  # validator: counter values after an end
+            sig += [int(c) for c in ev["counters"] if str(c).isdigit()]
         wt = [s.get("counter") if isinstance(s, dict) else s for s in (ev.get("waits") or [])]
-        out.append({"worker": w, "instruction": ins, "op": ev.get("op"), "layer": ev.get("layer"), "kind": kind,
+        text = ev.get("text")
+        if text is None:
+            text = f"{kind} #{ins} {ev.get('op') or ''}" + (f" L{ev['layer']}" if ev.get("layer") is not None else "")
+            waits = [w for w in ev.get("waits") or [] if isinstance(w, dict)]
+            if waits:
+                text += " (" + ", ".join(f"c{w.get('counter')} = {w.get('current', '?')} >= {w.get('value')}"
+                                         for w in waits) + ")"
+            if isinstance(ev.get("counters"), dict) and ev["counters"]:
+                text += " -> " + ", ".join(f"c{c} = {v}" for c, v in ev["counters"].items())
+        out.append({"n": _first(ev, "n", "step", "index"), "worker": w, "instruction": ins, "op": ev.get("op"),
+                    "layer": ev.get("layer"), "kind": kind,
                     "signals": [c for c in sig if isinstance(c, int)],
                     "waits_on": [c for c in wt if isinstance(c, int)],
-                    "text": ev.get("text")})
+                    "text": text})
     return out
+
+
+def focus_events(events: list[dict[str, Any]], focus: set[int], limit: int = MAX_SEQUENCE_EVENTS
+                 ) -> list[dict[str, Any]]:
+    """The events that explain a finding when there are too many to draw: those of the focus instructions, and the
+    last end before each focus start that signalled a counter it waits on (what released it)."""
+    if len(events) <= limit:
+        return events
+    keep: set[int] = set()
+    last_end: dict[int, int] = {}
+    for k, e in enumerate(events):
+        if e["kind"] == "end":
+            for c in e["signals"]:
+                last_end[c] = k
+        if e.get("instruction") in focus:
+            keep.add(k)
+            if e["kind"] == "start":
+                keep.update(last_end[c] for c in e["waits_on"] if c in last_end)
+    return [events[k] for k in sorted(keep)][:limit]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -779,9 +814,11 @@ def _one_rejected(name: str, doc: dict[str, Any]) -> str:
         hl = {i for i in f.get("instructions", []) if isinstance(i, int)} if isinstance(f.get("instructions"),
                                                                                          list) else set()
         if events:
-            out.append(sequence_svg(events, hl))
-            if len(events) > MAX_SEQUENCE_EVENTS:
-                out.append(f"<p class='note'>first {MAX_SEQUENCE_EVENTS} of {len(events)} events shown</p>")
+            shown = focus_events(events, hl)
+            out.append(sequence_svg(shown, hl))
+            if len(shown) < len(events):
+                out.append(f"<p class='note'>{len(shown)} of {len(events)} events shown: those of the racing "
+                           "instructions and the signals that released them (all are in the JSON).</p>")
         details = f.get("details") if isinstance(f.get("details"), dict) else {}
         stuck = details.get("stuck") if isinstance(details.get("stuck"), list) else []
         if stuck:
