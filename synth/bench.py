@@ -762,13 +762,17 @@ def add_ratios(ctx_rec: dict[str, Any], copy_tbps: float) -> None:
     floor = ctx_rec["floor"]
     floor["ms"] = floor["bytes"]["total"] / (copy_tbps * 1e12) * 1e3
     variants = ctx_rec["variants"]
-    base = variants.get(BASELINE, {})
-    base_ms = base["timing"]["median_ms"] if base.get("status") == "ok" else None
+    def median(name: str) -> float | None:
+        rec = variants.get(name, {})
+        return rec["timing"]["median_ms"] if rec.get("status") == "ok" else None
+
+    base_ms, bf16_ms = median(BASELINE), median("torch_bf16")
     for rec in variants.values():
         if rec.get("status") != "ok":
             continue
         ms = rec["timing"]["median_ms"]
         rec["speedup_vs_graph"] = base_ms / ms if base_ms else None
+        rec["speedup_vs_bf16_graph"] = bf16_ms / ms if bf16_ms else None
         rec["x_floor"] = ms / floor["ms"]
         rec["achieved_tbps"] = floor["bytes"]["total"] / (ms * 1e-3) / 1e12
         rec["pct_copy_bw"] = 100.0 * floor["ms"] / ms
@@ -868,13 +872,14 @@ def render(result: dict[str, Any]) -> list[Any]:
                  f"{' (DRY RUN on the CPU)' if result['dry_run'] else ''}: floor {floor['ms']:.3f} ms = "
                  f"{floor['bytes']['total'] / 1e9:.3f} GB / {copy:.2f} TB/s copy")
         table = Table(title=title, title_justify="left")
-        for col in ("variant", "median ms", "p10-p90", "min-max", "vs graph", "x floor", "TB/s", "% copy", "check"):
+        for col in ("variant", "median ms", "p10-p90", "min-max", "vs graph", "vs bf16", "x floor", "TB/s", "% copy",
+                    "check"):
             table.add_column(col, justify="left" if col in ("variant", "check") else "right", no_wrap=True)
         notes = []
         for name, v in rec["variants"].items():
             short = SHORT.get(name, name)
             if v.get("status") != "ok":
-                table.add_row(short, "-", "-", "-", "-", "-", "-", "-", f"[yellow]{v['status']}[/yellow]")
+                table.add_row(short, "-", "-", "-", "-", "-", "-", "-", "-", f"[yellow]{v['status']}[/yellow]")
                 notes.append(f"  {short}: [yellow]{v['status']}: {v.get('reason', '')}[/yellow]")
                 continue
             t, chk = v["timing"], v.get("check", {})
@@ -883,6 +888,7 @@ def render(result: dict[str, Any]) -> list[Any]:
             check = f"err {_fmt(rel, '.1e')}" + ("" if chk.get("argmax_match") else " argmax differs")
             table.add_row(short, f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}",
                           f"{t['min_ms']:.3f}-{t['max_ms']:.3f}", _fmt(v.get("speedup_vs_graph"), ".2f", "x"),
+                          _fmt(v.get("speedup_vs_bf16_graph"), ".2f", "x"),
                           f"{v['x_floor']:.2f}", f"{v['achieved_tbps']:.2f}", f"{v['pct_copy_bw']:.0f}%",
                           f"[green]{check}[/green]" if good else f"[red]{check}[/red]")
             extra = f"; {v['note']}" if v.get("note") else ""
@@ -891,8 +897,9 @@ def render(result: dict[str, Any]) -> list[Any]:
             notes.append(f"  {short}: {v['launch']}{extra}")
         out.append(table)
         out.append("\n".join(notes))
-    out.append("vs graph = CUDA-graph PyTorch reference time / this time; x floor = this time / floor; TB/s = floor "
-               "bytes / this time; check = relative L2 error of the logits against the eager reference")
+    out.append("vs graph = CUDA-graph PyTorch reference time / this time (the reference upcasts weights to fp32); "
+               "vs bf16 = the same against the bf16-native PyTorch step in a CUDA graph; x floor = this time / floor; "
+               "TB/s = floor bytes / this time; check = relative L2 error of the logits against the eager reference")
     return out
 
 

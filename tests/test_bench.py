@@ -66,6 +66,7 @@ def test_ratios_come_from_measured_medians() -> None:
     assert rec["floor"]["ms"] == pytest.approx(0.75)
     mk = rec["variants"]["megakernel"]
     assert mk["speedup_vs_graph"] == pytest.approx(2.0)
+    assert mk["speedup_vs_bf16_graph"] is None  # not measured here
     assert mk["x_floor"] == pytest.approx(2.0)
     assert mk["achieved_tbps"] == pytest.approx(2.0)
     assert mk["pct_copy_bw"] == pytest.approx(50.0)
