@@ -427,6 +427,36 @@ def _findings(cex: Any) -> list[dict[str, Any]]:
     return []
 
 
+def _event_text(e: Any) -> str:
+    if not isinstance(e, dict):
+        return str(e)
+    text = f"{e.get('n', '')}. w{e.get('worker', '?')} {e.get('event', '?')} #{e.get('instruction', '?')}"
+    if e.get("op"):
+        text += f" {e['op']}" + (f" L{e['layer']}" if e.get("layer") is not None else "")
+    if e.get("waits"):
+        text += " (waits " + ",".join(f"c{w.get('counter')}>={w.get('value')}" for w in e["waits"]
+                                      if isinstance(w, dict)) + ")"
+    if e.get("counters"):
+        text += " -> " + ",".join(f"c{k}={v}" for k, v in e["counters"].items())
+    return text
+
+
+def _compact_events(events: list[Any], involved: set[Any], keep_last: int = 6) -> str:
+    """The events that touch the conflicting instructions plus the last few, in order; the rest elided."""
+    keep = {k for k, e in enumerate(events) if isinstance(e, dict) and e.get("instruction") in involved}
+    keep |= set(range(max(0, len(events) - keep_last), len(events)))
+    parts, skipped = [], 0
+    for k, e in enumerate(events):
+        if k in keep:
+            if skipped:
+                parts.append(f"({skipped} events)")
+                skipped = 0
+            parts.append(_event_text(e))
+        else:
+            skipped += 1
+    return "; ".join(parts)
+
+
 def _cex_categories(cex: Any) -> str:
     return ", ".join(sorted({str(f.get("category", "?")) for f in _findings(cex)}))
 
@@ -442,13 +472,11 @@ def compact_counterexample(cex: Any, chars: int = 900) -> str:
         details = f.get("details") or {}
         events = None
         if isinstance(details, dict):
-            events = _first(details, "interleaving", "events", "trace", "witness")
+            events = _first(details, "events", "interleaving", "trace", "witness")
             if isinstance(events, dict):
                 events = _first(events, "events", "steps")
         if isinstance(events, list) and events:
-            line += " interleaving: " + "; ".join(e if isinstance(e, str) else _compact(e) for e in events[:10])
-            if len(events) > 10:
-                line += f"; ... {len(events) - 10} more events"
+            line += " interleaving: " + _compact_events(events, set(ids) | set(details.get("pair") or []))
         out.append(line)
     if not out and cex is not None:
         out.append(_compact(cex))
