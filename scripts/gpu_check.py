@@ -244,18 +244,24 @@ def main() -> int:
             traceback.print_exc()
 
     variants = {
+        "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # the first version (fp32 broadcast attention)
+        "mma": KernelConfig(prefetch=0),
         "base": KernelConfig(),
+        "pf2": KernelConfig(prefetch=2),
         "ns1": KernelConfig(num_stages=1),
-        "ns2": KernelConfig(num_stages=2),
         "ns4": KernelConfig(num_stages=4),
         "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
         "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
+        "bt128": KernelConfig(bt=128),
         "w4": KernelConfig(num_warps=4),
     }
     lowerings = {
         "naive": Strategy(),
         "split4": Strategy(attn_splits=4),
         "split8": Strategy(attn_splits=8),
+        "gu32": Strategy(tiles={"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16,
+                                "mlp_norm_gate_up": 32, "down_proj_residual": 16, "final_norm_lm_head": 256},
+                         attn_splits=4),
         "t32": Strategy(tiles={"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16,
                                "mlp_norm_gate_up": 32, "down_proj_residual": 16, "final_norm_lm_head": 1024},
                         attn_splits=4),
@@ -275,6 +281,15 @@ def main() -> int:
                     gen = torch.Generator(device="cuda").manual_seed(5)
                     mk.k_cache.normal_(generator=gen)
                     mk.v_cache.normal_(generator=gen)
+                    kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+                    out = mk.step(77, 1500)
+                    ref = decode_step(cfg, w, kref, vref, 77, 1500)
+                    cmp = compare(ref, out)
+                    RESULTS["checks"].append({"model": "llama-1b", "schedule": f"{vname}/{lname} pos 1500",
+                                              "ok": cmp["rel_l2"] <= 2e-2 and cmp["finite"],
+                                              "worst_rel_l2": cmp["rel_l2"]})
+                    log(f"check {vname}/{lname} pos 1500 rel L2 {cmp['rel_l2']:.2e}")
+                    del kref, vref
                 for ctx in ctxs:
                     r = time_schedule(mk, sched, ctx, reps=args.reps)
                     nbytes = floor_bytes(cfg, ctx)

@@ -54,7 +54,8 @@ def _megakernel(
     EPS: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, GP: tl.constexpr,
     BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
-    BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr,
+    BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
+    ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -79,6 +80,17 @@ def _megakernel(
         wn = tl.load(row + 8)
         soff = tl.load(row + 9)
         sn = tl.load(row + 10)
+        if PREFETCH >= 1:  # weights never depend on a wait: start streaming them into L2 now
+            ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
+                                     lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
+                                     OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD)
+        if PREFETCH >= 2:  # and the next instruction's too
+            if qi + 1 < q1:
+                nrow = ins_ptr + tl.load(qitems_ptr + qi + 1) * ROWW
+                ops.prefetch_instruction(tl.load(nrow), tl.load(nrow + 1), tl.load(nrow + 2), tl.load(nrow + 3),
+                                         tl.load(nrow + 4), tl.load(nrow + 5), pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr,
+                                         wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV,
+                                         OP_PARTIAL, OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD)
         if TRACE:
             t_wait = ops.globaltimer()
         wi = woff * 0
@@ -112,8 +124,12 @@ def _megakernel(
                 ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
                                 a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS)
             elif op == OP_PARTIAL:
-                ops.op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
-                                    NH, NKV, HD, S, G, GP, BT, SCALE)
+                if ATTN_MMA:
+                    ops.op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
+                                            NH, NKV, HD, S, G, BT, SCALE, NS_ATTN)
+                else:
+                    ops.op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
+                                        NH, NKV, HD, S, G, GP, BT, SCALE)
             elif op == OP_REDUCE:
                 ops.op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP)
             elif op == OP_OPROJ:
@@ -162,7 +178,10 @@ class KernelConfig:
     bk_d: int = 512
     br_lm: int = 32
     bk_lm: int = 512
-    bt: int = 32  # KV positions per attention block
+    bt: int = 64  # KV positions per attention block
+    attn_mma: bool = True  # attention on the tensor cores (hi/lo bf16 split) instead of fp32 broadcast-reduce
+    ns_attn: int = 3  # pipelining depth of the K/V stream (tensor-core attention)
+    prefetch: int = 1  # L2 prefetch before the waits: 0 none, 1 this instruction's weights, 2 also the next one's
     be: int = 1024  # embedding copy block
 
 
@@ -283,7 +302,8 @@ class Megakernel:
             GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
             BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
             BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
-            ROWW=ROW, num_warps=k.num_warps, num_stages=1)
+            ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, num_warps=k.num_warps,
+            num_stages=1)
         return args, consts
 
     def _check_residency(self, p: Packed, trace: bool) -> None:

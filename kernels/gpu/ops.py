@@ -295,3 +295,132 @@ def op_lm_head(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, 
         rmask = rows < end
         y = dot_rows(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, norm_ptr, rstd, True, BR, BK, NS)
         tl.store(logits_ptr + rows, y, mask=rmask)
+
+
+@triton.jit
+def _split_bf16(x):
+    """x (fp32) = hi + lo with both bf16: two tensor-core products give ~16 mantissa bits instead of 8."""
+    hi = x.to(tl.bfloat16)
+    lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+    return hi, lo
+
+
+@triton.jit
+def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos,
+                        NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+                        BT: tl.constexpr, SCALE: tl.constexpr, NS: tl.constexpr):
+    """`op_attn_partial` on the tensor cores (flash-decoding): the group's query heads padded to 16 rows, q and p
+    split into bf16 hi + lo parts so the products keep fp32-level accuracy; the K/V stream is software-pipelined."""
+    MQ: tl.constexpr = 16
+    T = pos + 1
+    lo = split * T // splits
+    hi = (split + 1) * T // splits
+    gi = tl.arange(0, MQ)
+    gm = gi < G
+    d = tl.arange(0, HD)
+    h0 = g * G
+    q = tl.load(q_ptr + (h0 + gi)[:, None] * HD + d[None, :], mask=gm[:, None], other=0.0, cache_modifier=".cg")
+    q_hi, q_lo = _split_bf16(q * SCALE)
+    base = (layer * NKV + g).to(tl.int64) * S * HD
+    m_i = tl.full((MQ,), -1.0e30, tl.float32)
+    l_i = tl.zeros((MQ,), tl.float32)
+    acc = tl.zeros((MQ, HD), tl.float32)
+    tb = tl.arange(0, BT)
+    for t0 in tl.range(lo, hi, BT, num_stages=NS):
+        ts = t0 + tb
+        tm = ts < hi
+        offs = base + ts[:, None] * HD + d[None, :]
+        k = tl.load(kc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg")
+        v = tl.load(vc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg")
+        kt = tl.trans(k)
+        s = tl.dot(q_hi, kt) + tl.dot(q_lo, kt)  # [MQ, BT] fp32
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_hi, p_lo = _split_bf16(p)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        m_i = m_new
+    empty = hi <= lo
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = tl.where(empty, 0.0, acc / safe_l[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(safe_l))
+    row = split * NH + h0 + gi
+    tl.store(opart_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None])
+    tl.store(lse_ptr + row, lse, mask=gm)
+
+
+@triton.jit
+def prefetch_l2(base_ptr, off_bytes, nbytes, CH: tl.constexpr, NCH: tl.constexpr):
+    """Ask the copy engine to stream bytes [off, off + nbytes) of an allocation into L2 (cp.async.bulk.prefetch:
+    no registers, no wait). Weights never depend on a counter, so this is issued before an instruction's waits and
+    HBM works while the SM spins. The range is rounded out to 16 bytes; prefetches are hints and never fault."""
+    if nbytes > 0:
+        addr = base_ptr.to(tl.pointer_type(tl.int8))
+        mis = off_bytes % 16
+        start = off_bytes - mis
+        total = (nbytes + mis).to(tl.int32)
+        offs = tl.arange(0, NCH) * CH
+        for b in range(0, total, CH * NCH):
+            o = b + offs
+            size = tl.minimum(total - o, CH)
+            size = (size + 15) // 16 * 16
+            ops_asm_prefetch(addr + start + o, size)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def ops_asm_prefetch(ptrs, size):
+        return size
+
+else:
+
+    @triton.jit
+    def ops_asm_prefetch(ptrs, size):
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; @%p0 cp.async.bulk.prefetch.L2.global [$1], $2; "
+            "mov.u32 $0, 0; }", "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows(w_ptr, woff, ld, r0, r1, k0, k1):
+    """Prefetch W[r0:r1, k0:k1] (bf16, row stride ld, starting woff elements into w_ptr): one region when the K
+    range is whole rows, else one per row."""
+    if (k0 == 0) & (k1 == ld):
+        prefetch_l2(w_ptr, (woff + r0.to(tl.int64) * ld) * 2, (r1 - r0) * ld * 2, 1024, 256)
+    else:
+        for r in range(r0, r1):
+            prefetch_l2(w_ptr, (woff + r.to(tl.int64) * ld + k0) * 2, (k1 - k0) * 2, 1024, 256)
+
+
+@triton.jit
+def prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
+                         kc_ptr, vc_ptr, H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr,
+                         HD: tl.constexpr, S: tl.constexpr, OP_QKV: tl.constexpr, OP_PARTIAL: tl.constexpr,
+                         OP_OPROJ: tl.constexpr, OP_GATE_UP: tl.constexpr, OP_DOWN: tl.constexpr,
+                         OP_LM_HEAD: tl.constexpr):
+    """L2 prefetch of the weights (or the KV history) one instruction will stream."""
+    QS: tl.constexpr = NH * HD
+    QKV: tl.constexpr = QS + 2 * NKV * HD
+    zero = a0 * 0
+    if op == OP_QKV:
+        prefetch_rows(wqkv_ptr, layer.to(tl.int64) * QKV * H, H, a0, a1, zero, zero + H)
+    elif op == OP_OPROJ:
+        prefetch_rows(wo_ptr, layer.to(tl.int64) * H * QS, QS, a0, a1, a2, a3)
+    elif op == OP_GATE_UP:
+        off = layer.to(tl.int64) * IS * H
+        prefetch_rows(wg_ptr, off, H, a0, a1, zero, zero + H)
+        prefetch_rows(wu_ptr, off, H, a0, a1, zero, zero + H)
+    elif op == OP_DOWN:
+        prefetch_rows(wd_ptr, layer.to(tl.int64) * H * IS, IS, a0, a1, a2, a3)
+    elif op == OP_LM_HEAD:
+        prefetch_rows(lm_head_ptr, zero.to(tl.int64), H, a0, a1, zero, zero + H)
+    elif op == OP_PARTIAL:
+        T = pos + 1
+        lo = a1 * T // a2
+        hi = (a1 + 1) * T // a2
+        base = ((layer * NKV + a0).to(tl.int64) * S + lo) * HD * 2
+        prefetch_l2(kc_ptr, base, (hi - lo) * HD * 2, 1024, 256)
+        prefetch_l2(vc_ptr, base, (hi - lo) * HD * 2, 1024, 256)

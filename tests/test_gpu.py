@@ -1,0 +1,175 @@
+"""GPU correctness of the persistent Triton megakernel against the PyTorch reference (all marked `gpu`).
+
+bf16 weights and KV cache, random weights; a random KV history is pre-filled so that positions >= 2048 are reached
+without decoding 2000 tokens (the reference and the kernel then decode the same steps from the same cache). Skipped
+cleanly without CUDA or Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
+]
+
+from synth.lower import lower  # noqa: E402
+from synth.models import get_model  # noqa: E402
+from synth.strategy import Strategy  # noqa: E402
+from validator.schedule import parse_schedule  # noqa: E402
+
+TOL = 2e-2  # relative L2 error of the logits
+MARGIN = 0.05  # the greedy token must match where the reference's top-2 margin exceeds this
+
+
+def _weights(cfg, seed: int):
+    """Same scaling as kernels.weights.random_weights, drawn on the GPU (llama-1b in a second), bf16."""
+    from kernels.weights import weight_shapes
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if len(shape) == 1:
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
+        elif name == "embed":
+            t = torch.randn(shape, generator=gen, device="cuda") / (math.sqrt(cfg.hidden_size)
+                                                                    if cfg.tie_word_embeddings else 1.0)
+        else:
+            t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
+        out[name] = t.to(torch.bfloat16)
+    if cfg.tie_word_embeddings:
+        out["lm_head"] = out["embed"]
+    return out
+
+
+def _variant(spec, workers: int, strategy: Strategy, seed: int):
+    """A lowering with the worker assignment reversed and the counter ids permuted (plus unused counters)."""
+    doc = lower(spec, workers, strategy).to_json()
+    doc["queues"] = list(reversed(doc["queues"]))
+    n = doc["counters"]
+    perm = list(range(n))
+    random.Random(seed).shuffle(perm)
+    doc["counters"] = n + 5
+    for ins in doc["instructions"]:
+        for w in ins.get("waits", []):
+            w["counter"] = perm[w["counter"]] + 5
+        for s in ins.get("signals", []):
+            s["counter"] = perm[s["counter"]] + 5
+    return parse_schedule(doc)
+
+
+def _decode_and_compare(spec, schedule, weights, positions, history, mk=None):
+    from kernels.gpu import Megakernel
+    from kernels.reference import decode_step
+
+    cfg = spec.config
+    if mk is None:
+        mk = Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
+    else:
+        mk.set_schedule(schedule)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mk.k_cache.zero_()
+    mk.v_cache.zero_()
+    if history:
+        mk.k_cache[:, :, :history] = torch.randn(mk.k_cache[:, :, :history].shape, generator=gen, device="cuda") * .5
+        mk.v_cache[:, :, :history] = torch.randn(mk.v_cache[:, :, :history].shape, generator=gen, device="cuda")
+    kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+    for pos in positions:
+        token = (pos * 7919 + 11) % cfg.vocab_size
+        out = mk.step(token, pos)
+        ref = decode_step(cfg, weights, kref, vref, token, pos)
+        assert torch.isfinite(out).all(), f"non-finite logits at pos {pos}"
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel <= TOL, f"pos {pos}: relative L2 error {rel:.3e} > {TOL}"
+        top2 = torch.topk(ref, 2).values
+        if float(top2[0] - top2[1]) > MARGIN:
+            assert int(out.argmax()) == int(ref.argmax()), f"pos {pos}: greedy token differs"
+    assert (mk.counters() == mk.packed.expected_counters).all(), "counters did not reach their final values"
+    assert float((mk.k_cache.float() - kref.float()).abs().max()) < 0.1
+    return mk
+
+
+@pytest.fixture(scope="module")
+def llama():
+    spec = get_model("llama-1b")
+    return spec, _weights(spec.config, seed=0)
+
+
+def test_llama_1b_naive_32_positions_past_2048(llama):
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _decode_and_compare(spec, lower(spec, sms), w, range(2048, 2080), 2048)
+
+
+def test_llama_1b_other_assignment_and_counters(llama):
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(attn_splits=4, k_splits={"o_proj_residual": 2, "down_proj_residual": 2})
+    _decode_and_compare(spec, _variant(spec, sms - 3, strat, seed=1), w, range(2500, 2516), 2500)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa4", "tiny-mha"])
+def test_tiny_configs(name):
+    spec = get_model(name)
+    w = _weights(spec.config, seed=2)
+    hist = spec.max_seq_len // 2
+    mk = _decode_and_compare(spec, lower(spec, 8), w, range(hist, hist + 6), hist)
+    strat = Strategy(attn_splits=3, k_splits={"o_proj_residual": 2, "down_proj_residual": 2},
+                     tiles={"attn_norm_qkv_rope": spec.config.hd, "o_proj_residual": 8, "mlp_norm_gate_up": 24,
+                            "down_proj_residual": 8, "final_norm_lm_head": 40})
+    _decode_and_compare(spec, _variant(spec, 5, strat, seed=3), w, range(0, 4), 0, mk=mk)
+
+
+def _compiled_count() -> int | None:
+    from kernels.gpu.interpreter import _megakernel
+
+    try:
+        return sum(len(v[0]) for v in _megakernel.device_caches.values())
+    except (AttributeError, TypeError, IndexError):  # another Triton version's cache layout
+        return None
+
+
+def test_new_schedule_needs_no_recompile():
+    spec = get_model("tiny")
+    w = _weights(spec.config, seed=4)
+    mk = _decode_and_compare(spec, lower(spec, 4), w, range(3), 0)
+    before = _compiled_count()
+    _decode_and_compare(spec, _variant(spec, 7, Strategy(attn_splits=2), seed=5), w, range(3), 0, mk=mk)
+    if before is not None:
+        assert _compiled_count() == before, "a new schedule triggered a recompile"
+
+
+def test_watchdog_turns_a_hang_into_an_error():
+    from kernels.gpu import Megakernel, WatchdogError
+
+    spec = get_model("tiny")
+    doc = lower(spec, 6).to_json()
+    victim = doc["instructions"][40]
+    victim["waits"] = [{"counter": victim["waits"][0]["counter"], "value": 99_999}]
+    mk = Megakernel(parse_schedule(doc), _weights(spec.config, 5), max_seq_len=spec.max_seq_len, timeout_s=0.3)
+    with pytest.raises(WatchdogError, match=r"stuck at #40 .* needs 99999"):
+        mk.step(1, 2)
+
+
+def test_trace_export():
+    from kernels.gpu import Megakernel
+    from kernels.trace import check_trace, summarize
+
+    spec = get_model("tiny")
+    sched = lower(spec, 4)
+    mk = Megakernel(sched, _weights(spec.config, 6), max_seq_len=spec.max_seq_len)
+    tr = mk.traced_step(3, 5, {"model": "tiny"})
+    check_trace(tr)
+    evs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(evs) == len(sched.instructions)
+    assert {e["tid"] for e in evs} == {0, 1, 2, 3}
+    assert all(e["dur"] >= 0 and e["args"]["wait_us"] >= 0 for e in evs)
+    s = summarize(tr)
+    assert s["instructions"] == len(evs) and s["critical_path"]
