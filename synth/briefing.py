@@ -31,6 +31,10 @@ LEVELS: list[dict[str, Any]] = [
     {"history": 3, "cex": 1, "layers": 1, "path": 12, "idle": 4, "descr": False, "cex_chars": 300},
 ]
 
+#: Sections dropped whole, in this order, when the most compact level is still over budget (the best's profile,
+#: the counterexamples and the schemas needed to answer stay).
+DROP_ORDER = ["layout", "model", "history", "hardware"]
+
 DEFAULT_BUDGET = 8000  # tokens for system + user; small enough for an 8k-context local model with room to answer
 
 
@@ -91,7 +95,8 @@ def _strip_schema(schema: Any, descr: bool) -> Any:
 
 
 def patch_language(descr: bool = True) -> str:
-    """The patch language as `synth.patches` defines it (its docstring and schema), or a note when it is absent."""
+    """The patch language as `synth.patches` defines it: its docstring and one line per patch kind, derived from
+    its JSON schema (`{"op":"move","id":int,...}  meaning`), or a note when the module is absent."""
     try:
         import synth.patches as patches
     except ModuleNotFoundError:
@@ -99,7 +104,27 @@ def patch_language(descr: bool = True) -> str:
     parts = [(patches.__doc__ or "").strip()]
     schema = patch_schema()
     if schema is not None:
-        parts.append("Patch JSON schema: " + _compact(_strip_schema(schema, descr)))
+        kinds = list(schema.get("$defs", {}).values()) or [schema]
+        for kind in kinds:
+            fields = []
+            for name, prop in kind.get("properties", {}).items():
+                const = prop.get("const") or (prop.get("enum") or [None])[0] if name == "op" else None
+                if const is not None:
+                    fields.append(f'"{name}":"{const}"')
+                    continue
+                types = [t.get("type", "?") for t in prop.get("anyOf", [])] or [prop.get("type", "?")]
+                text = "|".join("int" if t == "integer" else t for t in types)
+                lo, hi = prop.get("minimum"), prop.get("maximum")
+                for t in prop.get("anyOf", []):
+                    lo, hi = t.get("minimum", lo), t.get("maximum", hi)
+                if lo is not None and lo > 0:
+                    text += f">={lo}"
+                optional = name not in kind.get("required", [])
+                fields.append(f'"{name}":{text}' + (f" (default {prop.get('default')})" if optional else ""))
+            line = "{" + ",".join(fields) + "}"
+            if descr and kind.get("description"):
+                line += "  " + " ".join(kind["description"].split())
+            parts.append("- " + line)
     return "\n".join(p for p in parts if p)
 
 
@@ -530,6 +555,15 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
         total = sys_tokens + count_tokens(user)
         if total <= budget or lvl == len(LEVELS) - 1:
             truncated = False
+            for name in DROP_ORDER:  # last level still too big: drop the least useful sections whole
+                if total <= budget:
+                    break
+                if name in sections:
+                    sections[name] = f"## {name}: omitted to fit the token budget"
+                    user = "\n\n".join(sections.values()) + \
+                        "\n\nPropose one schedule change now, as the JSON object described."
+                    sizes[name] = count_tokens(sections[name])
+                    total = sys_tokens + count_tokens(user)
             if total > budget:
                 keep = max(0, (budget - sys_tokens) * 4 - 200)
                 user = user[:keep] + "\n...[briefing truncated to fit the token budget]\nAnswer with the JSON object."

@@ -251,6 +251,18 @@ def test_out_of_range_and_unknown_keys_are_fed_back(tmp_path: Path) -> None:
     assert "$.oops: unknown key" in json.dumps(srv.requests[2]["messages"])
 
 
+def test_bad_patches_are_fed_back_with_their_path(tmp_path: Path) -> None:
+    pytest.importorskip("synth.patches")
+    script = [("ok", _answer(patches=[{"op": "remove_wait", "id": 99999, "counter": 0}])),
+              ("ok", _answer(patches=[{"op": "add_wait", "id": 9, "counter": 5, "value": 1, "colour": "red"}])),
+              ("ok", _answer(patches=[{"op": "move", "id": 9, "worker": 3, "position": 0}]))]
+    with ScriptedServer(script) as srv:
+        out = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path).propose(_ctx(), 1)
+    assert len(out) == 1 and out[0].patches == [{"op": "move", "id": 9, "worker": 3, "position": 0}]
+    assert "$.patches[0].id: instruction 99999 does not exist" in json.dumps(srv.requests[1]["messages"])
+    assert "$.patches[0].colour" in json.dumps(srv.requests[2]["messages"])
+
+
 def test_transport_failures_are_retried_then_the_round_gives_up(tmp_path: Path) -> None:
     script = [("status", 429), ("status", 503), ("slow", 2.5, _answer())]
     with ScriptedServer(script) as srv:

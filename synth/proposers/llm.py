@@ -599,8 +599,9 @@ class LLMProposer:
                 resolve(patched)  # structure only (ids, queues, counter ranges): cheap, and names the JSON path
             except ProposalError:
                 raise
-            except ScheduleError as exc:
-                raise ProposalError(f"$.patches: {exc}") from None
+            except ScheduleError as exc:  # PatchError names $.patches[k].field; resolve() names the schedule path
+                where = "" if exc.path.startswith("$.patches") else "after the patches, the schedule at "
+                raise ProposalError(f"{where}{exc.path}: {exc.message}") from None
             except (ValueError, KeyError, IndexError, TypeError) as exc:
                 raise ProposalError(f"$.patches: {exc}") from None
         line = " ".join(rationale.split())[:200]
