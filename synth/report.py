@@ -105,9 +105,9 @@ def _entries(lb: Any) -> list[Entry]:
         accepted = r.get("accepted")
         if accepted is None:
             accepted = r.get("verdict", "accepted") == "accepted"
+        note = _first(r, "rationale", "note") if accepted else _first(r, "reason", "error", "rationale", "note")
         out.append(Entry(str(cand if cand is not None else k), _ms_of(r), bool(r.get("estimated", False)),
-                         bool(accepted), str(_first(r, "proposer") or ""),
-                         str(_first(r, "rationale", "note", "error") or "")))
+                         bool(accepted), str(_first(r, "proposer") or ""), str(note or "")))
     return out
 
 
@@ -122,6 +122,7 @@ class Run:
     accepted: int = 0
     rejected: int = 0
     notes: list[str] = field(default_factory=list)
+    baseline: str = "c0000"  # the naive baseline's candidate id (leaderboard.json "baseline")
 
     @property
     def model(self) -> str:
@@ -162,11 +163,19 @@ class Run:
         return Entry("best", ms, bool(_first(timing, "estimated")), True)
 
     def naive(self) -> Entry | None:
-        """The naive baseline: candidate 0 of every run, or the one its proposer calls naive."""
+        """The naive baseline: candidate 0 of every run (leaderboard.json names it), or the one its proposer calls
+        naive; when the leaderboard leaves it out (an estimate among GPU measurements), its own timing.json."""
         for e in self.entries:
-            if e.proposer == "naive" or e.candidate in ("0", "naive", "c0000", "0000"):
+            if e.candidate == self.baseline:
                 return e
-        return self.entries[0] if self.entries else None
+        for e in self.entries:
+            if e.proposer == "naive" or e.candidate in ("0", "naive", "0000"):
+                return e
+        timing = read_json(self.path / "candidates" / self.baseline / "timing.json")
+        ms = _ms_of(timing)
+        if ms is not None:
+            return Entry(self.baseline, ms, bool(_first(timing, "estimated")), True, "naive")
+        return None
 
     def speedup(self) -> float | None:
         b, n = self.best(), self.naive()
@@ -186,6 +195,8 @@ def load_run(path: str | Path) -> Run:
         run.notes.append("run.json is missing: command, versions and GPU are unknown")
     lb = read_json(p / "leaderboard.json", run.notes)
     run.entries = _entries(lb) if lb is not None else []
+    if isinstance(lb, dict) and isinstance(lb.get("baseline"), str):
+        run.baseline = lb["baseline"]
     if lb is None:
         run.notes.append("leaderboard.json is missing")
     cands = [d for d in (p / "candidates").glob("*") if d.is_dir()] if (p / "candidates").is_dir() else []
