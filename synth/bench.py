@@ -909,6 +909,10 @@ def _worker_main(argv: list[str]) -> int:
         print("usage: python -m synth.bench --compile-worker OPTIONS_JSON", file=sys.stderr)
         return 2
     opts = BenchOptions(**json.loads(argv[1]))
+    if opts.device == "cpu":  # the dry run's tiny ops: one thread avoids OpenMP spin contention
+        import torch
+
+        torch.set_num_threads(1)
 
     def emit(rec: dict[str, Any]) -> None:
         print(RESULT_TAG + json.dumps(rec), flush=True)

@@ -88,12 +88,17 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")
+    threads = torch.get_num_threads()
+    if dry_run:  # tiny CPU ops: one thread avoids OpenMP spin contention (restored after, for in-process callers)
+        torch.set_num_threads(1)
     try:
         result = run_bench(opts, log=lambda s: console.print(f"[dim]{s}[/dim]"))
     except ScheduleError as exc:
         _fail(str(exc))
     except BenchError as exc:
         _fail(str(exc), 1 if "rejected" in str(exc) else 2)
+    finally:
+        torch.set_num_threads(threads)
     write_json_atomic(json_file, result)
     out = Console(width=None if sys.stdout.isatty() else 140)
     for item in render(result):
