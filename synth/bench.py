@@ -573,6 +573,26 @@ def compare(logits: Any, ref: Any) -> dict[str, Any]:
             "ref_top2_margin": float(top2[0] - top2[1])}
 
 
+def greedy_agreement(cfg: ModelConfig, weights: dict[str, Any], tokens: list[int], max_seq_len: int, device: str,
+                     margin: float = 0.05) -> dict[str, Any]:
+    """Teacher-force `tokens` (prompt first) through the reference: at each position, does its argmax equal the next
+    token? Disagreements where the reference's top-2 margin exceeds `margin` are real errors, not near-ties."""
+    import torch
+
+    from kernels.reference import decode_step, new_kv_cache
+
+    k, v = new_kv_cache(cfg, max_seq_len, dtype=weights["embed"].dtype, device=device)
+    agree, clear = 0, []
+    with torch.inference_mode():
+        for pos in range(len(tokens) - 1):
+            top = decode_step(cfg, weights, k, v, tokens[pos], pos).topk(2)
+            if int(top.indices[0]) == tokens[pos + 1]:
+                agree += 1
+            elif float(top.values[0] - top.values[1]) > margin:
+                clear.append(pos)
+    return {"steps": len(tokens) - 1, "agree": agree, "clear_mismatches": clear, "margin": margin}
+
+
 def _short(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{exc.__class__.__name__}: {text[0] if text else ''}"[:300]

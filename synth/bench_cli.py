@@ -118,9 +118,11 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "megakernel", "reference"]), default="auto",
               show_default=True, help="auto = the megakernel on CUDA, the PyTorch reference on the CPU.")
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="After the timed loop, replay the tokens through the PyTorch reference and count agreements.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
 def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: int, weights_dir: str | None,
-             seed: int, backend: str, json_file: str | None) -> None:
+             seed: int, backend: str, check: bool, json_file: str | None) -> None:
     """Greedy decode loop (batch 1) on the megakernel; prints the token ids and tokens/s."""
     import torch
 
@@ -169,13 +171,13 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
             import kernels.gpu as gpu
 
             mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
+            mk.step(prompt_token, 0)  # compile + warm up; position 0 is written again, identically, below
+            torch.cuda.synchronize()
         except ScheduleError as exc:
             _fail(str(exc))
-        except BenchError as exc:
+        except (BenchError, RuntimeError) as exc:  # rejected schedule, residency refusal, watchdog timeout
             _fail(str(exc), 1)
         step = mk.step
-        mk.step(prompt_token, 0)  # compile + warm up; position 0 is written again, identically, below
-        torch.cuda.synchronize()
         how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
     else:
         from kernels.reference import decode_step, new_kv_cache
@@ -189,20 +191,33 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     out = [prompt_token]
     tok = prompt_token
     t = time.perf_counter()
-    with torch.inference_mode():
-        for pos in range(tokens):
-            tok = int(step(tok, pos).argmax())  # .item(): the host needs the token for the next step
-            out.append(tok)
-    if device == "cuda":
-        torch.cuda.synchronize()
+    try:
+        with torch.inference_mode():
+            for pos in range(tokens):
+                tok = int(step(tok, pos).argmax())  # .item(): the host needs the token for the next step
+                out.append(tok)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    except RuntimeError as exc:  # the megakernel's watchdog names the stuck worker, instruction and counter
+        _fail(f"decode stopped at token {len(out) - 1}: {exc}", 1)
     seconds = time.perf_counter() - t
     rate = tokens / seconds
     click.echo(" ".join(str(x) for x in out[1:]))
     click.echo(f"{tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s ({how}, {device}, greedy, batch 1, "
                f"{'checkpoint ' + weights_dir if weights_dir else f'random weights seed {seed}'})", err=True)
+    agreement = None
+    if check and backend == "megakernel":
+        from synth.bench import greedy_agreement
+
+        agreement = greedy_agreement(cfg, weights, out, spec.max_seq_len, device)
+        click.echo(f"check against the PyTorch reference (teacher-forced on these tokens): "
+                   f"{agreement['agree']}/{agreement['steps']} greedy tokens agree; "
+                   f"{len(agreement['clear_mismatches'])} disagree where the reference's top-2 margin > "
+                   f"{agreement['margin']}", err=True)
     if json_file:
         from validator.atomic import write_json_atomic
 
         write_json_atomic(json_file, {"model": spec.name, "backend": how, "device": device,
                                       "prompt_token": prompt_token, "tokens": out[1:], "seconds": seconds,
-                                      "tokens_per_s": rate, "ms_per_token": 1e3 * seconds / tokens})
+                                      "tokens_per_s": rate, "ms_per_token": 1e3 * seconds / tokens,
+                                      "check": agreement})

@@ -207,6 +207,25 @@ def test_generate_auto_without_cuda_says_so() -> None:
     assert bad.exit_code == 2 and "needs CUDA" in bad.output
 
 
+def test_greedy_agreement_finds_clear_mismatches() -> None:
+    from kernels.reference import decode_step, new_kv_cache
+    from kernels.weights import random_weights
+    from synth.bench import greedy_agreement
+
+    spec = get_model("tiny")
+    cfg = spec.config
+    w = random_weights(cfg, seed=0)
+    k, v = new_kv_cache(cfg, spec.max_seq_len)
+    toks = [3]
+    for pos in range(6):
+        toks.append(int(decode_step(cfg, w, k, v, toks[-1], pos).argmax()))
+    good = greedy_agreement(cfg, w, toks, spec.max_seq_len, "cpu")
+    assert good["agree"] == good["steps"] == 6 and not good["clear_mismatches"]
+    bad = greedy_agreement(cfg, w, toks[:3] + [(toks[3] + 1) % cfg.vocab_size] + toks[4:], spec.max_seq_len, "cpu",
+                           margin=0.0)
+    assert bad["agree"] < 6 and 2 in bad["clear_mismatches"]
+
+
 def test_generate_rejects_too_many_tokens() -> None:
     result = CliRunner().invoke(main, ["generate", "--model", "tiny", "--tokens", "65"])
     assert result.exit_code == 2 and "exceeds max_seq_len 64" in result.output
