@@ -683,9 +683,11 @@ def run_compile(opts: BenchOptions, log: Callable[[str], None]) -> dict[int, dic
         return {c: {**base, "status": "skipped", "reason": "no CUDA (dry run)"} for c in opts.ctxs}
     log(f"torch.compile in a child process (limit {opts.compile_timeout_s:.0f} s)")
     payload = json.dumps(asdict(opts))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: `synth` must import there too
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "synth.bench", "--compile-worker", payload],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
                             start_new_session=True)
     timed_out = False
     try:
