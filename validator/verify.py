@@ -8,7 +8,7 @@ from typing import Any
 
 from validator.coverage import check_coverage
 from validator.deadlock import deadlock_findings, maximal_execution
-from validator.program import Finding, Program, resolve
+from validator.program import Finding, resolve
 from validator.schedule import Schedule
 
 
@@ -64,14 +64,7 @@ def verify(schedule: Schedule, file: str | None = None, options: Options | None 
     report.seconds["deadlock"] = time.perf_counter() - t
 
     if options.races:
-        _check_races(prog, report, options)
-    return report
-
-
-def _check_races(prog: Program, report: Report, options: Options) -> None:
-    """Race phases: filled in by `validator.races` (graph pass, z3 proofs, adversarial replay)."""
-    try:
         from validator.races import check_races
-    except ImportError:
-        return
-    check_races(prog, report, options)
+
+        check_races(prog, report, options, ex)
+    return report

@@ -1,0 +1,287 @@
+"""Conflicts and the happens-before graph pass: `Program` + maximal execution -> the conflicting pairs that need a
+proof, and which of them the graph already proves.
+
+Conflicting pairs. Per buffer, the element ranges are cut into segments at every access boundary; in each segment the
+accesses in ascending-id order form maximal *runs* of mutually non-conflicting accesses (a run of reads, a run of
+reduces, or one write; an instruction that reads and reduces a segment counts as a write there). Every access
+conflicts with every access of the neighbouring run, and HB is transitive, so "every conflicting pair is ordered" is
+equivalent to "every access happens after every member of the run just before it" (exact, not an approximation):
+those are the pairs we prove. An instruction's needed predecessors are interned as a *need group* (a set of runs), so
+the thousands of readers of one residual share one bitset.
+
+Happens-before (sound): program order (unless `pipelined`), and counter edges: for a wait `counters[c] >= v` of `b`,
+a signaller `a` of `c` is needed when the adds of the other signallers of `c` that could end before `b` starts cannot
+reach `v` (a signaller never ends before `b` starts when it is `b`, queued after `b` on `b`'s worker, or never runs in
+any execution). Instructions that never run (stuck in the unique maximal execution) take part in no race. The maximal
+execution's completion order is a topological order of these edges, so ancestor bitsets (Python ints) are computed in
+one pass and freed after their last use, which keeps memory near-linear on large schedules.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from validator.deadlock import Execution
+from validator.program import Program
+
+READ, REDUCE, WRITE = 0, 1, 2
+_KIND = {"read": READ, "reduce": REDUCE, "write": WRITE}
+
+
+@dataclass
+class Conflicts:
+    """Need groups: sets of instructions (deduplicated by content); each live instruction lists the groups whose
+    every member must happen before it. `runs` keeps, per group, the buffer it came from (for messages)."""
+
+    groups: list[np.ndarray] = field(default_factory=list)  # group -> sorted member instruction indices
+    group_buffer: list[str] = field(default_factory=list)
+    sets: list[list[int]] = field(default_factory=list)  # need set -> groups (interned: readers share one)
+    need: dict[int, int] = field(default_factory=dict)  # instruction index -> need set
+
+    def members(self, b: int) -> list[int]:
+        """Every instruction that must happen before `b` (ascending)."""
+        s = self.need.get(b)
+        return [] if s is None else sorted({int(a) for g in self.sets[s] for a in self.groups[g]})
+
+
+def _unique(x: np.ndarray) -> np.ndarray:
+    """Sorted unique values (sort-based; numpy's hash-based `unique` is far slower on these sizes)."""
+    a = np.sort(x, kind="stable")
+    if len(a) == 0:
+        return a
+    keep = np.ones(len(a), dtype=bool)
+    keep[1:] = a[1:] != a[:-1]
+    return a[keep]
+
+
+def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
+    """Sweep each buffer's segments in ascending-id order (vectorised) and build the need groups of live
+    instructions."""
+    out = Conflicts()
+    n = prog.n
+    by_buf: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
+    for i in range(n):
+        if live[i]:
+            for kind, buf, lo, hi in prog.accesses[i]:
+                by_buf[buf].append((i, _KIND[kind], lo, hi))
+    content: dict[bytes, int] = {}
+    pairs_i: list[np.ndarray] = []
+    pairs_g: list[np.ndarray] = []
+    for buf, accs in by_buf.items():
+        arr = np.array(accs, dtype=np.int64)
+        inst_a, cls_a, lo_a, hi_a = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+        cuts = _unique(np.concatenate([lo_a, hi_a]))
+        s0 = np.searchsorted(cuts, lo_a)
+        cnt = np.searchsorted(cuts, hi_a) - s0
+        total = int(cnt.sum())
+        offs = np.repeat(np.cumsum(cnt) - cnt, cnt)
+        seg = np.repeat(s0, cnt) + (np.arange(total) - offs)
+        inst = np.repeat(inst_a, cnt)
+        cls = np.repeat(cls_a, cnt)
+        key = seg * n + inst
+        order = np.argsort(key, kind="stable")
+        key, seg, inst, cls = key[order], seg[order], inst[order], cls[order]
+        first = np.ones(len(key), dtype=bool)
+        first[1:] = key[1:] != key[:-1]
+        starts = np.flatnonzero(first)
+        if len(starts) < len(key):  # one instruction, several accesses to one segment: mixed kinds act as a write
+            lo_c = np.minimum.reduceat(cls, starts)
+            hi_c = np.maximum.reduceat(cls, starts)
+            cls = np.where(lo_c == hi_c, lo_c, WRITE)
+            seg, inst = seg[starts], inst[starts]
+        m = len(seg)
+        seg_first = np.ones(m, dtype=bool)
+        seg_first[1:] = seg[1:] != seg[:-1]
+        new_run = seg_first | (cls == WRITE)
+        new_run[1:] |= cls[1:] != cls[:-1]
+        run_id = np.cumsum(new_run) - 1
+        run_start = np.flatnonzero(new_run)
+        first_run_of_seg = np.maximum.accumulate(np.where(seg_first, run_id, 0))
+        prev = run_id - 1
+        has_prev = prev >= first_run_of_seg
+        pi, pr = inst[has_prev], prev[has_prev]
+        run_end = np.append(run_start[1:], m)
+        local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
+        for r in _unique(pr).tolist():
+            members = inst[run_start[r]:run_end[r]]  # sorted and unique within a segment
+            k = members.tobytes()
+            g = content.get(k)
+            if g is None:
+                g = content[k] = len(out.groups)
+                out.groups.append(members)
+                out.group_buffer.append(buf)
+            local[r] = g
+        pairs_i.append(pi)
+        pairs_g.append(local[pr])
+    if pairs_i and sum(len(p) for p in pairs_i):
+        ng = max(len(out.groups), 1)
+        flat = _unique(np.concatenate(pairs_i) * ng + np.concatenate(pairs_g))
+        fi, fg = flat // ng, flat % ng
+        cut = np.flatnonzero(np.diff(fi)) + 1
+        sets: dict[bytes, int] = {}
+        for i_arr, g_arr in zip(np.split(fi, cut), np.split(fg, cut), strict=True):
+            k = g_arr.tobytes()
+            s = sets.get(k)
+            if s is None:
+                s = sets[k] = len(out.sets)
+                out.sets.append(g_arr.tolist())
+            out.need[int(i_arr[0])] = s
+    return out
+
+
+def bits_of(indices: list[int] | set[int], n: int) -> int:
+    """A bitset (Python int) with the given bits set; linear in len(indices) + n/8."""
+    buf = bytearray((n + 8) // 8)
+    for a in indices:
+        buf[a >> 3] |= 1 << (a & 7)
+    return int.from_bytes(buf, "little")
+
+
+def indices_of(bits: int) -> list[int]:
+    """The set bits of a bitset, ascending."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
+
+
+@dataclass
+class WaitGroups:
+    """Per wait, the signallers that could end before the waiter starts, and which of them are needed."""
+
+    keys: dict[tuple[int, int, int, int], int] = field(default_factory=dict)
+    candidates: list[list[tuple[int, int]]] = field(default_factory=list)  # group -> [(signaller, add)]
+    needed: list[list[int]] = field(default_factory=list)  # group -> needed signallers
+    of: list[list[int]] = field(default_factory=list)  # instruction -> group per wait (-1 for value 0)
+
+
+def wait_groups(prog: Program, live: list[bool]) -> WaitGroups:
+    """Group the waits: two waits with the same counter, value and excluded signallers share their analysis."""
+    sig: dict[int, list[tuple[int, int]]] = defaultdict(list)  # counter -> [(signaller, add)]
+    per_worker: dict[tuple[int, int], list[int]] = defaultdict(list)  # (counter, worker) -> qpos of signallers
+    for i in range(prog.n):
+        if live[i]:
+            for c, add in prog.signals[i]:
+                sig[c].append((i, add))
+                per_worker[(c, prog.worker[i])].append(prog.qpos[i])
+    for v in per_worker.values():
+        v.sort()
+    wg = WaitGroups(of=[[] for _ in range(prog.n)])
+    for b in range(prog.n):
+        if not live[b]:
+            continue
+        w, q = prog.worker[b], prog.qpos[b]
+        for c, v in prog.waits[b]:
+            if v <= 0:
+                wg.of[b].append(-1)
+                continue
+            lst = per_worker.get((c, w), [])
+            excluded = len(lst) - bisect_left(lst, q)  # signallers of c at or after b in b's queue
+            key = (c, v, w if excluded else -1, excluded)
+            g = wg.keys.get(key)
+            if g is None:
+                g = wg.keys[key] = len(wg.candidates)
+                cands = [(a, add) for a, add in sig.get(c, []) if not (prog.worker[a] == w and prog.qpos[a] >= q)]
+                total = sum(add for _, add in cands)
+                wg.candidates.append(cands)
+                wg.needed.append([a for a, add in cands if total - add < v])
+            wg.of[b].append(g)
+    return wg
+
+
+@dataclass
+class HBResult:
+    """What the graph pass proved: the number of conflicting pairs, the ones it could not order, and for each wait
+    of an instruction with undecided signallers, the signallers known to end before it starts."""
+
+    pairs: int
+    undischarged: list[tuple[int, int]]  # (a, b), a < b: a conflicting pair with no proven a -> b
+    known_before: dict[tuple[int, int], set[int]]  # (instruction, wait number) -> signallers HB-before it
+
+
+def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pipelined: bool) -> HBResult:
+    """Ancestor bitsets over the HB graph in the maximal execution's order; check every instruction's need group."""
+    n = prog.n
+    order = ex.order
+    pos = {i: p for p, i in enumerate(order)}
+    # Last use of each bitset, so that it can be freed (memory stays near the width of the schedule).
+    first_use = [len(order)] * len(wg.candidates)
+    for b in order:
+        for g in wg.of[b]:
+            if g >= 0 and pos[b] < first_use[g]:
+                first_use[g] = pos[b]
+    last = [0] * n
+    for i in order:
+        last[i] = pos[i]
+    for g, members in enumerate(wg.needed):
+        for a in members:
+            last[a] = max(last[a], first_use[g])
+    if not pipelined:
+        for queue in prog.queues:
+            for p, q in zip(queue, queue[1:], strict=False):
+                if q in pos:
+                    last[p] = max(last[p], pos[q])
+    free_at: dict[int, list[int]] = defaultdict(list)
+    for i in order:
+        free_at[last[i]].append(i)
+    group_last: dict[int, int] = {}
+    for b in order:
+        for g in wg.of[b]:
+            if g >= 0:
+                group_last[g] = max(group_last.get(g, 0), pos[b])
+    group_free: dict[int, list[int]] = defaultdict(list)
+    for g, p in group_last.items():
+        group_free[p].append(g)
+
+    anc: dict[int, int] = {}  # instruction -> ancestors bitset (bit i = instruction index i)
+    ganc: dict[int, int] = {}  # wait group -> OR of (anc | bit) of its needed signallers
+    need_bits: dict[int, int] = {}
+    group_bits: dict[int, int] = {}
+    pairs = 0
+    undischarged: list[tuple[int, int]] = []
+    known_before: dict[tuple[int, int], set[int]] = {}
+    for p, b in enumerate(order):
+        a_b = 0
+        if not pipelined and prog.qpos[b] > 0:
+            prev = prog.queues[prog.worker[b]][prog.qpos[b] - 1]
+            a_b |= anc[prev] | (1 << prev)
+        for g in wg.of[b]:
+            if g < 0:
+                continue
+            ga = ganc.get(g)
+            if ga is None:
+                ga = 0
+                for a in wg.needed[g]:
+                    ga |= anc[a] | (1 << a)
+                ganc[g] = ga
+            a_b |= ga
+        anc[b] = a_b
+        for j, g in enumerate(wg.of[b]):
+            if g >= 0 and len(wg.needed[g]) < len(wg.candidates[g]):
+                known_before[(b, j)] = {a for a, _ in wg.candidates[g] if a_b >> a & 1}
+        ns = conf.need.get(b)
+        if ns is not None:
+            nb = need_bits.get(ns)
+            if nb is None:
+                nb = 0
+                for g in conf.sets[ns]:
+                    rb = group_bits.get(g)
+                    if rb is None:
+                        rb = group_bits[g] = bits_of(conf.groups[g].tolist(), n)
+                    nb |= rb
+                need_bits[ns] = nb
+            pairs += nb.bit_count()
+            missing = nb & ~a_b
+            if missing:
+                undischarged.extend((a, b) for a in indices_of(missing))
+        for i in free_at.get(p, ()):
+            anc.pop(i, None)
+        for g in group_free.get(p, ()):
+            ganc.pop(g, None)
+    return HBResult(pairs, undischarged, known_before)

@@ -1,0 +1,233 @@
+"""Adversarial interleavings: replay N legal executions built to stress the schedule and report every conflicting pair
+`a < b` that some execution runs out of order (`b` starts before `a` ends): a stale read, a lost write or a backward
+order. Takes the `Program`, its maximal execution and the conflict need groups; returns `Witness`es.
+
+Executions are timed: every instruction starts as early as its queue and waits allow (consumers and overwriters are
+rushed) and lasts a random duration; producers are delayed by heavy-tailed durations (a random subset per
+interleaving is slowed 10-1000x) and, for half of the interleavings, one suspect producer (a pair the graph pass could
+not order) is held back for as long as the schedule lets it. Every legal execution is the ASAP execution of some
+positive durations (start times are monotone in end times), so this samples the whole space; continuous random
+durations break ties at random. Seeded.
+
+Shadow memory is kept at the granularity of the conflict sweep (validator.hb): the runs of accesses to each segment,
+so a check is "did `b` start before the latest end among the accesses it must follow", vectorised over interleavings
+with numpy. When the waits admit a static evaluation order (every signaller a waiter could depend on is evaluated
+first; true of lowerings), all N executions are computed at once, instruction by instruction; otherwise a per-execution
+event simulation runs (bounded: small schedules only).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from validator.deadlock import Execution
+from validator.hb import Conflicts, WaitGroups
+from validator.program import Program
+
+HELD = 1e7  # duration of a suspect producer that is held back
+MAX_EVENT_SIM_WORK = 20_000_000  # instructions x interleavings for the per-execution fallback
+
+
+@dataclass
+class Witness:
+    """Pair (a, b), a < b, run out of order in interleaving `k`: `b` started at `start_b` before `a` ended at
+    `end_a`."""
+
+    a: int
+    b: int
+    k: int
+    start_b: float
+    end_a: float
+
+
+@dataclass
+class ReplayResult:
+    interleavings: int
+    witnesses: dict[tuple[int, int], Witness]  # first witness per pair
+    witnessed_runs: int  # interleavings with at least one witness
+    mode: str  # "vectorised" or "event" or "capped"
+
+
+def _static_order(prog: Program, wg: WaitGroups, live: list[bool], pipelined: bool) -> list[tuple[int, int]] | None:
+    """A topological order of instructions (0, i) and wait groups (1, g) where each group follows all its candidate
+    signallers; None when the waits form a cycle among candidates."""
+    n = prog.n
+    indeg = [0] * n
+    gsucc: dict[int, list[int]] = defaultdict(list)
+    isucc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    gdeg: dict[int, int] = {}
+    for y in range(n):
+        if not live[y]:
+            continue
+        if prog.qpos[y] > 0:
+            p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
+            indeg[y] += 1
+            isucc[p].append((0, y))
+        for g in set(wg.of[y]):
+            if g < 0:
+                continue
+            indeg[y] += 1
+            gsucc[g].append(y)
+            if g not in gdeg:
+                gdeg[g] = len(wg.candidates[g])
+                for a, _ in wg.candidates[g]:
+                    isucc[a].append((1, g))
+    ready = deque([(1, g) for g, d in gdeg.items() if d == 0] + [(0, y) for y in range(n) if live[y] and not indeg[y]])
+    out: list[tuple[int, int]] = []
+    while ready:
+        kind, x = ready.popleft()
+        out.append((kind, x))
+        succ = isucc[x] if kind == 0 else [(0, y) for y in gsucc[x]]
+        for k2, y in succ:
+            if k2 == 0:
+                indeg[y] -= 1
+                if indeg[y] == 0:
+                    ready.append((0, y))
+            else:
+                gdeg[y] -= 1
+                if gdeg[y] == 0:
+                    ready.append((1, y))
+    return out if sum(1 for k, _ in out if k == 0) == sum(live) else None
+
+
+def _durations(rng: np.random.Generator, n: int, size: int, targets: list[tuple[int, int]], first: int) -> np.ndarray:
+    d = rng.uniform(0.5, 1.5, (n, size)).astype(np.float64)
+    p = rng.uniform(0.0, 0.3, size)
+    factor = np.exp(rng.uniform(np.log(10.0), np.log(1000.0), size))
+    slow = rng.random((n, size)) < p
+    d = np.where(slow, d * factor, d)
+    if targets:
+        for k in range(0, size):
+            if (first + k) % 2 == 0:
+                a, _ = targets[((first + k) // 2) % len(targets)]
+                d[a, k] = HELD
+    return d
+
+
+def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray) -> np.ndarray:
+    cands = wg.candidates[g]
+    idx = np.array([a for a, _ in cands])
+    adds = np.array([add for _, add in cands])
+    em = end[idx]
+    if adds.sum() < v:
+        return np.full(end.shape[1], np.inf)
+    if (adds == 1).all():
+        if v == len(cands):
+            return em.max(axis=0)
+        return np.partition(em, v - 1, axis=0)[v - 1]
+    order = np.argsort(em, axis=0)
+    cum = np.cumsum(adds[order], axis=0)
+    first = np.argmax(cum >= v, axis=0)
+    return np.take_along_axis(np.take_along_axis(em, order, axis=0), first[None, :], axis=0)[0]
+
+
+def _vectorised(prog: Program, wg: WaitGroups, order: list[tuple[int, int]], dur: np.ndarray,
+                pipelined: bool) -> tuple[np.ndarray, np.ndarray]:
+    n, size = dur.shape
+    start = np.full((n, size), np.inf)  # instructions that never run keep +inf
+    end = np.full((n, size), np.inf)
+    ready_at: dict[int, np.ndarray] = {}
+    value_of = {g: key[1] for key, g in wg.keys.items()}
+    for kind, x in order:
+        if kind == 1:
+            ready_at[x] = _group_time(wg, x, value_of[x], end)
+            continue
+        t = np.zeros(size)
+        if prog.qpos[x] > 0:
+            p = prog.queues[prog.worker[x]][prog.qpos[x] - 1]
+            t = np.maximum(t, start[p] if pipelined else end[p])
+        for g in wg.of[x]:
+            if g >= 0:
+                t = np.maximum(t, ready_at[g])
+        start[x] = t
+        end[x] = t + dur[x]
+    return start, end
+
+
+def _event_sim(prog: Program, wg: WaitGroups, live: list[bool], dur: np.ndarray,
+               pipelined: bool) -> tuple[np.ndarray, np.ndarray]:
+    """One event-driven simulation per interleaving (ASAP starts, given durations)."""
+    import heapq
+
+    n, size = dur.shape
+    start = np.full((n, size), np.inf)
+    end = np.full((n, size), np.inf)
+    nq = len(prog.queues)
+    for k in range(size):
+        counters: dict[int, int] = defaultdict(int)
+        head = [0] * nq
+        free_at = [0.0] * nq  # when the worker may start its next instruction
+        heap: list[tuple[float, int]] = []
+        now = 0.0
+        for _ in range(2 * n + 2):  # each round ends at least one instruction
+            progress = True
+            while progress:
+                progress = False
+                for w in range(nq):
+                    q = prog.queues[w]
+                    if head[w] < len(q) and free_at[w] <= now:
+                        i = q[head[w]]
+                        if all(counters[c] >= v for c, v in prog.waits[i]):
+                            start[i, k] = now
+                            end[i, k] = now + dur[i, k]
+                            heapq.heappush(heap, (end[i, k], i))
+                            head[w] += 1
+                            free_at[w] = now if pipelined else float(end[i, k])
+                            progress = True
+            if not heap:
+                break
+            now, i = heapq.heappop(heap)
+            for c, add in prog.signals[i]:
+                counters[c] += add
+            while heap and heap[0][0] <= now:
+                _, j = heapq.heappop(heap)
+                for c, add in prog.signals[j]:
+                    counters[c] += add
+    return start, end
+
+
+def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: list[bool], count: int, seed: int,
+           pipelined: bool = False, targets: list[tuple[int, int]] | None = None) -> ReplayResult:
+    """Replay `count` adversarial interleavings; return the first witness per out-of-order pair."""
+    n = prog.n
+    targets = targets or []
+    order = _static_order(prog, wg, live, pipelined)
+    mode = "vectorised"
+    if order is None:
+        mode = "event"
+        if n * count > MAX_EVENT_SIM_WORK:
+            count = max(1, MAX_EVENT_SIM_WORK // max(n, 1))
+            mode = "capped"
+    witnesses: dict[tuple[int, int], Witness] = {}
+    witnessed = np.zeros(count, dtype=bool)
+    checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
+    set_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.sets]
+    batch = max(16, min(count, int(3e7 // max(n, 1))))
+    rng = np.random.default_rng(seed)
+    for first in range(0, count, batch):
+        size = min(batch, count - first)
+        dur = _durations(rng, n, size, targets, first)
+        if order is not None:
+            start, end = _vectorised(prog, wg, order, dur, pipelined)
+        else:
+            start, end = _event_sim(prog, wg, live, dur, pipelined)
+        del dur
+        latest: dict[int, np.ndarray] = {}
+        for b, ns in checks:
+            m = latest.get(ns)
+            if m is None:
+                m = latest[ns] = end[set_members[ns]].max(axis=0)
+            bad = np.flatnonzero(start[b] < m)
+            if len(bad) == 0:
+                continue
+            witnessed[first + bad] = True
+            members = set_members[ns]
+            for k in bad[:4].tolist():
+                late = members[end[members, k] > start[b, k]]
+                for a in late.tolist():
+                    if (a, b) not in witnesses:
+                        witnesses[(a, b)] = Witness(a, b, first + k, float(start[b, k]), float(end[a, k]))
+    return ReplayResult(count, witnesses, int(witnessed.sum()), mode)

@@ -1,0 +1,170 @@
+"""z3 proofs for the conflicting pairs the graph pass could not order: `prove(pairs)` -> per pair UNSAT (proven),
+SAT (a counterexample interleaving as numbered events) or unknown (not proven).
+
+Model (DESIGN.md §3): integer start/end per instruction, `start < end`; program order `end(prev) <= start(next)`
+(`--pipelined`: `start(prev) <= start(next)`); a wait `counters[c] >= v` of `y` holds iff the adds of the signallers
+that ended by `start(y)` reach `v`, encoded as a pseudo-Boolean constraint over difference atoms `end(s) <= start(y)`
+(so the sparse difference-logic solver applies, as DESIGN.md §3 measured). Facts the graph pass proved (needed
+signallers, signallers known to end before) are asserted as plain difference constraints instead of PB terms.
+A violation of `a < b` is `start(b) < end(a)`.
+
+Each query is sliced to the instructions that can matter: the pair, their queue predecessors and every signaller of
+every counter a sliced instruction waits on, transitively. Only instructions that run in the unique maximal execution
+take part (the others never start). This slice is exact: any solution is a legal prefix of an execution (all
+signallers of the counters its members wait on are in it), and every prefix extends to a full execution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from validator.hb import HBResult, WaitGroups
+from validator.program import Program
+
+DEFAULT_TIMEOUT_MS = 20_000
+MAX_EVENTS_SHOWN = 40
+
+
+@dataclass
+class PairResult:
+    a: int
+    b: int
+    status: str  # "unsat" (proven), "sat" (counterexample) or "unknown"
+    events: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+
+def _slice(prog: Program, wg: WaitGroups, live: list[bool], seeds: list[int]) -> list[int]:
+    seen = set(seeds)
+    stack = list(seeds)
+    while stack:
+        y = stack.pop()
+        nxt = []
+        if prog.qpos[y] > 0:
+            nxt.append(prog.queues[prog.worker[y]][prog.qpos[y] - 1])
+        for g in wg.of[y]:
+            if g >= 0:
+                nxt.extend(a for a, _ in wg.candidates[g])
+        for x in nxt:
+            if live[x] and x not in seen:
+                seen.add(x)
+                stack.append(x)
+    return sorted(seen)
+
+
+def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int], pipelined: bool) -> str:
+    """The slice's model as SMT-LIB text (parsing text is much faster than building z3 terms one by one)."""
+    inside = set(members)
+    out = [f"(declare-const s{i} Int)(declare-const e{i} Int)(assert (< s{i} e{i}))" for i in members]
+    joins: set[int] = set()
+    for y in members:
+        if prog.qpos[y] > 0:
+            p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
+            out.append(f"(assert (<= s{p} s{y}))" if pipelined else f"(assert (<= e{p} s{y}))")
+        for j, g in enumerate(wg.of[y]):
+            if g < 0:
+                continue
+            if wg.needed[g]:
+                if g not in joins:
+                    joins.add(g)
+                    out.append(f"(declare-const j{g} Int)")
+                    out.extend(f"(assert (<= e{a} j{g}))" for a in wg.needed[g])
+                out.append(f"(assert (<= j{g} s{y}))")
+            known = hb.known_before.get((y, j))
+            if known is None:
+                continue  # every candidate is needed: the join above is the whole wait
+            c, v = prog.waits[y][j]
+            base = sum(add for a, add in wg.candidates[g] if a in known)
+            rest = [(a, add) for a, add in wg.candidates[g] if a not in known and a in inside]
+            if base >= v:
+                continue
+            weights = " ".join(str(add) for _, add in rest)
+            atoms = " ".join(f"(<= e{a} s{y})" for a, _ in rest)
+            out.append(f"(assert ((_ pbge {v - base} {weights}) {atoms}))" if rest else "(assert false)")
+    return "\n".join(out)
+
+
+def _events(prog: Program, model: Any, z3: Any, members: list[int]) -> list[dict[str, Any]]:
+    """The model as a numbered event list (ends before starts at equal times), with counter values after ends."""
+    evs = []
+    for i in members:
+        s = model.eval(z3.Int(f"s{i}"), model_completion=True).as_long()
+        e = model.eval(z3.Int(f"e{i}"), model_completion=True).as_long()
+        evs.append((s, 1, prog.worker[i], prog.qpos[i], i, "start"))
+        evs.append((e, 0, prog.worker[i], prog.qpos[i], i, "end"))
+    evs.sort()
+    watched = {c for i in members for c, _ in prog.waits[i]}
+    counters: dict[int, int] = {}
+    out = []
+    for n, (_, _, w, _, i, kind) in enumerate(evs, 1):
+        ev: dict[str, Any] = {"n": n, "worker": w, "event": kind, "instruction": prog.ids[i], "op": prog.op[i],
+                              "layer": prog.layer[i]}
+        if kind == "start" and prog.waits[i]:
+            ev["waits"] = [{"counter": c, "value": v, "current": counters.get(c, 0)} for c, v in prog.waits[i]]
+        if kind == "end":
+            changed = {}
+            for c, add in prog.signals[i]:
+                counters[c] = counters.get(c, 0) + add
+                if c in watched:
+                    changed[c] = counters[c]
+            if changed:
+                ev["counters"] = {str(c): v for c, v in changed.items()}
+        out.append(ev)
+    return out
+
+
+def event_lines(prog: Program, events: list[dict[str, Any]], focus: set[int]) -> list[str]:
+    """Human-readable numbered events; only the focus instructions' events when there are many."""
+    show = events if len(events) <= MAX_EVENTS_SHOWN else [e for e in events if e["instruction"] in focus]
+    lines = []
+    for e in show[:MAX_EVENTS_SHOWN]:
+        label = f"#{e['instruction']} {e['op']}" + (f" L{e['layer']}" if e.get("layer") is not None else "")
+        text = f"{e['n']:>5}. worker {e['worker']:<4} {e['event']:<5} {label}"
+        if "waits" in e:
+            text += "  (" + ", ".join(f"c{w['counter']} = {w['current']} >= {w['value']}" for w in e["waits"]) + ")"
+        if "counters" in e:
+            text += "  -> " + ", ".join(f"c{c} = {v}" for c, v in e["counters"].items())
+        lines.append(text)
+    hidden = len(events) - len(lines)
+    if hidden > 0:
+        lines.append(f"       ({hidden} other events of the slice not shown; all are in the JSON report)")
+    return lines
+
+
+def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], pairs: list[tuple[int, int]],
+          pipelined: bool = False, seed: int = 0, timeout_ms: int = DEFAULT_TIMEOUT_MS, max_sat: int = 5,
+          budget_s: float = 120.0) -> tuple[list[PairResult], int]:
+    """Decide each pair with z3 (push/pop on one solver over the union of the pairs' slices). Stops after `max_sat`
+    counterexamples or `budget_s` seconds; returns the results and the number of pairs left unchecked."""
+    if not pairs:
+        return [], 0
+    import z3
+
+    z3.set_param("smt.random_seed", seed)
+    members = _slice(prog, wg, live, sorted({x for p in pairs for x in p}))
+    text = _constraints(prog, wg, hb, members, pipelined)
+    solver = z3.SimpleSolver()
+    solver.set("timeout", timeout_ms)
+    solver.set("random_seed", seed)
+    solver.set("arith.solver", 1)
+    solver.add(z3.parse_smt2_string(text))
+    results: list[PairResult] = []
+    sats = 0
+    start = time.perf_counter()
+    for k, (a, b) in enumerate(pairs):
+        if sats >= max_sat or time.perf_counter() - start > budget_s:
+            return results, len(pairs) - k
+        solver.push()
+        solver.add(z3.Int(f"s{b}") < z3.Int(f"e{a}"))
+        verdict = solver.check()
+        if verdict == z3.unsat:
+            results.append(PairResult(a, b, "unsat"))
+        elif verdict == z3.sat:
+            sats += 1
+            results.append(PairResult(a, b, "sat", _events(prog, solver.model(), z3, members)))
+        else:
+            results.append(PairResult(a, b, "unknown", reason=solver.reason_unknown()))
+        solver.pop()
+    return results, 0
