@@ -221,3 +221,9 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
                                       "prompt_token": prompt_token, "tokens": out[1:], "seconds": seconds,
                                       "tokens_per_s": rate, "ms_per_token": 1e3 * seconds / tokens,
                                       "check": agreement})
+
+
+if __name__ == "__main__":
+    # `python -m synth.bench_cli bench|generate ...`: works where other subcommands' dependencies (optuna, openai)
+    # are missing, e.g. on a bare GPU machine.
+    click.Group(commands={"bench": bench, "generate": generate})(prog_name="synth")
