@@ -798,6 +798,10 @@ def add_ratios(ctx_rec: dict[str, Any], copy_tbps: float) -> None:
         rec["x_floor"] = ms / floor["ms"]
         rec["achieved_tbps"] = floor["bytes"]["total"] / (ms * 1e-3) / 1e12
         rec["pct_copy_bw"] = 100.0 * floor["ms"] / ms
+    for name in ("per_op_graph", "megakernel"):  # bytes the schedule moves by the catalogue's own accounting
+        rec = variants.get(name, {})
+        if rec.get("status") == "ok" and ctx_rec.get("schedule_bytes"):
+            rec["schedule_tbps"] = ctx_rec["schedule_bytes"] / (rec["timing"]["median_ms"] * 1e-3) / 1e12
 
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:

@@ -58,7 +58,7 @@ def test_floor_bytes_llama_1b_matches_design() -> None:
 
 
 def test_ratios_come_from_measured_medians() -> None:
-    rec = {"floor": {"bytes": {"total": 3_000_000_000}},
+    rec = {"floor": {"bytes": {"total": 3_000_000_000}}, "schedule_bytes": 4_500_000_000,
            "variants": {"torch_graph": {"status": "ok", "timing": {"median_ms": 3.0}},
                         "megakernel": {"status": "ok", "timing": {"median_ms": 1.5}},
                         "hf_eager": {"status": "skipped", "reason": "x"}}}
@@ -70,7 +70,9 @@ def test_ratios_come_from_measured_medians() -> None:
     assert mk["x_floor"] == pytest.approx(2.0)
     assert mk["achieved_tbps"] == pytest.approx(2.0)
     assert mk["pct_copy_bw"] == pytest.approx(50.0)
+    assert mk["schedule_tbps"] == pytest.approx(3.0)  # 4.5 GB by the catalogue's accounting in 1.5 ms
     assert "x_floor" not in rec["variants"]["hf_eager"]
+    assert "schedule_tbps" not in rec["variants"]["torch_graph"]
 
 
 def test_dry_run_json_structure(dry_run: tuple[dict, str]) -> None:
