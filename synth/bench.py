@@ -918,6 +918,9 @@ def render(result: dict[str, Any]) -> list[Any]:
                           f"{v['x_floor']:.2f}", f"{v['achieved_tbps']:.2f}", f"{v['pct_copy_bw']:.0f}%",
                           f"[green]{check}[/green]" if good else f"[red]{check}[/red]")
             extra = f"; {v['note']}" if v.get("note") else ""
+            if v.get("schedule_tbps"):
+                extra += (f"; the schedule's own bytes (catalogue cost) {rec['schedule_bytes'] / 1e9:.3f} GB at "
+                          f"{v['schedule_tbps']:.2f} TB/s")
             if v.get("step_call"):
                 extra += f"; Megakernel.step() with its host sync: {v['step_call']['median_ms']:.3f} ms median"
             notes.append(f"  {short}: {v['launch']}{extra}")
