@@ -96,7 +96,7 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
     t = time.perf_counter()
     never = [(a, b) for a, b in hb.undischarged if not live[a]]
     pairs = _order_pairs([(a, b) for a, b in hb.undischarged if live[a]])
-    results, unchecked = prove(prog, wg, hb, live, pairs, pipelined, seed)
+    results, unchecked = prove(prog, wg, hb, live, ex.order, pairs, pipelined, seed)
     report.seconds["z3"] = time.perf_counter() - t
     proven = {(r.a, r.b) for r in results if r.status == "unsat"}
     sat: dict[tuple[int, int], PairResult] = {(r.a, r.b): r for r in results if r.status == "sat"}
@@ -121,6 +121,9 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
         focus = {prog.ids[a], prog.ids[b]}
         details["events"] = r.events
         details["text"] = ["counterexample interleaving (z3):"] + event_lines(prog, r.events, focus)
+        if r.done:
+            details["text"].insert(1, f"(first, {r.done} instructions that happen before all of these run "
+                                   "to completion)")
         race_findings[(a, b)] = Finding("race", msg, [prog.ids[a], prog.ids[b]], prog.path(b), details)
     findings: list[Finding] = list(race_findings.values())
     for r in unknown:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from validator.hb import HBResult, WaitGroups
+from validator.hb import HBResult, WaitGroups, indices_of
 from validator.program import Program
 
 DEFAULT_TIMEOUT_MS = 20_000
@@ -34,6 +34,7 @@ class PairResult:
     status: str  # "unsat" (proven), "sat" (counterexample) or "unknown"
     events: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
+    done: int = 0  # slice instructions that happen before all the shown ones (not in the model)
 
 
 def _slice(prog: Program, wg: WaitGroups, live: list[bool], seeds: list[int]) -> list[int]:
@@ -54,30 +55,100 @@ def _slice(prog: Program, wg: WaitGroups, live: list[bool], seeds: list[int]) ->
     return sorted(seen)
 
 
-def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int], pipelined: bool) -> str:
-    """The slice's model as SMT-LIB text (parsing text is much faster than building z3 terms one by one)."""
+def _ancestors(prog: Program, wg: WaitGroups, order: list[int], members: set[int], pipelined: bool) -> dict[int, int]:
+    """HB ancestor bitsets (same edges as the graph pass) for a dependency-closed set of instructions."""
+    anc: dict[int, int] = {}
+    ganc: dict[int, int] = {}
+    for y in order:
+        if y not in members:
+            continue
+        a_y = 0
+        if not pipelined and prog.qpos[y] > 0:
+            p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
+            a_y |= anc[p] | (1 << p)
+        for g in wg.of[y]:
+            if g >= 0 and wg.needed[g]:
+                ga = ganc.get(g)
+                if ga is None:
+                    ga = 0
+                    for a in wg.needed[g]:
+                        ga |= anc[a] | (1 << a)
+                    ganc[g] = ga
+                a_y |= ga
+        anc[y] = a_y
+    return anc
+
+
+def _deps(prog: Program, wg: WaitGroups, live: list[bool], y: int) -> list[int]:
+    out = []
+    if prog.qpos[y] > 0:
+        out.append(prog.queues[prog.worker[y]][prog.qpos[y] - 1])
+    for g in wg.of[y]:
+        if g >= 0:
+            out.extend(a for a, _ in wg.candidates[g])
+    return [x for x in out if live[x]]
+
+
+def _prune(prog: Program, wg: WaitGroups, live: list[bool], anc: dict[int, int], a: int, b: int,
+           uncertain: list[int]) -> tuple[list[int], int]:
+    """Split the pair's slice into `done` (a bitset: instructions that happen before every other slice member in
+    every execution, and whose dependencies are all done too) and the rest, which the model keeps. Exact: every
+    execution runs `done` first, so asserting that loses no execution, and a solution of the rest extends by running
+    `done` before it."""
+    done = anc[a] & anc[b]
+    for _ in range(len(anc) + 2):
+        rest = {a, b}
+        stack = [a, b]
+        while stack:
+            y = stack.pop()
+            for x in _deps(prog, wg, live, y):
+                if x not in rest and not done >> x & 1:
+                    rest.add(x)
+                    stack.append(x)
+        new = done
+        for y in rest:
+            new &= anc[y]
+        removed = 0
+        for x in uncertain:  # a done instruction must not depend on a kept one through an undecided wait
+            if new >> x & 1 and any(not new >> s & 1 for s in _deps(prog, wg, live, x)):
+                removed |= 1 << x
+        if removed:
+            new &= ~removed
+            for y in list(anc):
+                if new >> y & 1 and anc[y] & removed:
+                    new &= ~(1 << y)
+        if new == done:
+            return sorted(rest), done
+        done = new
+    raise RuntimeError("slice pruning did not converge")  # unreachable: `done` only shrinks
+
+
+def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int], done: int, pipelined: bool) -> str:
+    """The kept slice's model as SMT-LIB text (parsing text is much faster than building z3 terms one by one)."""
     inside = set(members)
     out = [f"(declare-const s{i} Int)(declare-const e{i} Int)(assert (< s{i} e{i}))" for i in members]
     joins: set[int] = set()
     for y in members:
         if prog.qpos[y] > 0:
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
-            out.append(f"(assert (<= s{p} s{y}))" if pipelined else f"(assert (<= e{p} s{y}))")
+            if p in inside:
+                out.append(f"(assert (<= s{p} s{y}))" if pipelined else f"(assert (<= e{p} s{y}))")
         for j, g in enumerate(wg.of[y]):
             if g < 0:
                 continue
-            if wg.needed[g]:
+            needed = [a for a in wg.needed[g] if a in inside]
+            if needed:
                 if g not in joins:
                     joins.add(g)
                     out.append(f"(declare-const j{g} Int)")
-                    out.extend(f"(assert (<= e{a} j{g}))" for a in wg.needed[g])
+                    out.extend(f"(assert (<= e{a} j{g}))" for a in needed)
                 out.append(f"(assert (<= j{g} s{y}))")
             known = hb.known_before.get((y, j))
             if known is None:
                 continue  # every candidate is needed: the join above is the whole wait
             c, v = prog.waits[y][j]
-            base = sum(add for a, add in wg.candidates[g] if a in known)
-            rest = [(a, add) for a, add in wg.candidates[g] if a not in known and a in inside]
+            base = sum(add for a, add in wg.candidates[g] if a in known or done >> a & 1)
+            rest = [(a, add) for a, add in wg.candidates[g] if a not in known and not done >> a & 1]
             if base >= v:
                 continue
             weights = " ".join(str(add) for _, add in rest)
@@ -86,8 +157,9 @@ def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int]
     return "\n".join(out)
 
 
-def _events(prog: Program, model: Any, z3: Any, members: list[int]) -> list[dict[str, Any]]:
-    """The model as a numbered event list (ends before starts at equal times), with counter values after ends."""
+def _events(prog: Program, model: Any, z3: Any, members: list[int], done: int) -> list[dict[str, Any]]:
+    """The model as a numbered event list (ends before starts at equal times), with counter values after ends; the
+    `done` instructions have all ended before the first event."""
     evs = []
     for i in members:
         s = model.eval(z3.Int(f"s{i}"), model_completion=True).as_long()
@@ -97,6 +169,10 @@ def _events(prog: Program, model: Any, z3: Any, members: list[int]) -> list[dict
     evs.sort()
     watched = {c for i in members for c, _ in prog.waits[i]}
     counters: dict[int, int] = {}
+
+    for i in indices_of(done):
+        for c, add in prog.signals[i]:
+            counters[c] = counters.get(c, 0) + add
     out = []
     for n, (_, _, w, _, i, kind) in enumerate(evs, 1):
         ev: dict[str, Any] = {"n": n, "worker": w, "event": kind, "instruction": prog.ids[i], "op": prog.op[i],
@@ -133,38 +209,41 @@ def event_lines(prog: Program, events: list[dict[str, Any]], focus: set[int]) ->
     return lines
 
 
-def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], pairs: list[tuple[int, int]],
+def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_order: list[int],
+          pairs: list[tuple[int, int]],
           pipelined: bool = False, seed: int = 0, timeout_ms: int = DEFAULT_TIMEOUT_MS, max_sat: int = 5,
           budget_s: float = 120.0) -> tuple[list[PairResult], int]:
-    """Decide each pair with z3 (push/pop on one solver over the union of the pairs' slices). Stops after `max_sat`
-    counterexamples or `budget_s` seconds; returns the results and the number of pairs left unchecked."""
+    """Decide each pair with z3 on its pruned slice. Stops after `max_sat` counterexamples or `budget_s` seconds;
+    returns the results and the number of pairs left unchecked."""
     if not pairs:
         return [], 0
     import z3
 
     z3.set_param("smt.random_seed", seed)
-    members = _slice(prog, wg, live, sorted({x for p in pairs for x in p}))
-    text = _constraints(prog, wg, hb, members, pipelined)
-    solver = z3.SimpleSolver()
-    solver.set("timeout", timeout_ms)
-    solver.set("random_seed", seed)
-    solver.set("arith.solver", 1)
-    solver.add(z3.parse_smt2_string(text))
+    union = set(_slice(prog, wg, live, sorted({x for p in pairs for x in p})))
+    pos = {i: k for k, i in enumerate(ex_order)}
+    anc = _ancestors(prog, wg, ex_order, union, pipelined)
+    uncertain = sorted({y for y, _ in hb.known_before if y in union}, key=pos.__getitem__)
     results: list[PairResult] = []
     sats = 0
     start = time.perf_counter()
     for k, (a, b) in enumerate(pairs):
         if sats >= max_sat or time.perf_counter() - start > budget_s:
             return results, len(pairs) - k
-        solver.push()
+        members, done = _prune(prog, wg, live, anc, a, b, uncertain)
+        solver = z3.SimpleSolver()
+        solver.set("timeout", timeout_ms)
+        solver.set("random_seed", seed)
+        solver.set("arith.solver", 1)
+        solver.add(z3.parse_smt2_string(_constraints(prog, wg, hb, members, done, pipelined)))
         solver.add(z3.Int(f"s{b}") < z3.Int(f"e{a}"))
         verdict = solver.check()
         if verdict == z3.unsat:
             results.append(PairResult(a, b, "unsat"))
         elif verdict == z3.sat:
             sats += 1
-            results.append(PairResult(a, b, "sat", _events(prog, solver.model(), z3, members)))
+            results.append(PairResult(a, b, "sat", _events(prog, solver.model(), z3, members, done),
+                                       done=done.bit_count()))
         else:
             results.append(PairResult(a, b, "unknown", reason=solver.reason_unknown()))
-        solver.pop()
     return results, 0
