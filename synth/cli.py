@@ -58,8 +58,20 @@ def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: 
                f"{workers} workers, queue length {min(lens)}..{max(lens)}", err=True)
 
 
+def _missing(name: str, package: str) -> click.Command:
+    """A stand-in for a subcommand whose module needs a package that is not installed (e.g. on a bare GPU image)."""
+
+    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                   help=f"(unavailable: needs the Python package {package!r})")
+    def stand_in() -> None:
+        raise click.ClickException(f"`synth {name}` needs the Python package {package!r}: pip install {package}")
+
+    return stand_in
+
+
 def _register() -> None:
-    """Attach the subcommands that live in other modules (each optional until its module exists)."""
+    """Attach the subcommands that live in other modules; one whose third-party import fails becomes a stand-in
+    that says which package is missing, so the other commands keep working."""
     import importlib
 
     for module, name in [("synth.search_cli", "search"), ("synth.bench_cli", "bench"),
@@ -68,9 +80,12 @@ def _register() -> None:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
+            if exc.name == module:
+                continue
+            if exc.name and not exc.name.startswith(("synth", "validator", "kernels")):
+                main.add_command(_missing(name, exc.name.split(".")[0]), name)
+                continue
+            raise
         cmd = getattr(mod, name, None)
         if cmd is not None:
             main.add_command(cmd, name)
