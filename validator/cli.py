@@ -20,7 +20,8 @@ def format_text(report: Report) -> str:
             lines.append(f"      {extra}")
     st = report.stats
     parts = [f"{st.get('instructions', 0)} instructions"]
-    for key in ("conflicting_pairs", "proven_by_graph", "proven_by_z3", "counterexamples", "interleavings"):
+    for key in ("conflicting_pairs", "proven_by_graph", "proven_by_z3", "counterexamples", "unchecked_pairs",
+                "interleavings", "replay_witnesses"):
         if key in st:
             parts.append(f"{st[key]} {key.replace('_', ' ')}")
     parts.append(" ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items()))
@@ -49,12 +50,15 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
     options = Options(interleavings=interleavings, seed=seed, pipelined=pipelined)
     reports: list[Report] = []
     malformed: list[ScheduleError] = []
-    for name in files:
-        try:
-            reports.append(verify(load_schedule(name), name, options))
-        except ScheduleError as exc:
-            exc.file = exc.file or name
-            malformed.append(exc)
+    if jobs > 1 and len(files) > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=min(jobs, len(files))) as pool:
+            outcomes = list(pool.map(_verify_file, files, [options] * len(files)))
+    else:
+        outcomes = [_verify_file(name, options) for name in files]
+    for out in outcomes:
+        (malformed if isinstance(out, ScheduleError) else reports).append(out)
     text = _render(fmt, reports, malformed)
     if output:
         from validator.atomic import write_text_atomic
@@ -64,6 +68,15 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
     for exc in malformed:
         click.echo(f"error: {exc}", err=True)
     sys.exit(2 if malformed else (0 if all(r.accepted for r in reports) else 1))
+
+
+def _verify_file(name: str, options: Options) -> Report | ScheduleError:
+    """Validate one file; a malformed one comes back as its `ScheduleError` (picklable, for `--jobs`)."""
+    try:
+        return verify(load_schedule(name), name, options)
+    except ScheduleError as exc:
+        exc.file = exc.file or name
+        return exc
 
 
 def _render(fmt: str, reports: list[Report], malformed: list[ScheduleError]) -> str:
