@@ -76,7 +76,7 @@ def _register() -> None:
 
     for module, name in [("synth.search_cli", "search"), ("synth.bench_cli", "bench"),
                          ("synth.bench_cli", "generate"), ("synth.runs_cli", "runs"),
-                         ("synth.calibrate_cli", "calibrate")]:
+                         ("synth.calibrate_cli", "calibrate"), ("synth.search_cli", "strategy_schema")]:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -88,7 +88,7 @@ def _register() -> None:
             raise
         cmd = getattr(mod, name, None)
         if cmd is not None:
-            main.add_command(cmd, name)
+            main.add_command(cmd, name.replace("_", "-"))
 
 
 _register()

@@ -1,0 +1,151 @@
+"""The runs/<run>/ folder a search writes (DESIGN.md §6). Every write is atomic (validator/atomic.py), and the files
+on disk are the source of truth, so a killed search resumes without losing accepted results.
+
+Layout:
+  run.json                                  command, versions, GPU, model, seed, options
+  study.db                                  the Optuna study (SQLite) unless --storage names another
+  candidates/<id>/schedule.json             every accepted candidate ...
+  candidates/<id>/validation.json           ... its validator report ...
+  candidates/<id>/timing.json               ... and its timing: {"ms", "estimated", "source", ...}
+  rejected/<id>.json                        rejected or unbuildable candidates, with the counterexample / error
+  leaderboard.json                          {"entries": [...accepted, fastest first..., ...rejected]}
+  best/{schedule,validation,timing,trace}.json   the fastest accepted candidate (trace: GPU, or the cost model's,
+                                            labelled `estimated: true`)
+
+Candidate ids are `c0000`, `c0001`, ... (the Optuna trial number); `c0000` is the naive baseline of the run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+from validator.atomic import write_json_atomic
+from validator.schedule import Schedule
+
+BASELINE = "c0000"
+
+
+def candidate_id(number: int) -> str:
+    return f"c{number:04d}"
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of what produced a run (missing packages are None; torch is not imported here)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("megasynth", "torch", "triton", "z3-solver", "optuna", "pydantic"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class RunDir:
+    """One run folder. Methods write whole files atomically; readers never see half a file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    # -- creation ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def new_name(model: str, seed: int) -> str:
+        return f"{model}-{_dt.datetime.now(_dt.UTC).strftime('%Y%m%d-%H%M%S')}-s{seed}"
+
+    def init(self, info: dict[str, Any]) -> None:
+        """Write run.json (command, versions, started) unless it exists (a resumed or shared run keeps its own)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        if (self.path / "run.json").exists():
+            return
+        doc = {"command": " ".join(sys.argv), "started": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+               "versions": versions(), **info}
+        write_json_atomic(self.path / "run.json", doc)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return _read(self.path / "run.json") or {}
+
+    def update_info(self, **fields: Any) -> None:
+        write_json_atomic(self.path / "run.json", {**self.info, **fields})
+
+    # -- candidates -------------------------------------------------------------------------------------------
+    def save_candidate(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any]) -> None:
+        """An accepted candidate. timing.json goes last: a candidate counts once its timing is there."""
+        d = self.path / "candidates" / cid
+        write_json_atomic(d / "schedule.json", schedule.to_json())
+        write_json_atomic(d / "validation.json", validation)
+        write_json_atomic(d / "timing.json", timing)
+
+    def save_rejected(self, cid: str, record: dict[str, Any]) -> None:
+        write_json_atomic(self.path / "rejected" / f"{cid}.json", record)
+
+    def accepted(self) -> dict[str, dict[str, Any]]:
+        """candidate id -> timing.json of every accepted candidate on disk."""
+        out = {}
+        for d in sorted((self.path / "candidates").glob("c*")):
+            t = _read(d / "timing.json")
+            if isinstance(t, dict) and isinstance(t.get("ms"), int | float):
+                out[d.name] = t
+        return out
+
+    def rejected(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for f in sorted((self.path / "rejected").glob("c*.json")):
+            r = _read(f)
+            if isinstance(r, dict):
+                out[f.stem] = r
+        return out
+
+    def candidate_schedule(self, cid: str) -> Path:
+        return self.path / "candidates" / cid / "schedule.json"
+
+    # -- best and leaderboard ---------------------------------------------------------------------------------
+    def best_ms(self) -> float | None:
+        t = _read(self.path / "best" / "timing.json")
+        return t.get("ms") if isinstance(t, dict) else None
+
+    def save_best(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any],
+                  trace: dict[str, Any] | None) -> None:
+        """Replace best/ (schedule, validation and trace first, timing last)."""
+        d = self.path / "best"
+        write_json_atomic(d / "schedule.json", schedule.to_json())
+        write_json_atomic(d / "validation.json", validation)
+        if trace is not None:
+            write_json_atomic(d / "trace.json", trace, indent=None)
+        write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
+
+    def write_leaderboard(self) -> dict[str, Any]:
+        """Rebuild leaderboard.json from the files on disk (so concurrent or resumed searches agree)."""
+        acc = self.accepted()
+        base = acc.get(BASELINE, {}).get("ms")
+        measured = any(not t.get("estimated", True) for t in acc.values())
+        rows = []
+        for cid, t in acc.items():
+            if measured and t.get("estimated", True):
+                continue  # estimates do not rank against GPU measurements
+            rows.append({"candidate": cid, "ms": t["ms"], "estimated": bool(t.get("estimated", True)),
+                         "accepted": True, "proposer": t.get("proposer", ""), "parent": t.get("parent"),
+                         "rationale": t.get("rationale", ""),
+                         "speedup_vs_naive": round(base / t["ms"], 4) if base and t["ms"] else None})
+        rows.sort(key=lambda r: r["ms"])
+        for cid, r in self.rejected().items():
+            rows.append({"candidate": cid, "ms": None, "estimated": r.get("estimated", True), "accepted": False,
+                         "proposer": r.get("proposer", ""), "parent": r.get("parent"),
+                         "rationale": r.get("rationale", ""), "reason": r.get("reason", "")})
+        doc = {"model": self.info.get("model"), "baseline": BASELINE, "baseline_ms": base,
+               "estimated": not measured, "entries": rows}
+        write_json_atomic(self.path / "leaderboard.json", doc)
+        return doc

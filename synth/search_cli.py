@@ -1,0 +1,89 @@
+"""`synth search` (the search loop into runs/) and `synth strategy-schema` (the strategy JSON Schema)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from validator.errors import ScheduleError
+
+
+@click.command("search")
+@click.option("--model", "model_name", default="llama-1b", show_default=True, help="Model spec (synth models).")
+@click.option("--workers", type=click.IntRange(1, 4096), default=None,
+              help="Workers (persistent programs). Default: the GPU's SM count, else 132.")
+@click.option("--proposer", type=click.Choice(["heuristic", "evolve", "llm", "auto"]), default="auto",
+              show_default=True, help="auto = the LLM agent when OPENAI_API_KEY/OPENAI_BASE_URL is set, else "
+              "heuristic then evolve.")
+@click.option("--budget", type=click.IntRange(1, 100_000), default=50, show_default=True,
+              help="Candidates in the study (baseline included; shared by every process on the same storage).")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=None, help="Seconds for this process.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--resume", "resume", default=None, metavar="RUN", help="Continue runs/RUN (or join it).")
+@click.option("--run", "run_name", default=None, metavar="NAME", help="Name of a new run (default model-time-seed).")
+@click.option("--storage", default=None, metavar="URL",
+              help="Optuna storage URL (default sqlite:///runs/<run>/study.db). Processes on several machines "
+              "work one study when they share a storage (e.g. postgresql://...) and --run/--resume name.")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
+@click.option("--interleavings", type=click.IntRange(0, 1_000_000), default=200, show_default=True,
+              help="Adversarial interleavings replayed per candidate during the search (the best gets "
+              "--final-interleavings).")
+@click.option("--final-interleavings", type=click.IntRange(0, 1_000_000), default=1000, show_default=True)
+@click.option("--ctx", type=click.IntRange(1, 1 << 20), default=1024, show_default=True,
+              help="Context length the schedules are timed/estimated at.")
+@click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Cost-model parameters (default: synth/data/h200_costmodel.json).")
+@click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
+           resume: str | None, run_name: str | None, storage: str | None, runs_dir: str, interleavings: int,
+           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, no_progress: bool) -> None:
+    """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
+    from synth.costmodel import load_params
+    from synth.models import get_model
+    from synth.search import SearchConfig, run_search
+
+    try:
+        get_model(model_name)
+    except KeyError as exc:
+        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    if resume and run_name and resume != run_name:
+        raise click.BadParameter("give either --resume RUN or --run NAME", param_hint="--run")
+    try:
+        params = load_params(cost_params) if cost_params else None
+    except (OSError, ValueError, TypeError) as exc:
+        click.echo(f"error: {cost_params}: cannot read cost-model parameters: {exc}", err=True)
+        sys.exit(2)
+    cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
+                       seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
+                       storage=storage, interleavings=interleavings, final_interleavings=final_interleavings,
+                       ctx=ctx, gpu=False if cpu else None, progress=not no_progress and sys.stderr.isatty(),
+                       cost_params=params, notice=lambda m: click.echo(m, err=True))
+    try:
+        summary = run_search(cfg)
+    except (ValueError, ScheduleError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    label = " (estimated by the cost model)" if summary.estimated else " (measured on the GPU)"
+    click.echo(f"{summary.run_dir}: {summary.evaluated} candidates evaluated here, {summary.accepted} accepted, "
+               f"{summary.rejected} rejected, {summary.seconds:.1f} s")
+    if summary.best_ms is not None:
+        sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
+        click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+
+
+@click.command("strategy-schema")
+@click.option("--patches", is_flag=True, help="Print the schema of one patch instead.")
+def strategy_schema(patches: bool) -> None:
+    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes) or of a patch."""
+    if patches:
+        from synth.patches import patch_schema
+
+        click.echo(json.dumps(patch_schema(), indent=1))
+    else:
+        from synth.strategy import strategy_schema as schema
+
+        click.echo(json.dumps(schema(), indent=1))

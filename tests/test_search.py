@@ -1,0 +1,154 @@
+"""The search loop on the tiny config: runs/ layout, labelled estimates, rejected candidates with their
+counterexample, resume after a kill, and two processes sharing one Optuna SQLite storage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from synth.patches import PatchError, apply_patches
+from synth.proposers.base import Proposal, Result, SearchContext
+from synth.runs import BASELINE, RunDir
+from synth.search import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
+from synth.strategy import Strategy
+from validator.schedule import load_schedule
+from validator.verify import Options, verify
+
+
+def _cfg(tmp_path: Path, **kw) -> SearchConfig:
+    base = dict(model="tiny", workers=8, budget=6, runs_dir=tmp_path, run="r", interleavings=20,
+                final_interleavings=50, ctx=64, gpu=False, progress=False, proposer="heuristic", notice=lambda m: None)
+    base.update(kw)
+    return SearchConfig(**base)
+
+
+def test_search_writes_the_run_layout_and_every_kept_schedule_validates(tmp_path: Path) -> None:
+    summary = run_search(_cfg(tmp_path))
+    run = tmp_path / "r"
+    assert summary.evaluated == 6 and summary.estimated and summary.best_ms is not None
+    info = json.loads((run / "run.json").read_text())
+    assert info["model"] == "tiny" and info["seed"] == 0 and info["estimated"] is True and "versions" in info
+    for name in ("schedule.json", "validation.json", "timing.json", "trace.json"):
+        assert (run / "best" / name).exists()
+    trace = json.loads((run / "best" / "trace.json").read_text())
+    assert trace["metadata"]["estimated"] is True
+    timing = json.loads((run / "best" / "timing.json").read_text())
+    assert timing["estimated"] is True and "cost model" in timing["source"]
+    lb = json.loads((run / "leaderboard.json").read_text())
+    assert lb["estimated"] is True and lb["baseline"] == BASELINE
+    assert [e["ms"] for e in lb["entries"] if e["accepted"]] == sorted(e["ms"] for e in lb["entries"] if e["accepted"])
+    base = json.loads((run / "candidates" / BASELINE / "timing.json").read_text())
+    assert base["proposer"] == "naive"
+    for cand in (run / "candidates").iterdir():
+        sched = load_schedule(cand / "schedule.json")
+        assert verify(sched, options=Options(interleavings=20)).accepted, cand.name
+
+
+def test_rejected_candidates_keep_their_counterexample(tmp_path: Path) -> None:
+    search = Search(_cfg(tmp_path))
+    search.run.init({"model": "tiny"})
+    # Remove the wait of an attention instruction on its QKV producers: a race the validator must find.
+    sched = search.build(Proposal(Strategy()))
+    victim = next(i for i in sched.instructions if i.op == "attn_partial")
+    patch = {"op": "remove_wait", "id": victim.id, "counter": victim.waits[0].counter}
+    res = search.evaluate("c0042", Proposal(Strategy(), [patch], "drop a wait", "test"))
+    assert not res.accepted and res.counterexample
+    rec = json.loads((tmp_path / "r" / "rejected" / "c0042.json").read_text())
+    assert rec["reason"] == "rejected" and rec["patches"] == [patch]
+    assert any(f["category"] == "race" for f in rec["findings"])
+    # A malformed patch is rejected with its index and field, not a traceback.
+    res = search.evaluate("c0043", Proposal(Strategy(), [{"op": "move", "id": 10**6, "worker": 0}]))
+    assert not res.accepted and "$.patches[0].id" in (res.error or "")
+
+
+def test_resume_keeps_accepted_results_and_continues(tmp_path: Path) -> None:
+    first = run_search(_cfg(tmp_path, budget=4))
+    before = set(RunDir(first.run_dir).accepted())
+    # A killed process leaves files and trials; resuming continues the study up to the new budget.
+    second = run_search(_cfg(tmp_path, budget=7, resume=True, proposer="evolve"))
+    after = RunDir(second.run_dir).accepted()
+    assert before <= set(after)
+    assert second.evaluated == 3
+    assert len(RunDir(second.run_dir).accepted()) + len(RunDir(second.run_dir).rejected()) == 7
+
+
+def test_auto_without_llm_is_heuristic_then_evolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    notes: list[str] = []
+    p = resolve_proposer("auto", "tiny", 8, notice=notes.append)
+    assert isinstance(p, ChainProposer) and len(notes) == 1 and "heuristic" in notes[0]
+    with pytest.raises(ValueError, match="OPENAI"):
+        resolve_proposer("llm", "tiny", 8)
+    ctx = SearchContext("tiny", 8, "cpu", None, [], None, True)
+    props = p.propose(ctx, 3)
+    assert len(props) == 3 and all(isinstance(x.strategy, Strategy) for x in props)
+
+
+def test_evolve_uses_accepted_parents() -> None:
+    from synth.proposers.evolve import EvolveProposer
+
+    ev = EvolveProposer(seed=1)
+    parents = [Result(f"c000{k}", Proposal(Strategy(attn_splits=k + 1)), True, 1.0 + k, True,
+                      profile={"critical_path": [3, 4, 5]}) for k in range(3)]
+    ctx = SearchContext("tiny", 8, "cpu", parents[0], parents, 1.0, True)
+    props = ev.propose(ctx, 6)
+    assert len(props) == 6 and all(p.parent in {"c0000", "c0001", "c0002"} for p in props)
+
+
+def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
+    from synth.lower import lower
+    from synth.models import get_model
+
+    sched = lower(get_model("tiny"), 4)
+    moved = apply_patches(sched, [{"op": "move", "id": 5, "worker": 3}])
+    assert 5 in moved.queues[3] and moved.queues[3] == sorted(moved.queues[3])
+    for bad, where in [([{"op": "move", "id": 5, "worker": 9}], "$.patches[0].worker"),
+                       ([{"op": "fly", "id": 5}], "$.patches[0].op"),
+                       ([{"op": "move", "id": 5, "worker": 1}, {"op": "set_wait", "id": 0, "counter": 0,
+                                                               "value": 1}], "$.patches[1].counter"),
+                       ([{"op": "add_wait", "id": 5, "counter": 1, "value": -1}], "$.patches[0].value"),
+                       ([{"op": "add_signal", "id": 5, "counter": 1, "add": 1, "x": 1}], "$.patches[0].x")]:
+        with pytest.raises(PatchError) as exc:
+            apply_patches(sched, bad)
+        assert exc.value.path == where, (bad, str(exc.value))
+    grown = apply_patches(sched, [{"op": "add_signal", "id": 5, "counter": sched.counters + 3}])
+    assert grown.counters == sched.counters + 4
+
+
+_WORKER = """
+import sys
+from pathlib import Path
+from synth.search import SearchConfig, run_search
+run_search(SearchConfig(model="tiny", workers=8, budget=int(sys.argv[3]), runs_dir=Path(sys.argv[1]), run="shared",
+                        resume=sys.argv[2] == "resume", storage=None, interleavings=10, final_interleavings=20,
+                        ctx=64, gpu=False, progress=False, proposer="evolve", seed=int(sys.argv[4]),
+                        notice=lambda m: None))
+"""
+
+
+def test_two_processes_share_one_sqlite_study(tmp_path: Path) -> None:
+    import optuna
+
+    run_search(_cfg(tmp_path, run="shared", budget=2))  # creates the run, the study and the baseline
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(tmp_path), "resume", "10", str(seed)], env=env,
+                              stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-2000:]
+    storage = f"sqlite:///{tmp_path / 'shared' / 'study.db'}"
+    study = optuna.load_study(study_name="megasynth-shared", storage=storage)
+    numbers = [t.number for t in study.trials]
+    assert len(numbers) >= 10 and len(set(numbers)) == len(numbers)
+    run = RunDir(tmp_path / "shared")
+    on_disk = set(run.accepted()) | set(run.rejected())
+    done = {f"c{t.number:04d}" for t in study.trials if t.state.is_finished()}
+    assert done <= on_disk
+    pids = {t.user_attrs.get("pid") for t in study.trials[2:]}
+    assert len(pids) == 2  # both processes contributed trials
