@@ -56,6 +56,7 @@ class SearchConfig:
     gpu: bool | None = None  # None: use the GPU when CUDA is present
     progress: bool = True
     cost_params: CostParams | None = None
+    llm: dict[str, Any] = field(default_factory=dict)  # the agent's --llm-* options (synth.proposers.llm.LLMOptions)
     notice: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -378,7 +379,8 @@ class Search:
                        "cost_model": self.params.source})
         study = self._study()
         self._load_history()
-        self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice)
+        self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
+                                         **{"seq": cfg.ctx, **cfg.llm})
         for r in self.history:
             self.proposer.observe(r)
         evaluated = 0

@@ -38,9 +38,18 @@ from validator.errors import ScheduleError
               help="Cost-model parameters (default: synth/data/h200_costmodel.json).")
 @click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--llm-model", default=None, metavar="NAME", help="Agent: model name (default $OPENAI_MODEL, else "
+              "gpt-4o-mini). Endpoint: OPENAI_BASE_URL / OPENAI_API_KEY (see docs/agent.md).")
+@click.option("--llm-max-calls", type=click.IntRange(1, 100_000), default=None,
+              help="Agent: API calls per run, retries included [default: 30].")
+@click.option("--llm-temperature", type=click.FloatRange(0, 2), default=None, help="Agent: temperature [default: 0.7].")
+@click.option("--llm-timeout", type=click.FloatRange(min=0.1), default=None,
+              help="Agent: seconds per request before it is retried [default: 120].")
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
            resume: str | None, run_name: str | None, storage: str | None, runs_dir: str, interleavings: int,
-           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, no_progress: bool) -> None:
+           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, no_progress: bool,
+           llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
+           llm_timeout: float | None) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from synth.costmodel import load_params
     from synth.models import get_model
@@ -61,7 +70,9 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, interleavings=interleavings, final_interleavings=final_interleavings,
                        ctx=ctx, gpu=False if cpu else None, progress=not no_progress and sys.stderr.isatty(),
-                       cost_params=params, notice=lambda m: click.echo(m, err=True))
+                       cost_params=params, notice=lambda m: click.echo(m, err=True),
+                       llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
+                            "timeout_s": llm_timeout})
     try:
         summary = run_search(cfg)
     except (ValueError, ScheduleError) as exc:
@@ -73,6 +84,12 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     if summary.best_ms is not None:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+    usage_file = Path(summary.run_dir) / "agent_usage.json"
+    if usage_file.exists():  # the LLM agent ran: its calls and tokens (details in agent.jsonl)
+        u = json.loads(usage_file.read_text(encoding="utf-8"))
+        cost = f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else ""
+        click.echo(f"agent {u.get('model')}: {u.get('calls')} calls, {u.get('total_tokens')} tokens{cost}, "
+                   f"{u.get('proposals')} proposals ({u.get('accepted')} accepted, {u.get('rejected')} rejected)")
 
 
 @click.command("strategy-schema")
