@@ -165,6 +165,24 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / (times[len(times) // 2] * 1e-3) / 1e12
 
 
+def stage_spans(trace: dict[str, Any], layers: tuple[int, ...] = (0, 7)) -> str:
+    """Per (op, layer) stage: first start, last end, span and the gap since the previous stage ended (µs)."""
+    spans: dict[tuple[str, Any], list[float]] = {}
+    for e in sorted((e for e in trace["traceEvents"] if e["ph"] == "X"), key=lambda e: e["args"]["id"]):
+        s = spans.setdefault((e["cat"], e["args"]["layer"]), [1e18, 0.0, 0, 0.0])
+        s[0] = min(s[0], e["ts"])
+        s[1] = max(s[1], e["ts"] + e["dur"])
+        s[2] += 1
+        s[3] += e["dur"]
+    lines, prev = [], 0.0
+    for (op, layer), (a, b, n, d) in spans.items():
+        if layer is None or layer in layers:
+            lines.append(f"  {op:20s} L{layer}: start {a:8.1f} span {b - a:6.1f} gap {a - prev:5.1f} n {n:4d} "
+                         f"mean {d / n:6.2f}")
+        prev = b
+    return "\n".join(lines)
+
+
 def floor_bytes(cfg: ModelConfig, ctx: int) -> int:
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.hd * 2
     return cfg.weight_bytes(2) + kv
@@ -179,6 +197,7 @@ def main() -> int:
     ap.add_argument("--lowerings", default="naive")
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--trace", default="naive", help="lowerings to trace (at ctx 1024, last kernel variant)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,10 +263,11 @@ def main() -> int:
             traceback.print_exc()
 
     variants = {
-        "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # the first version (fp32 broadcast attention)
-        "mma": KernelConfig(prefetch=0),
+        "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # fp32 broadcast attention (the first version)
         "base": KernelConfig(),
-        "pf2": KernelConfig(prefetch=2),
+        "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
+        "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
+        "pfall": KernelConfig(prefetch=1),
         "ns1": KernelConfig(num_stages=1),
         "ns4": KernelConfig(num_stages=4),
         "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
@@ -255,25 +275,34 @@ def main() -> int:
         "bt128": KernelConfig(bt=128),
         "w4": KernelConfig(num_warps=4),
     }
+    tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
+             "down_proj_residual": 16, "final_norm_lm_head": 256}
+    gu32 = {**tiles, "mlp_norm_gate_up": 32}
+
+    def strat(**kw: Any) -> Strategy:
+        return Strategy(**kw)
+
     lowerings = {
-        "naive": Strategy(),
-        "split4": Strategy(attn_splits=4),
-        "split8": Strategy(attn_splits=8),
-        "gu32": Strategy(tiles={"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16,
-                                "mlp_norm_gate_up": 32, "down_proj_residual": 16, "final_norm_lm_head": 256},
-                         attn_splits=4),
-        "t32": Strategy(tiles={"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16,
-                               "mlp_norm_gate_up": 32, "down_proj_residual": 16, "final_norm_lm_head": 1024},
-                        attn_splits=4),
+        "naive": lambda: strat(),
+        "split4": lambda: strat(attn_splits=4),
+        "gu32": lambda: strat(tiles=gu32, attn_splits=4),
+        "gu64": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=4),
+        "lm1k": lambda: strat(tiles={**gu32, "final_norm_lm_head": 1024}, attn_splits=4),
+        "chunk": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk"),
+        "head": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="head"),
+        "chunk_cb": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk", assignment="cost_balanced"),
+        "chunk_cp": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk", assignment="critical_path",
+                                  order="critical_path"),
+        "tile": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="tile"),
     }
     ctxs = [int(c) for c in args.ctx.split(",")]
     mk = None
     for vname in args.variants.split(","):
         kcfg = variants[vname]
         for lname in args.lowerings.split(","):
-            sched = lower(spec, sms, lowerings[lname])
             try:
                 t = time.time()
+                sched = lower(spec, sms, lowerings[lname]())
                 if mk is None or mk.kcfg != kcfg:
                     del mk
                     torch.cuda.empty_cache()
@@ -281,42 +310,45 @@ def main() -> int:
                     gen = torch.Generator(device="cuda").manual_seed(5)
                     mk.k_cache.normal_(generator=gen)
                     mk.v_cache.normal_(generator=gen)
-                    kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
-                    out = mk.step(77, 1500)
-                    ref = decode_step(cfg, w, kref, vref, 77, 1500)
-                    cmp = compare(ref, out)
-                    RESULTS["checks"].append({"model": "llama-1b", "schedule": f"{vname}/{lname} pos 1500",
-                                              "ok": cmp["rel_l2"] <= 2e-2 and cmp["finite"],
-                                              "worst_rel_l2": cmp["rel_l2"]})
-                    log(f"check {vname}/{lname} pos 1500 rel L2 {cmp['rel_l2']:.2e}")
-                    del kref, vref
+                mk.set_schedule(sched)
+                kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+                got = mk.step(77, 1500)
+                ref = decode_step(cfg, w, kref, vref, 77, 1500)
+                cmp = compare(ref, got)
+                RESULTS["checks"].append({"model": "llama-1b", "schedule": f"{vname}/{lname} pos 1500",
+                                          "ok": cmp["rel_l2"] <= 2e-2 and cmp["finite"],
+                                          "worst_rel_l2": cmp["rel_l2"]})
+                del kref, vref
                 for ctx in ctxs:
                     r = time_schedule(mk, sched, ctx, reps=args.reps)
                     nbytes = floor_bytes(cfg, ctx)
                     r.update({"variant": vname, "lowering": lname, "kernel_config": dataclasses.asdict(kcfg),
                               "bytes": nbytes, "achieved_tb_s": nbytes / (r["median_ms"] * 1e-3) / 1e12,
-                              "floor_ms": nbytes / (bw * 1e12) * 1e3, "occupancy": mk.occupancy.get(("compiled",
-                                                                                                      False))})
+                              "floor_ms": nbytes / (bw * 1e12) * 1e3, "check_rel_l2": cmp["rel_l2"],
+                              "occupancy": mk.occupancy.get(("compiled", False))})
                     RESULTS["timings"].append(r)
-                    log(f"time {vname:7s} {lname:7s} ctx {ctx:5d}: {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f} "
-                        f"p90 {r['p90_ms']:.3f}) {r['achieved_tb_s']:.2f} TB/s [{time.time() - t:.0f}s]")
+                    log(f"time {vname:7s} {lname:8s} ctx {ctx:5d}: {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f} "
+                        f"p90 {r['p90_ms']:.3f}) {r['achieved_tb_s']:.2f} TB/s rel {cmp['rel_l2']:.1e} "
+                        f"[{time.time() - t:.0f}s]")
             except Exception as exc:
                 RESULTS["errors"].append(f"timing {vname}/{lname}: {exc!r}\n{traceback.format_exc()}")
                 log(f"ERROR timing {vname}/{lname}: {exc!r}")
                 traceback.print_exc()
 
     if mk is not None:
-        try:
-            sched = lower(spec, sms, lowerings[args.lowerings.split(",")[0]])
-            mk.set_schedule(sched)
-            tr = mk.traced_step(1, 1023, {"model": "llama-1b", "ctx": 1024})
-            write_trace(out / "trace.json", tr)
-            summ = summarize(tr)
-            RESULTS["trace_summary"] = {k: v for k, v in summ.items() if k != "per_sm"}
-            log(format_summary(summ))
-        except Exception as exc:
-            RESULTS["errors"].append(f"trace: {exc!r}\n{traceback.format_exc()}")
-            log(f"ERROR trace: {exc!r}")
+        for lname in args.trace.split(","):
+            try:
+                mk.set_schedule(lower(spec, sms, lowerings[lname]()))
+                tr = mk.traced_step(1, 1023, {"model": "llama-1b", "ctx": 1024, "lowering": lname,
+                                              "kernel_config": dataclasses.asdict(mk.kcfg)})
+                write_trace(out / f"trace_{lname}.json", tr)
+                summ = summarize(tr)
+                RESULTS.setdefault("trace_summary", {})[lname] = {k: v for k, v in summ.items() if k != "per_sm"}
+                log(f"trace {lname}: " + format_summary(summ))
+                log(stage_spans(tr))
+            except Exception as exc:
+                RESULTS["errors"].append(f"trace: {exc!r}\n{traceback.format_exc()}")
+                log(f"ERROR trace: {exc!r}")
 
     (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     log("\n=== summary ===")

@@ -125,6 +125,9 @@ def test_tiny_configs(name):
                      tiles={"attn_norm_qkv_rope": spec.config.hd, "o_proj_residual": 8, "mlp_norm_gate_up": 24,
                             "down_proj_residual": 8, "final_norm_lm_head": 40})
     _decode_and_compare(spec, _variant(spec, 5, strat, seed=3), w, range(0, 4), 0, mk=mk)
+    # per-instruction counters: many waits per instruction (the interpreter's multi-wait path)
+    fine = Strategy(attn_splits=2, default_granularity="tile", tiles={"o_proj_residual": 8, "down_proj_residual": 8})
+    _decode_and_compare(spec, lower(spec, 6, fine), w, range(hist, hist + 3), hist, mk=mk)
 
 
 def _compiled_count() -> int | None:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import ops
-from kernels.gpu.pack import F_ID, OPCODES, ROW, Packed, pack
+from kernels.gpu.pack import OPCODES, ROW, Packed, pack
 from validator.catalogue import rope_inv_freq
 from validator.errors import ScheduleError
 from validator.model import ModelConfig
@@ -55,7 +55,7 @@ def _megakernel(
     BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
-    ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr,
+    ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -67,54 +67,86 @@ def _megakernel(
     token = tl.load(rt_ptr)
     pos = tl.load(rt_ptr + 1)
     ok = pid * 0 + 1
+    # The current row's fields are loaded one instruction ahead (software-pipelined decode): rows are in queue order,
+    # so the next row's address needs no load and its latency hides behind the current instruction.
+    valid = qi < q1
+    row = ins_ptr + qi * ROWW
+    op = tl.load(row, mask=valid, other=-1)
+    layer = tl.load(row + 1, mask=valid, other=0)
+    a0 = tl.load(row + 2, mask=valid, other=0)
+    a1 = tl.load(row + 3, mask=valid, other=0)
+    a2 = tl.load(row + 4, mask=valid, other=0)
+    a3 = tl.load(row + 5, mask=valid, other=0)
+    iid = tl.load(row + 6, mask=valid, other=0)
+    woff = tl.load(row + 7, mask=valid, other=0)
+    wn = tl.load(row + 8, mask=valid, other=0)
+    soff = tl.load(row + 9, mask=valid, other=0)
+    sn = tl.load(row + 10, mask=valid, other=0)
+    c0 = tl.load(row + 11, mask=valid, other=0)
+    v0 = tl.load(row + 12, mask=valid, other=0)
+    sc0 = tl.load(row + 13, mask=valid, other=0)
+    sa0 = tl.load(row + 14, mask=valid, other=0)
+    idx = tl.load(row + 15, mask=valid, other=0)
     while (qi < q1) & (ok != 0):
-        idx = tl.load(qitems_ptr + qi)
-        row = ins_ptr + idx * ROWW
-        op = tl.load(row)
-        layer = tl.load(row + 1)
-        a0 = tl.load(row + 2)
-        a1 = tl.load(row + 3)
-        a2 = tl.load(row + 4)
-        a3 = tl.load(row + 5)
-        woff = tl.load(row + 7)
-        wn = tl.load(row + 8)
-        soff = tl.load(row + 9)
-        sn = tl.load(row + 10)
-        if PREFETCH >= 1:  # weights never depend on a wait: start streaming them into L2 now
+        nvalid = qi + 1 < q1
+        nrow = ins_ptr + (qi + 1) * ROWW
+        n_op = tl.load(nrow, mask=nvalid, other=-1)
+        n_layer = tl.load(nrow + 1, mask=nvalid, other=0)
+        n_a0 = tl.load(nrow + 2, mask=nvalid, other=0)
+        n_a1 = tl.load(nrow + 3, mask=nvalid, other=0)
+        n_a2 = tl.load(nrow + 4, mask=nvalid, other=0)
+        n_a3 = tl.load(nrow + 5, mask=nvalid, other=0)
+        n_iid = tl.load(nrow + 6, mask=nvalid, other=0)
+        n_woff = tl.load(nrow + 7, mask=nvalid, other=0)
+        n_wn = tl.load(nrow + 8, mask=nvalid, other=0)
+        n_soff = tl.load(nrow + 9, mask=nvalid, other=0)
+        n_sn = tl.load(nrow + 10, mask=nvalid, other=0)
+        n_c0 = tl.load(nrow + 11, mask=nvalid, other=0)
+        n_v0 = tl.load(nrow + 12, mask=nvalid, other=0)
+        n_sc0 = tl.load(nrow + 13, mask=nvalid, other=0)
+        n_sa0 = tl.load(nrow + 14, mask=nvalid, other=0)
+        n_idx = tl.load(nrow + 15, mask=nvalid, other=0)
+        if PREFETCH >= 1:  # weights never depend on a wait: start streaming (the head of) them into L2 now
             ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
                                      lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
-                                     OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD)
-        if PREFETCH >= 2:  # and the next instruction's too
-            if qi + 1 < q1:
-                nrow = ins_ptr + tl.load(qitems_ptr + qi + 1) * ROWW
-                ops.prefetch_instruction(tl.load(nrow), tl.load(nrow + 1), tl.load(nrow + 2), tl.load(nrow + 3),
-                                         tl.load(nrow + 4), tl.load(nrow + 5), pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr,
-                                         wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV,
-                                         OP_PARTIAL, OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD)
+                                     OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, PF_CAP)
         if TRACE:
             t_wait = ops.globaltimer()
-        wi = woff * 0
-        while (wi < wn) & (ok != 0):
-            c = tl.load(waits_ptr + 2 * (woff + wi))
-            need = tl.load(waits_ptr + 2 * (woff + wi) + 1)
-            cur = ops.load_acquire(counters_ptr + c)
-            if cur < need:
+        if wn == 1:  # the common case: one wait, inline in the row, one acquire load per poll
+            cur = ops.load_acquire(counters_ptr + c0)
+            if cur < v0:
                 t0 = ops.globaltimer()
                 elapsed = t0 - t0
-                while (cur < need) & (elapsed < timeout_ns):
-                    cur = ops.load_acquire(counters_ptr + c)
+                while (cur < v0) & (elapsed < timeout_ns):
+                    cur = ops.load_acquire(counters_ptr + c0)
                     elapsed = ops.globaltimer() - t0
-                if cur < need:
-                    e = err_ptr + pid * 8
-                    tl.store(e + 1, pid)
-                    tl.store(e + 2, tl.load(row + 6))
-                    tl.store(e + 3, c)
-                    tl.store(e + 4, cur)
-                    tl.store(e + 5, need)
-                    tl.store(e + 6, ops.smid())
-                    tl.store(e, 1)
+                if cur < v0:
+                    ops.report_stuck(err_ptr, pid, iid, c0, cur, v0)
                     ok = pid * 0
-            wi += 1
+        elif wn > 1:  # several waits: poll WB counters at once (one round trip), spin on the unsatisfied ones
+            wb = woff * 0
+            while (wb < wn) & (ok != 0):
+                lanes = wb + tl.arange(0, WB)
+                lm = lanes < wn
+                cs = tl.load(waits_ptr + 2 * (woff + lanes), mask=lm, other=0)
+                nd = tl.load(waits_ptr + 2 * (woff + lanes) + 1, mask=lm, other=0)
+                curs = ops.load_acquire(counters_ptr + cs)
+                short = tl.sum((curs < nd).to(tl.int32), 0)
+                if short > 0:
+                    t0 = ops.globaltimer()
+                    elapsed = t0 - t0
+                    while (short > 0) & (elapsed < timeout_ns):
+                        curs = ops.load_acquire(counters_ptr + cs)
+                        short = tl.sum((curs < nd).to(tl.int32), 0)
+                        elapsed = ops.globaltimer() - t0
+                    if short > 0:
+                        bad = tl.min(tl.where(curs < nd, lanes, wn), 0)
+                        sel = lanes == bad
+                        ops.report_stuck(err_ptr, pid, iid, tl.sum(tl.where(sel, cs, 0), 0),
+                                         tl.sum(tl.where(sel, curs, 0), 0), tl.sum(tl.where(sel, nd, 0), 0))
+                        ok = pid * 0
+                wb += WB
+            tl.debug_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
         if ok != 0:
             if TRACE:
                 t_start = ops.globaltimer()
@@ -145,8 +177,11 @@ def _megakernel(
             tl.debug_barrier()
             si = soff * 0
             while si < sn:
-                sc = tl.load(sigs_ptr + 2 * (soff + si))
-                sa = tl.load(sigs_ptr + 2 * (soff + si) + 1)
+                sc = sc0
+                sa = sa0
+                if si > 0:
+                    sc = tl.load(sigs_ptr + 2 * (soff + si))
+                    sa = tl.load(sigs_ptr + 2 * (soff + si) + 1)
                 ops.signal_release(counters_ptr + sc, sa)
                 si += 1
             if TRACE:
@@ -157,6 +192,22 @@ def _megakernel(
                 tl.store(tr + 2, t_end)
                 tl.store(tr + 3, pid.to(tl.int64))
         qi += 1
+        op = n_op
+        layer = n_layer
+        a0 = n_a0
+        a1 = n_a1
+        a2 = n_a2
+        a3 = n_a3
+        iid = n_iid
+        woff = n_woff
+        wn = n_wn
+        soff = n_soff
+        sn = n_sn
+        c0 = n_c0
+        v0 = n_v0
+        sc0 = n_sc0
+        sa0 = n_sa0
+        idx = n_idx
 
 
 def _pow2(n: int) -> int:
@@ -181,7 +232,8 @@ class KernelConfig:
     bt: int = 64  # KV positions per attention block
     attn_mma: bool = True  # attention on the tensor cores (hi/lo bf16 split) instead of fp32 broadcast-reduce
     ns_attn: int = 3  # pipelining depth of the K/V stream (tensor-core attention)
-    prefetch: int = 1  # L2 prefetch before the waits: 0 none, 1 this instruction's weights, 2 also the next one's
+    prefetch: int = 0  # L2 prefetch of an instruction's weights before its waits: 0 none, 1 yes (up to pf_cap bytes)
+    pf_cap: int = 1 << 30  # bytes prefetched per instruction (the head of its weight stream)
     be: int = 1024  # embedding copy block
 
 
@@ -215,6 +267,19 @@ def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: to
         if tuple(out[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(out[name].shape)}, expected {shape}")
     return out
+
+
+def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool) -> dict[str, Any]:
+    """The compile-time parameters of the interpreter for one model config (launch options included)."""
+    hp = _pow2(c.hidden_size)
+    return dict(
+        H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
+        S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
+        GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
+        BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
+        BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
+        ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16,
+        num_warps=k.num_warps, num_stages=1)
 
 
 class Megakernel:
@@ -295,15 +360,7 @@ class Megakernel:
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], self.x, self.q, self.k_cache, self.v_cache,
                 d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.timeout_ns]
-        hp = _pow2(c.hidden_size)
-        consts = dict(
-            H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
-            S=self.max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
-            GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
-            BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
-            BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
-            ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, num_warps=k.num_warps,
-            num_stages=1)
+        consts = kernel_constexprs(c, self.max_seq_len, k, trace)
         return args, consts
 
     def _check_residency(self, p: Packed, trace: bool) -> None:
@@ -426,7 +483,3 @@ class Megakernel:
         meta = {"model": None, "device": torch.cuda.get_device_name(self.device), "ctx": pos + 1,
                 "estimated": False, **(metadata or {})}
         return from_raw(self.raw_trace(p), p.ids, p.ops, p.layers, meta)
-
-
-def instruction_ids(p: Packed) -> np.ndarray:
-    return p.ins[:p.n, F_ID].copy()

@@ -63,6 +63,19 @@ else:
 
 
 @triton.jit
+def report_stuck(err_ptr, pid, iid, counter, cur, need):
+    """Record a watchdog timeout: (flag, worker, instruction id, counter, current, needed, SM) in the error buffer."""
+    e = err_ptr + pid * 8
+    tl.store(e + 1, pid)
+    tl.store(e + 2, iid)
+    tl.store(e + 3, counter)
+    tl.store(e + 4, cur)
+    tl.store(e + 5, need)
+    tl.store(e + 6, smid())
+    tl.store(e, 1)
+
+
+@triton.jit
 def rms_rstd(x_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr):
     """1 / sqrt(mean(x^2) + eps) of the residual stream (read from L2)."""
     offs = tl.arange(0, BLOCK_H)
@@ -71,23 +84,29 @@ def rms_rstd(x_ptr, H: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr):
 
 
 @triton.jit
-def _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM: tl.constexpr, MASKED: tl.constexpr):
+def _vec(v_ptr, nw_ptr, kk, kmask, NORM: tl.constexpr, MASKED: tl.constexpr):
+    """The vector chunk v[kk] (times the norm weight when NORM), and its sum of squares (for the RMS norm)."""
     if MASKED:
         v = tl.load(v_ptr + kk, mask=kmask, other=0.0, cache_modifier=".cg")
-        if NORM:
-            v = v * rstd * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
     else:
         v = tl.load(v_ptr + kk, cache_modifier=".cg")
-        if NORM:
-            v = v * rstd * tl.load(nw_ptr + kk)
-    return v
+    ss = tl.sum(v * v, 0)
+    if NORM:
+        if MASKED:
+            v = v * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+        else:
+            v = v * tl.load(nw_ptr + kk)
+    return v, ss
 
 
 @triton.jit
-def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr, rstd,
-             NORM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """sum_k W[rows, k] * v[k] over k in [k0, k1); v = x * rstd * norm_weight when NORM. Returns fp32 [BR]."""
+def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr,
+             NORM: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+             NS: tl.constexpr):
+    """sum_k W[rows, k] * v[k] over k in [k0, k1), fp32 [BR]. With NORM (k range = all of x): v = rmsnorm(x) * nw,
+    the norm's sum of squares gathered in the same pass (rstd applied once at the end: no separate pass over x)."""
     acc = tl.zeros((BR, BK), tl.float32)
+    ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
     ks = tl.arange(0, BK)
     wrow = w_ptr + rows[:, None].to(tl.int64) * ld
     if k0 % 16 == 0:
@@ -96,38 +115,48 @@ def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr, rstd,
         kend = k0a + nfull * BK
         for kb in tl.range(0, nfull, num_stages=NS):
             kk = tl.multiple_of(k0a + kb * BK, 16) + ks
-            v = _vec(v_ptr, nw_ptr, kk, kk < k1, rstd, NORM, False)
+            v, sq = _vec(v_ptr, nw_ptr, kk, kk < k1, NORM, False)
+            ss += sq
             w = tl.load(wrow + kk[None, :], mask=rmask[:, None], other=0.0)
             acc += w.to(tl.float32) * v[None, :]
         if kend < k1:
             kk = kend + ks
             kmask = kk < k1
-            v = _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM, True)
+            v, sq = _vec(v_ptr, nw_ptr, kk, kmask, NORM, True)
+            ss += sq
             w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc += w.to(tl.float32) * v[None, :]
     else:
         for k in tl.range(k0, k1, BK):
             kk = k + ks
             kmask = kk < k1
-            v = _vec(v_ptr, nw_ptr, kk, kmask, rstd, NORM, True)
+            v, sq = _vec(v_ptr, nw_ptr, kk, kmask, NORM, True)
+            ss += sq
             w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc += w.to(tl.float32) * v[None, :]
-    return tl.sum(acc, 1)
+    y = tl.sum(acc, 1)
+    if NORM:
+        y = y * (1.0 / tl.sqrt(ss / H + EPS))
+    return y
 
 
 @triton.jit
-def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, rstd, K: tl.constexpr,
+def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, K: tl.constexpr, EPS: tl.constexpr,
               BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """Two normed row sets against the same vector in one K loop (gate/up, or the two RoPE halves of a head)."""
+    """Two row sets against rmsnorm(v) * nw in one K loop (gate/up, or the two RoPE halves of a head); the norm's
+    sum of squares is gathered in the same pass and applied at the end."""
     acc1 = tl.zeros((BR, BK), tl.float32)
     acc2 = tl.zeros((BR, BK), tl.float32)
+    ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
     ks = tl.arange(0, BK)
     w1row = w1_ptr + rows1[:, None].to(tl.int64) * ld
     w2row = w2_ptr + rows2[:, None].to(tl.int64) * ld
     if K % BK == 0:
         for k in tl.range(0, K, BK, num_stages=NS):
             kk = k + ks
-            v = tl.load(v_ptr + kk, cache_modifier=".cg") * rstd * tl.load(nw_ptr + kk)
+            x = tl.load(v_ptr + kk, cache_modifier=".cg")
+            ss += tl.sum(x * x, 0)
+            v = x * tl.load(nw_ptr + kk)
             w1 = tl.load(w1row + kk[None, :], mask=rmask[:, None], other=0.0)
             w2 = tl.load(w2row + kk[None, :], mask=rmask[:, None], other=0.0)
             acc1 += w1.to(tl.float32) * v[None, :]
@@ -136,14 +165,16 @@ def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, rstd, K: t
         for k in tl.range(0, K, BK, num_stages=NS):
             kk = k + ks
             kmask = kk < K
-            v = tl.load(v_ptr + kk, mask=kmask, other=0.0, cache_modifier=".cg")
-            v = v * rstd * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
+            x = tl.load(v_ptr + kk, mask=kmask, other=0.0, cache_modifier=".cg")
+            ss += tl.sum(x * x, 0)
+            v = x * tl.load(nw_ptr + kk, mask=kmask, other=0.0)
             m = rmask[:, None] & kmask[None, :]
             w1 = tl.load(w1row + kk[None, :], mask=m, other=0.0)
             w2 = tl.load(w2row + kk[None, :], mask=m, other=0.0)
             acc1 += w1.to(tl.float32) * v[None, :]
             acc2 += w2.to(tl.float32) * v[None, :]
-    return tl.sum(acc1, 1), tl.sum(acc2, 1)
+    rstd = 1.0 / tl.sqrt(ss / K + EPS)
+    return tl.sum(acc1, 1) * rstd, tl.sum(acc2, 1) * rstd
 
 
 @triton.jit
@@ -164,7 +195,6 @@ def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_p
     """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache."""
     HALF: tl.constexpr = HD // 2
     QKV: tl.constexpr = QS + 2 * KVS
-    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
     nw = norm_ptr + layer * H
     wl = wqkv_ptr + layer.to(tl.int64) * QKV * H
     j = tl.arange(0, HALF)
@@ -172,7 +202,7 @@ def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_p
     sin = tl.load(sin_ptr + pos * HALF + j)
     rtrue = j < HALF
     for r in range(start, end, HD):
-        y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, rstd, H, HALF, BK, NS)
+        y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, H, EPS, HALF, BK, NS)
         if r < QS + KVS:
             o1 = y1 * cos - y2 * sin
             o2 = y2 * cos + y1 * sin
@@ -265,7 +295,7 @@ def op_matvec_residual(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.con
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows(wl, K, rows, rmask, k0, k1, v_ptr, v_ptr, 1.0, False, BR, BK, NS)
+        y = dot_rows(wl, K, rows, rmask, k0, k1, v_ptr, v_ptr, False, K, 1.0, BR, BK, NS)
         tl.atomic_add(x_ptr + rows, y, mask=rmask, sem="relaxed", scope="gpu")
 
 
@@ -273,14 +303,13 @@ def op_matvec_residual(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.con
 def op_gate_up(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr, IS: tl.constexpr,
                BLOCK_H: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
     """act[start:end] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm."""
-    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
     nw = norm_ptr + layer * H
     off = layer.to(tl.int64) * IS * H
     rb = tl.arange(0, BR)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        g, u = dot_rows2(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, nw, rstd, H, BR, BK, NS)
+        g, u = dot_rows2(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, nw, H, EPS, BR, BK, NS)
         tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rmask)
 
 
@@ -288,12 +317,11 @@ def op_gate_up(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: t
 def op_lm_head(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, BLOCK_H: tl.constexpr,
                EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
     """logits[start:end] = lm_head[start:end] @ (rmsnorm(x) * final_norm)."""
-    rstd = rms_rstd(x_ptr, H, BLOCK_H, EPS)
     rb = tl.arange(0, BR)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, norm_ptr, rstd, True, BR, BK, NS)
+        y = dot_rows(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, norm_ptr, True, H, EPS, BR, BK, NS)
         tl.store(logits_ptr + rows, y, mask=rmask)
 
 
@@ -385,14 +413,15 @@ else:
 
 
 @triton.jit
-def prefetch_rows(w_ptr, woff, ld, r0, r1, k0, k1):
-    """Prefetch W[r0:r1, k0:k1] (bf16, row stride ld, starting woff elements into w_ptr): one region when the K
-    range is whole rows, else one per row."""
+def prefetch_rows(w_ptr, woff, ld, r0, r1, k0, k1, CAP: tl.constexpr):
+    """Prefetch the first CAP bytes of W[r0:r1, k0:k1] (bf16, row stride ld, starting woff elements into w_ptr): one
+    region when the K range is whole rows, else one per row."""
     if (k0 == 0) & (k1 == ld):
-        prefetch_l2(w_ptr, (woff + r0.to(tl.int64) * ld) * 2, (r1 - r0) * ld * 2, 1024, 256)
+        prefetch_l2(w_ptr, (woff + r0.to(tl.int64) * ld) * 2, tl.minimum((r1 - r0) * ld * 2, CAP), 1024, 256)
     else:
-        for r in range(r0, r1):
-            prefetch_l2(w_ptr, (woff + r.to(tl.int64) * ld + k0) * 2, (k1 - k0) * 2, 1024, 256)
+        r_end = tl.minimum(r1, r0 + tl.maximum(CAP // tl.maximum((k1 - k0) * 2, 1), 1))
+        for r in range(r0, r_end):
+            prefetch_l2(w_ptr, (woff + r * ld + k0) * 2, (k1 - k0) * 2, 1024, 256)
 
 
 @triton.jit
@@ -400,27 +429,27 @@ def prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_pt
                          kc_ptr, vc_ptr, H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr,
                          HD: tl.constexpr, S: tl.constexpr, OP_QKV: tl.constexpr, OP_PARTIAL: tl.constexpr,
                          OP_OPROJ: tl.constexpr, OP_GATE_UP: tl.constexpr, OP_DOWN: tl.constexpr,
-                         OP_LM_HEAD: tl.constexpr):
+                         OP_LM_HEAD: tl.constexpr, CAP: tl.constexpr):
     """L2 prefetch of the weights (or the KV history) one instruction will stream."""
     QS: tl.constexpr = NH * HD
     QKV: tl.constexpr = QS + 2 * NKV * HD
     zero = a0 * 0
     if op == OP_QKV:
-        prefetch_rows(wqkv_ptr, layer.to(tl.int64) * QKV * H, H, a0, a1, zero, zero + H)
+        prefetch_rows(wqkv_ptr, layer.to(tl.int64) * QKV * H, H, a0, a1, zero, zero + H, CAP)
     elif op == OP_OPROJ:
-        prefetch_rows(wo_ptr, layer.to(tl.int64) * H * QS, QS, a0, a1, a2, a3)
+        prefetch_rows(wo_ptr, layer.to(tl.int64) * H * QS, QS, a0, a1, a2, a3, CAP)
     elif op == OP_GATE_UP:
         off = layer.to(tl.int64) * IS * H
-        prefetch_rows(wg_ptr, off, H, a0, a1, zero, zero + H)
-        prefetch_rows(wu_ptr, off, H, a0, a1, zero, zero + H)
+        prefetch_rows(wg_ptr, off, H, a0, a1, zero, zero + H, CAP // 2)
+        prefetch_rows(wu_ptr, off, H, a0, a1, zero, zero + H, CAP // 2)
     elif op == OP_DOWN:
-        prefetch_rows(wd_ptr, layer.to(tl.int64) * H * IS, IS, a0, a1, a2, a3)
+        prefetch_rows(wd_ptr, layer.to(tl.int64) * H * IS, IS, a0, a1, a2, a3, CAP)
     elif op == OP_LM_HEAD:
-        prefetch_rows(lm_head_ptr, zero.to(tl.int64), H, a0, a1, zero, zero + H)
+        prefetch_rows(lm_head_ptr, zero.to(tl.int64), H, a0, a1, zero, zero + H, CAP)
     elif op == OP_PARTIAL:
         T = pos + 1
         lo = a1 * T // a2
         hi = (a1 + 1) * T // a2
         base = ((layer * NKV + a0).to(tl.int64) * S + lo) * HD * 2
-        prefetch_l2(kc_ptr, base, (hi - lo) * HD * 2, 1024, 256)
-        prefetch_l2(vc_ptr, base, (hi - lo) * HD * 2, 1024, 256)
+        prefetch_l2(kc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
+        prefetch_l2(vc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)

@@ -3,12 +3,15 @@
 The tables are data, not code: a new assignment, order or counter layout is a new set of tables for the same compiled
 kernel. Layout (all int32):
 
-  ins    [N, ROW]   per instruction, indexed by ascending id: opcode, layer, four op arguments in the catalogue's
-                    argument order (`OPS[op].args`), the instruction id, and (offset, count) into `waits`/`signals`
-  waits  [NW, 2]    (counter, value) pairs
-  sigs   [NS, 2]    (counter, add) pairs
-  qoff   [W + 1]    worker w runs qitems[qoff[w]:qoff[w+1]] in order
-  qitems [N]        instruction indices (rows of `ins`)
+  ins    [N, ROW]   per instruction, in queue order (worker w's queue is rows qoff[w]:qoff[w+1], so a program
+                    reads its next row with no indirection and can load it ahead): opcode, layer, four op arguments in
+                    the catalogue's argument order (`OPS[op].args`), the instruction id, (offset, count) into
+                    `waits` and `sigs`, the first wait (counter, value) and first signal (counter, add) inline (the
+                    common case needs no table access), and the instruction's index (ascending-id order)
+  waits  [NW, 2]    (counter, value) pairs, all waits of each instruction (the first is also inline)
+  sigs   [NS, 2]    (counter, add) pairs, likewise
+  qoff   [W + 1]    worker offsets into `ins`
+  qitems [N]        instruction index of each row (ascending-id order), for the host
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from validator.schedule import Schedule
 
 #: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
 OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
-ROW = 12  # fields per instruction row
+ROW = 16  # fields per instruction row (64 bytes)
 F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
+F_C0, F_V0, F_SC0, F_SA0, F_IDX = 11, 12, 13, 14, 15
 MAX_ARGS = 4
 
 for _name, _spec in OPS.items():
@@ -61,7 +65,7 @@ class Packed:
 def pack_program(prog: Program) -> Packed:
     """Pack a resolved program; ops the catalogue does not know cannot run and raise `ScheduleError`."""
     n = prog.n
-    ins = np.zeros((max(n, 1), ROW), dtype=np.int32)
+    rows = np.zeros((max(n, 1), ROW), dtype=np.int32)  # by instruction index; reordered into queue order below
     waits: list[tuple[int, int]] = []
     sigs: list[tuple[int, int]] = []
     expected = np.zeros(max(prog.counters, 1), dtype=np.int64)
@@ -71,7 +75,7 @@ def pack_program(prog: Program) -> Packed:
         if op not in OPCODES:
             raise ScheduleError(f"op {op!r} is not a catalogue op; the GPU interpreter cannot execute it",
                                 f"{prog.path(i)}.op")
-        row = ins[i]
+        row = rows[i]
         row[F_OP] = OPCODES[op]
         layer = prog.layer[i]
         row[F_LAYER] = layer if layer is not None else 0
@@ -84,6 +88,11 @@ def pack_program(prog: Program) -> Packed:
         waits.extend(prog.waits[i])
         row[F_SOFF], row[F_SN] = len(sigs), len(prog.signals[i])
         sigs.extend(prog.signals[i])
+        if prog.waits[i]:
+            row[F_C0], row[F_V0] = prog.waits[i][0]
+        if prog.signals[i]:
+            row[F_SC0], row[F_SA0] = prog.signals[i][0]
+        row[F_IDX] = i
         for c, add in prog.signals[i]:
             expected[c] += add
     if int(expected.max(initial=0)) >= 2**31:
@@ -92,6 +101,7 @@ def pack_program(prog: Program) -> Packed:
     for w, q in enumerate(prog.queues):
         qoff[w + 1] = qoff[w] + len(q)
     qitems = np.array([i for q in prog.queues for i in q] or [0], dtype=np.int32)
+    ins = np.ascontiguousarray(rows[qitems]) if n else rows
     return Packed(
         ins=ins, waits=np.array(waits or [(0, 0)], dtype=np.int32).reshape(-1, 2),
         sigs=np.array(sigs or [(0, 0)], dtype=np.int32).reshape(-1, 2), qoff=qoff, qitems=qitems,
