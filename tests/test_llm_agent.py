@@ -332,3 +332,73 @@ def test_bad_key_stops_the_agent_and_usage_resumes(tmp_path: Path) -> None:
     assert "check OPENAI_API_KEY" in _transcript(tmp_path)[-1]["message"]
     again = LLMProposer(TINY, 8, LLMOptions(model="m", base_url="http://127.0.0.1:9/v1"), run_dir=tmp_path)
     assert again.usage.calls == 1 and again.usage.errors == {"http_401": 1}  # a resumed run keeps counting
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole search on `tiny`, the agent as its proposer
+
+
+def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    search = pytest.importorskip("synth.search")
+    for key in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    notices: list[str] = []
+    chain = search.resolve_proposer("auto", "tiny", 8, notice=notices.append)
+    assert not isinstance(chain, LLMProposer) and len(notices) == 1 and "no LLM agent" in notices[0]
+    with pytest.raises(ValueError, match="OPENAI_API_KEY or OPENAI_BASE_URL"):
+        search.resolve_proposer("llm", "tiny", 8)
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+    agent = search.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    assert isinstance(agent, LLMProposer) and agent.options.max_calls == 7 and agent.options.model == "m"
+
+
+def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    search = pytest.importorskip("synth.search")
+    pytest.importorskip("synth.patches")
+    naive = lower(TINY, 8)
+    victim = next(i for i in naive.instructions if i.op == "o_proj_residual" and i.layer == 0)
+    racy = _answer(patches=[{"op": "remove_wait", "id": victim.id, "counter": victim.waits[0].counter}],
+                   rationale="o_proj does not need to wait for attn_reduce")
+    good = _answer({"attn_splits": 2}, rationale="split attention over the sequence")
+    script = [("ok", racy),  # round 1: a racy proposal (validator rejects it)
+              ("ok", "{\"strategy\": {\"attn_splits\": 2,"), ("status", 429), ("ok", good),  # round 2
+              ("slow", 2.5, _answer()), ("ok", _answer({"tiles": {"mlp_norm_gate_up": 32}}))]  # round 3
+    monkeypatch.setenv("OPENAI_BASE_URL", "")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with ScriptedServer(script) as srv:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
+        cfg = search.SearchConfig(model="tiny", workers=8, proposer="llm", budget=4, seed=0, runs_dir=tmp_path,
+                                  run="agent", interleavings=20, final_interleavings=50, ctx=64, gpu=False,
+                                  progress=False, notice=lambda m: None,
+                                  llm={"model": "scripted", "timeout_s": 1.0, "max_calls": 12, "attempts": 3,
+                                       "backoff_s": 0.01, "backoff_max_s": 0.05})
+        summary = search.run_search(cfg)
+    run = tmp_path / "agent"
+    # The search finished its budget: baseline + 3 agent proposals.
+    assert summary.evaluated == 4 and summary.accepted == 3 and summary.rejected == 1
+    # The racy one was rejected by the validator, with a race counterexample naming the patched instruction.
+    rejected = json.loads((run / "rejected" / "c0001.json").read_text())
+    assert rejected["proposer"] == "llm" and rejected["findings"][0]["category"] == "race"
+    assert victim.id in rejected["findings"][0]["instructions"]
+    # ... and its counterexample is in the very next request the server received.
+    nxt = srv.requests[1]["messages"][-1]["content"]
+    assert "Validator counterexamples" in nxt and "race on attn" in nxt and f"#{victim.id} o_proj_residual" in nxt
+    assert "c0001 [llm]" in nxt and "REJECTED by the validator (race)" in nxt
+    # Malformed JSON was fed back, the 429 and the timeout retried, the good ones accepted and recorded.
+    assert "invalid JSON" in json.dumps(srv.requests[2]["messages"])
+    good_timing = json.loads((run / "candidates" / "c0002" / "timing.json").read_text())
+    assert good_timing["proposer"] == "llm" and good_timing["strategy"]["attn_splits"] == 2
+    assert good_timing["rationale"] == "split attention over the sequence" and good_timing["estimated"] is True
+    assert json.loads((run / "candidates" / "c0003" / "timing.json").read_text())["parent"] is not None
+    # Every request and every response (or transport error) is in the transcript.
+    log = _transcript(run)
+    requests = [r for r in log if r["type"] == "request"]
+    answers = [r for r in log if r["type"] in ("response", "error")]
+    assert len(requests) == len(srv.requests) == 6 and len(answers) == 6
+    assert [r["messages"] for r in requests] == [b["messages"] for b in srv.requests]
+    assert sorted(r["kind"] for r in log if r["type"] == "error") == ["rate_limit", "timeout"]
+    assert [r["accepted"] for r in log if r["type"] == "result"] == [False, True, True]
+    usage = json.loads((run / "agent_usage.json").read_text())
+    assert usage["calls"] == 6 and usage["proposals"] == 3 and usage["accepted"] == 2 and usage["rejected"] == 1
+    assert usage["total_tokens"] > 0 and usage["briefing_tokens_max"] <= usage["briefing_budget"]
