@@ -50,7 +50,7 @@ class Conflicts:
 
 def _unique(x: np.ndarray) -> np.ndarray:
     """Sorted unique values (sort-based; numpy's hash-based `unique` is far slower on these sizes)."""
-    a = np.sort(x, kind="stable")
+    a = np.sort(x)
     if len(a) == 0:
         return a
     keep = np.ones(len(a), dtype=bool)
@@ -83,7 +83,10 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
         inst = np.repeat(inst_a, cnt)
         cls = np.repeat(cls_a, cnt)
         key = seg * n + inst
-        order = np.argsort(key, kind="stable")
+        if len(cuts) < 2**15:  # entries are in instruction order already: a stable radix sort by segment suffices
+            order = np.argsort(seg.astype(np.int16), kind="stable")
+        else:
+            order = np.argsort(key)  # ties are one instruction's accesses to one segment: merged below
         key, seg, inst, cls = key[order], seg[order], inst[order], cls[order]
         first = np.ones(len(key), dtype=bool)
         first[1:] = key[1:] != key[:-1]

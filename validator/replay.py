@@ -205,7 +205,7 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
     witnessed = np.zeros(count, dtype=bool)
     checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
     set_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.sets]
-    batch = max(16, min(count, int(3e7 // max(n, 1))))
+    batch = max(16, min(count, int(2e7 // max(n, 1))))  # three float64 (n x batch) arrays: ~480 MB at most
     rng = np.random.default_rng(seed)
     for first in range(0, count, batch):
         size = min(batch, count - first)
