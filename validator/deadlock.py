@@ -74,8 +74,20 @@ def deadlock_findings(prog: Program, ex: Execution) -> list[Finding]:
         unmet = [(c, v) for c, v in prog.waits[i] if ex.counters[c] < v]
         for c, v in unmet:
             reach = ex.counters[c] + pending_adds[c]
-            why = "unreachable: all adds together reach only " + str(reach) if reach < v else \
-                "its signallers are themselves blocked"
+            if reach < v:
+                why = "unreachable: all adds together reach only " + str(reach)
+            else:
+                own = [j for j in pending_signallers[c] if prog.worker[j] == prog.worker[i]]
+                others = [j for j in pending_signallers[c] if prog.worker[j] != prog.worker[i]]
+                parts = []
+                if own:
+                    parts.append("needs " + ", ".join(prog.label(j) for j in own[:3]) +
+                                 (" ..." if len(own) > 3 else "") + " queued behind it on its own worker")
+                if others:
+                    parts.append("needs " + ", ".join(f"{prog.label(j)} (worker {prog.worker[j]}, stuck behind "
+                                                      f"{prog.label(ex.stuck[prog.worker[j]])})"
+                                                      for j in others[:3]) + (" ..." if len(others) > 3 else ""))
+                why = "its signallers are blocked: " + "; ".join(parts)
             lines.append(f"{prog.label(i)} (worker {prog.worker[i]}) waits on counter {c}: {ex.counters[c]} of "
                          f"{v} ({why})")
             details.append({"instruction": prog.ids[i], "worker": prog.worker[i], "counter": c,
