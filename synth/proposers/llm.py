@@ -274,6 +274,7 @@ class LLMProposer:
         self._max_param = "max_tokens"
         self._send_temperature = True
         self._rebuild = False
+        self._failures = 0
         self._schema, self._strict = response_schema()
         self._notes: list[str] = []
         self._schedules: dict[str, Schedule] = {}
@@ -385,6 +386,7 @@ class LLMProposer:
             return []
         self._round += 1
         self.usage.rounds += 1
+        self._failures = 0  # backoff restarts each round: a round waits at most backoff_s * (2^(attempts-1) - 1)
         for r in ctx.history:  # results the loop did not pass to observe() still count as seen
             self._seen.setdefault(_canonical(r.proposal.strategy, r.proposal.patches),
                                   f"{r.candidate} ({'accepted' if r.accepted else 'rejected'})")
@@ -512,6 +514,7 @@ class LLMProposer:
         except openai.OpenAIError as exc:
             return self._transport("api_error", f"{type(exc).__name__}: {_short(exc)}", t0, attempt)
         latency = time.monotonic() - t0
+        self._failures = 0
         usage = getattr(resp, "usage", None)
         pt = int(getattr(usage, "prompt_tokens", 0) or 0)
         ct = int(getattr(usage, "completion_tokens", 0) or 0)
@@ -536,9 +539,8 @@ class LLMProposer:
         self._error(kind)
         self._last_transport_error = message
         if wait is None:
-            failures = sum(self.usage.errors.get(k, 0) for k in ("timeout", "rate_limit", "server_error",
-                                                                 "connection"))
-            wait = min(self.options.backoff_max_s, self.options.backoff_s * 2 ** max(0, min(failures - 1, 10)))
+            self._failures += 1  # consecutive transport failures; a reply resets it
+            wait = self.options.backoff_s * 2 ** min(self._failures - 1, 10)
         wait = max(0.0, min(wait, self.options.backoff_max_s))
         self._log({"type": "error", "attempt": attempt, "call": self.usage.calls, "kind": kind, "error": message,
                    "latency_s": round(time.monotonic() - t0, 3), "backoff_s": round(wait, 3)})
