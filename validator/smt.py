@@ -90,7 +90,7 @@ def _deps(prog: Program, wg: WaitGroups, live: list[bool], y: int) -> list[int]:
 
 
 def _prune(prog: Program, wg: WaitGroups, live: list[bool], anc: dict[int, int], a: int, b: int,
-           uncertain: list[int]) -> tuple[list[int], int]:
+           uncertain: list[int], pipelined: bool) -> tuple[list[int], int]:
     """Split the pair's slice into `done` (a bitset: instructions that happen before every other slice member in
     every execution, and whose dependencies are all done too) and the rest, which the model keeps. Exact: every
     execution runs `done` first, so asserting that loses no execution, and a solution of the rest extends by running
@@ -112,6 +112,10 @@ def _prune(prog: Program, wg: WaitGroups, live: list[bool], anc: dict[int, int],
         for x in uncertain:  # a done instruction must not depend on a kept one through an undecided wait
             if new >> x & 1 and any(not new >> s & 1 for s in _deps(prog, wg, live, x)):
                 removed |= 1 << x
+        if pipelined:  # queue order is no HB edge here, so a done instruction's queue predecessor must be done too
+            for x in indices_of(new):
+                if prog.qpos[x] > 0 and not new >> prog.queues[prog.worker[x]][prog.qpos[x] - 1] & 1:
+                    removed |= 1 << x
         if removed:
             new &= ~removed
             for y in list(anc):
@@ -230,7 +234,7 @@ def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_orde
     for k, (a, b) in enumerate(pairs):
         if sats >= max_sat or time.perf_counter() - start > budget_s:
             return results, len(pairs) - k
-        members, done = _prune(prog, wg, live, anc, a, b, uncertain)
+        members, done = _prune(prog, wg, live, anc, a, b, uncertain, pipelined)
         solver = z3.SimpleSolver()
         solver.set("timeout", timeout_ms)
         solver.set("random_seed", seed)
