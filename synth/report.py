@@ -353,7 +353,7 @@ def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", wi
         parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}"/>')
         if est:
             parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="url(#hatch)"/>')
-        val = f"{v:.3f} {unit}" + (" (estimated)" if est else "")
+        val = (fmt_ms(v, est) if unit == "ms" else f"{v:.3f} {unit}" + (" (estimated)" if est else ""))
         parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h * 0.7:.1f}">{esc(val)}</text>')
     parts.append("</svg>")
     if log:
@@ -806,8 +806,10 @@ def _one_rejected(name: str, doc: dict[str, Any]) -> str:
     if prop:
         head += f" <span class='note'>({esc(prop)})</span>"
     head += "</h3>"
-    why = _first(doc, "rationale", "error")
+    why = _first(doc, "rationale")
     out = [head] + ([f"<p class='note'>{esc(why)}</p>"] if why else [])
+    if _first(doc, "error"):
+        out.append(f"<p><b>{esc(_first(doc, 'reason') or 'error')}</b>: {esc(doc['error'])}</p>")
     if not findings:
         out.append("<p class='note'>No counterexample recorded.</p>")
     schedule = doc.get("schedule") if isinstance(doc.get("schedule"), dict) else None
@@ -942,7 +944,8 @@ def render_report(run: Run) -> str:
         bars.append(("bandwidth floor" + (" (4.19 TB/s)" if floor_est else floor_note), floor_ms, "#59a14f",
                      floor_est))
     chart_note = "" if baselines else ("<p class='note'>No bench JSON in this run (bench.json): baselines are not "
-                                       "shown; run <code>synth bench --json RUN/bench.json</code> on the GPU.</p>")
+                                       "shown; measure them on the GPU with <code>synth bench --json bench.json"
+                                       "</code>, then <code>synth runs report RUN --bench bench.json</code>.</p>")
     body.append('<section id="chart"><h2>Milliseconds per token: baselines, naive, best, floor</h2>'
                 + (bar_chart_svg(bars) or "<p class='note'>No timings in this run.</p>") + chart_note
                 + "<p class='note'>Hatched bars are estimates.</p></section>")

@@ -302,7 +302,7 @@ def test_report_charts_a_synth_bench_json(runs_dir: Path, tmp_path: Path) -> Non
     assert json.loads((runs_dir / "20261129-tiny-old" / "bench.json").read_text()) == bench
     html = (runs_dir / "20261129-tiny-old" / "report.html").read_text(encoding="utf-8")
     chart = html[html.index('id="chart"'):html.index('id="timeline-section"')]
-    assert "0.050 ms" in chart and "0.020 ms" in chart and "0.004 ms" in chart  # the trace's ctx (32) is picked
+    assert "0.050 ms" in chart and "0.020 ms" in chart and "4.20 µs" in chart  # the trace's ctx (32) is picked
     assert "19.3" not in chart and "timeout" not in chart
     bad = tmp_path / "bad.json"
     bad.write_text("{")
