@@ -23,7 +23,7 @@ sync_api = pytest.importorskip("playwright.sync_api")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from screenshot_report import CHROMIUM_ARGS  # noqa: E402
-from test_runs_cli import make_run  # noqa: E402
+from test_runs_cli import make_run, search_run  # noqa: E402
 
 from synth.runs_cli import serve_in_thread  # noqa: E402
 from validator.atomic import write_json_atomic  # noqa: E402
@@ -127,6 +127,34 @@ def test_report_timeline_one_lane_per_worker_and_hover(browser: Any, served: Any
     page.screenshot(path=str(ARTIFACTS / f"report-{name}.png"), full_page=True)
     assert errors == []
     page.close()
+
+
+def test_real_search_run_in_the_browser(browser: Any, tmp_path: Path) -> None:
+    """A run written by `synth search --model tiny --budget 3`: its report and the index load cleanly, one lane per
+    worker of the best schedule, hovering names an instruction."""
+    run = search_run(tmp_path)
+    server, thread = serve_in_thread(tmp_path, 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        page, errors = open_page(browser, f"{base}/index.html")
+        assert page.locator("#runs a").count() == 1
+        page.click(f"text={run.name}")
+        page.wait_for_load_state("load")
+        queues = json.loads((run / "best" / "schedule.json").read_text())["queues"]
+        assert page.evaluate("() => window.__timeline.lanes") == len(queues)
+        ident = page.evaluate("() => window.__timeline.longest()")
+        page.locator("#timeline-section").scroll_into_view_if_needed()
+        pos = page.evaluate(f"() => window.__timeline.positionOf({ident})")
+        page.mouse.move(pos["x"], pos["y"])
+        assert page.locator("#tip").inner_text().startswith(f"#{ident} ")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "report-search-tiny.png"), full_page=True)
+        assert errors == []
+        page.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
 
 
 def test_ten_thousand_instructions_stay_smooth(browser: Any, served: Any) -> None:
