@@ -274,6 +274,10 @@ def main() -> int:
         "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
         "bt128": KernelConfig(bt=128),
         "w4": KernelConfig(num_warps=4),
+        "noflat": KernelConfig(flat=False),
+        "gubr32": KernelConfig(br_gu=32, bk_gu=256),
+        "lmbr64": KernelConfig(br_lm=64, bk_lm=256),
+        "flatns4": KernelConfig(num_stages=4),
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}
@@ -288,6 +292,9 @@ def main() -> int:
         "gu32": lambda: strat(tiles=gu32, attn_splits=4),
         "gu64": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=4),
         "lm1k": lambda: strat(tiles={**gu32, "final_norm_lm_head": 1024}, attn_splits=4),
+        "gu64lm": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}, attn_splits=4),
+        "gu64s8": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=8),
+        "gu128": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 128}, attn_splits=4),
         "chunk": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk"),
         "head": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="head"),
         "chunk_cb": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk", assignment="cost_balanced"),
@@ -336,7 +343,7 @@ def main() -> int:
                 traceback.print_exc()
 
     if mk is not None:
-        for lname in args.trace.split(","):
+        for lname in [t for t in args.trace.split(",") if t in lowerings]:
             try:
                 mk.set_schedule(lower(spec, sms, lowerings[lname]()))
                 tr = mk.traced_step(1, 1023, {"model": "llama-1b", "ctx": 1024, "lowering": lname,

@@ -56,6 +56,7 @@ def _megakernel(
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -167,13 +168,21 @@ def _megakernel(
             elif op == OP_OPROJ:
                 ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS)
             elif op == OP_GATE_UP:
-                ops.op_gate_up(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, BLOCK_H, EPS,
-                               BR_GU, BK_GU, NS)
+                if FLAT and (H % BK_GU == 0):
+                    ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
+                                        BR_GU, BK_GU, NS)
+                else:
+                    ops.op_gate_up(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, BLOCK_H,
+                                   EPS, BR_GU, BK_GU, NS)
             elif op == OP_DOWN:
                 ops.op_matvec_residual(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BK_D, NS)
             elif op == OP_LM_HEAD:
-                ops.op_lm_head(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, BLOCK_H, EPS, BR_LM,
-                               BK_LM, NS)
+                if FLAT and (H % BK_LM == 0):
+                    ops.op_lm_head_flat(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, EPS, BR_LM,
+                                        BK_LM, NS)
+                else:
+                    ops.op_lm_head(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, BLOCK_H, EPS, BR_LM,
+                                   BK_LM, NS)
             tl.debug_barrier()
             si = soff * 0
             while si < sn:
@@ -234,6 +243,7 @@ class KernelConfig:
     ns_attn: int = 3  # pipelining depth of the K/V stream (tensor-core attention)
     prefetch: int = 0  # L2 prefetch of an instruction's weights before its waits: 0 none, 1 yes (up to pf_cap bytes)
     pf_cap: int = 1 << 30  # bytes prefetched per instruction (the head of its weight stream)
+    flat: bool = True  # gate/up and LM head: one pipelined loop over (row block, K block), no refill per row block
     be: int = 1024  # embedding copy block
 
 
@@ -278,7 +288,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
         BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
-        ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16,
+        ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
         num_warps=k.num_warps, num_stages=1)
 
 

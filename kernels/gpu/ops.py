@@ -453,3 +453,64 @@ def prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_pt
         base = ((layer * NKV + a0).to(tl.int64) * S + lo) * HD * 2
         prefetch_l2(kc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
         prefetch_l2(vc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
+
+
+@triton.jit
+def op_gate_up_flat(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr,
+                    IS: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """`op_gate_up` as ONE software-pipelined loop over (row block, K block) pairs: the weight stream of the whole
+    instruction flows without a pipeline drain and refill at each row block. Needs H % BK == 0."""
+    NKB: tl.constexpr = H // BK
+    nw = norm_ptr + layer * H
+    off = layer.to(tl.int64) * IS * H
+    nrb = (end - start + BR - 1) // BR
+    rb = tl.arange(0, BR)
+    ks = tl.arange(0, BK)
+    acc1 = tl.zeros((BR, BK), tl.float32)
+    acc2 = tl.zeros((BR, BK), tl.float32)
+    ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
+    for it in tl.range(0, nrb * NKB, num_stages=NS):
+        kb = it % NKB
+        rows = start + (it // NKB) * BR + rb
+        rmask = rows < end
+        kk = kb * BK + ks
+        x = tl.load(x_ptr + kk, cache_modifier=".cg")
+        v = x * tl.load(nw + kk)
+        wrow = rows[:, None].to(tl.int64) * H + kk[None, :]
+        w1 = tl.load(wg_ptr + off + wrow, mask=rmask[:, None], other=0.0)
+        w2 = tl.load(wu_ptr + off + wrow, mask=rmask[:, None], other=0.0)
+        keep = (kb != 0).to(tl.float32)  # a new row block starts from zero
+        acc1 = acc1 * keep + w1.to(tl.float32) * v[None, :]
+        acc2 = acc2 * keep + w2.to(tl.float32) * v[None, :]
+        ss = ss * keep + tl.sum(x * x, 0)
+        if kb == NKB - 1:
+            rstd = 1.0 / tl.sqrt(ss / H + EPS)
+            g = tl.sum(acc1, 1) * rstd
+            u = tl.sum(acc2, 1) * rstd
+            tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rmask)
+
+
+@triton.jit
+def op_lm_head_flat(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, EPS: tl.constexpr,
+                    BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """`op_lm_head` as one pipelined loop over (row block, K block) pairs. Needs H % BK == 0."""
+    NKB: tl.constexpr = H // BK
+    nrb = (end - start + BR - 1) // BR
+    rb = tl.arange(0, BR)
+    ks = tl.arange(0, BK)
+    acc = tl.zeros((BR, BK), tl.float32)
+    ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
+    for it in tl.range(0, nrb * NKB, num_stages=NS):
+        kb = it % NKB
+        rows = start + (it // NKB) * BR + rb
+        rmask = rows < end
+        kk = kb * BK + ks
+        x = tl.load(x_ptr + kk, cache_modifier=".cg")
+        v = x * tl.load(norm_ptr + kk)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * H + kk[None, :], mask=rmask[:, None], other=0.0)
+        keep = (kb != 0).to(tl.float32)
+        acc = acc * keep + w.to(tl.float32) * v[None, :]
+        ss = ss * keep + tl.sum(x * x, 0)
+        if kb == NKB - 1:
+            y = tl.sum(acc, 1) * (1.0 / tl.sqrt(ss / H + EPS))
+            tl.store(logits_ptr + rows, y, mask=rmask)
