@@ -23,10 +23,11 @@ from validator.program import geometry_of
 from validator.schedule import Schedule
 
 #: Detail levels tried in order until the briefing fits: history rows, counterexamples, layout layers shown
-#: (None = all), critical-path segments, idle SMs listed, schema descriptions kept, counterexample chars.
+#: (the first ones and the last; the rest follow the same pattern, with the id/counter stride given),
+#: critical-path segments, idle SMs listed, schema descriptions kept, counterexample chars.
 LEVELS: list[dict[str, Any]] = [
-    {"history": 20, "cex": 3, "layers": None, "path": 48, "idle": 16, "descr": True, "cex_chars": 900},
-    {"history": 12, "cex": 2, "layers": 3, "path": 32, "idle": 12, "descr": True, "cex_chars": 600},
+    {"history": 20, "cex": 3, "layers": 3, "path": 48, "idle": 16, "descr": True, "cex_chars": 900},
+    {"history": 12, "cex": 2, "layers": 2, "path": 32, "idle": 12, "descr": True, "cex_chars": 600},
     {"history": 6, "cex": 2, "layers": 2, "path": 20, "idle": 8, "descr": False, "cex_chars": 400},
     {"history": 3, "cex": 1, "layers": 1, "path": 12, "idle": 4, "descr": False, "cex_chars": 300},
 ]
@@ -276,8 +277,31 @@ def _layout_section(schedule: Schedule, layers: int | None) -> str:
                      f"waits {fmt(g['waits'], len(ids))}; signals {fmt(g['signals'], len(ids))}; "
                      f"{len(workers)} workers {wtxt}")
     if skipped:
-        lines.append(f"(layers {skipped[0]}..{skipped[-1]} omitted: same pattern, ids and counters shifted per layer)")
+        lines.append(f"(layers {skipped[0]}..{skipped[-1]} omitted: same pattern{_stride(groups)})")
     return "\n".join(lines)
+
+
+def _stride(groups: list[dict[str, Any]]) -> str:
+    """`, ids +856 and counters +6 per layer` when every op's first id and first signalled counter shift evenly."""
+    first: dict[tuple[str, int], tuple[int, int | None]] = {}
+    for g in groups:
+        op, layer = g["key"]
+        if layer is not None:
+            sig = min((int(k[1:].split("+")[0]) for k in g["signals"]), default=None)
+            first[(op, layer)] = (g["ids"][0], sig)
+    id_steps, ctr_steps = set(), set()
+    for (op, layer), (ident, sig) in first.items():
+        prev = first.get((op, layer - 1))
+        if prev is not None:
+            id_steps.add(ident - prev[0])
+            if sig is not None and prev[1] is not None:
+                ctr_steps.add(sig - prev[1])
+    if len(id_steps) != 1:
+        return "; ids and counters shift per layer"
+    text = f", ids +{id_steps.pop()}"
+    if len(ctr_steps) == 1:
+        text += f" and signalled counters +{ctr_steps.pop()}"
+    return text + " per layer"
 
 
 def _first(d: dict[str, Any], *names: str) -> Any:
@@ -297,19 +321,47 @@ def _label(item: Any) -> str:
 
 
 def _path_runs(path: list[Any], limit: int) -> str:
-    """A critical path as runs of consecutive steps with the same op+layer: `attn_partial L0 #12..#19 (x8)`."""
-    runs: list[list[Any]] = []
+    """A critical path as runs of consecutive steps with the same op+layer (`mlp_norm_gate_up L0#332..728 (x4)`);
+    consecutive layers whose runs follow the same op pattern are folded into one line with layer 0's ids."""
+    runs: list[list[Any]] = []  # [op, layer, count, first label, last label]
     for item in path:
+        op, layer = (item.get("op"), item.get("layer")) if isinstance(item, dict) else (str(item), None)
         label = _label(item)
-        base = label.split("#")[0]
-        if runs and runs[-1][0] == base:
-            runs[-1][1] += 1
-            runs[-1][3] = label
+        if runs and runs[-1][0] == op and runs[-1][1] == layer:
+            runs[-1][2] += 1
+            runs[-1][4] = label
         else:
-            runs.append([base, 1, label, label])
-    out = [f"{r[2]}" + (f"..{r[3].split('#')[-1]} (x{r[1]})" if r[1] > 1 else "") for r in runs[:limit]]
-    more = len(runs) - limit
-    return " -> ".join(out) + (f" -> ... {more} more segments" if more > 0 else "")
+            runs.append([op, layer, 1, label, label])
+
+    def text(r: list[Any]) -> str:
+        return r[3] + (f"..{r[4].split('#')[-1]} (x{r[2]})" if r[2] > 1 else "")
+
+    # Fold: blocks of runs per layer (None layers stand alone), equal op patterns merged.
+    blocks: list[tuple[Any, list[list[Any]]]] = []
+    for r in runs:
+        if blocks and r[1] is not None and blocks[-1][0] == r[1]:
+            blocks[-1][1].append(r)
+        else:
+            blocks.append((r[1], [r]))
+    out: list[str] = []
+    k = 0
+    while k < len(blocks):
+        layer, block = blocks[k]
+        pattern = [(r[0], r[2]) for r in block]
+        j = k + 1
+        while layer is not None and j < len(blocks) and blocks[j][0] is not None and \
+                [(r[0], r[2]) for r in blocks[j][1]] == pattern:
+            j += 1
+        if j - k > 1:
+            out.append(f"[layers {layer}..{blocks[j - 1][0]}, each: " + " -> ".join(
+                f"{op}" + (f" (x{n})" if n > 1 else "") for op, n in pattern) + "; layer "
+                f"{layer} ids: " + ", ".join(text(r).split(" ", 1)[-1] if r[1] is not None else text(r)
+                                             for r in block) + "]")
+        else:
+            out.extend(text(r) for r in block)
+        k = j
+    more = len(out) - limit
+    return " -> ".join(out[:limit]) + (f" -> ... {more} more segments" if more > 0 else "")
 
 
 def normalise_profile(profile: dict[str, Any] | None, schedule: Schedule | None, seq: int,

@@ -181,13 +181,27 @@ def test_briefing_contents_and_measured_budget() -> None:
     assert full.tokens <= 8000 and full.level == 0 and not full.truncated
     assert full.tokens == count_tokens(full.system) + count_tokens(full.user)
     for needle in ("attn_partial", "kv_head", "Critical path", "Idle per SM", "estimated", "race: #1 and #5",
-                   "mlp_norm_gate_up L0", "\"attn_splits\"", "4.19 TB/s", "c0001"):
+                   "mlp_norm_gate_up L0", "\"attn_splits\"", "4.19 TB/s", "c0001",
+                   "same pattern, ids +832 and signalled counters +6 per layer", '"op":"remove_wait"'):
         assert needle in full.user, needle
     assert set(full.sections) >= {"system", "model", "hardware", "strategy", "patches", "layout", "best", "history",
                                   "counterexamples"}
     tight = build_briefing(ctx, spec, schedule, budget=3000)
     assert tight.level > 0 and tight.tokens <= 3000 and tight.tokens < full.tokens
     assert "race: #1 and #5" in tight.user  # the counterexample survives the trimming
+
+
+def test_critical_path_folds_repeated_layers() -> None:
+    from synth.briefing import _path_runs
+
+    path = [{"id": 0, "op": "embed", "layer": None}]
+    for layer in range(4):
+        base = 10 * layer
+        path += [{"id": base + 1, "op": "a", "layer": layer}, {"id": base + 2, "op": "b", "layer": layer},
+                 {"id": base + 3, "op": "b", "layer": layer}]
+    path.append({"id": 99, "op": "head", "layer": None})
+    assert _path_runs(path, 10) == ("embed#0 -> [layers 0..3, each: a -> b (x2); layer 0 ids: L0#1, L0#2..3 (x2)] "
+                                    "-> head#99")
 
 
 def test_compact_counterexample_is_bounded() -> None:
