@@ -12,7 +12,9 @@ the thousands of readers of one residual share one bitset.
 Happens-before (sound): program order (unless `pipelined`), and counter edges: for a wait `counters[c] >= v` of `b`,
 a signaller `a` of `c` is needed when the adds of the other signallers of `c` that could end before `b` starts cannot
 reach `v` (a signaller never ends before `b` starts when it is `b`, queued after `b` on `b`'s worker, or never runs in
-any execution). Instructions that never run (stuck in the unique maximal execution) take part in no race. The maximal
+any execution; and one that itself waits for `c >= v` or more never supplies the adds that first reach `v`).
+An instruction that never runs (stuck in the unique maximal execution) never starts, so it is never the later side of
+a race; as the earlier side it never ends, so a running `b` that conflicts with it is a race. The maximal
 execution's completion order is a topological order of these edges, so ancestor bitsets (Python ints) are computed in
 one pass and freed after their last use, which keeps memory near-linear on large schedules.
 """
@@ -190,7 +192,10 @@ def wait_groups(prog: Program, live: list[bool]) -> WaitGroups:
             g = wg.keys.get(key)
             if g is None:
                 g = wg.keys[key] = len(wg.candidates)
-                cands = [(a, add) for a, add in sig.get(c, []) if not (prog.worker[a] == w and prog.qpos[a] >= q)]
+                # A signaller that itself waits on c for at least v ("gated") only starts once c >= v, so it never
+                # supplies the adds that reach v: leaving it out is exact (c first reaches v through the others).
+                cands = [(a, add) for a, add in sig.get(c, []) if not (prog.worker[a] == w and prog.qpos[a] >= q)
+                         and not any(c2 == c and v2 >= v for c2, v2 in prog.waits[a])]
                 total = sum(add for _, add in cands)
                 wg.candidates.append(cands)
                 wg.needed.append([a for a, add in cands if total - add < v])
