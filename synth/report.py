@@ -679,7 +679,9 @@ cv.addEventListener('mousemove', ev => { const r = cv.getBoundingClientRect();
   const i = hit(ev.clientX - r.left, ev.clientY - r.top);
   if (i < 0) { tip.style.display = 'none'; return; }
   tip.textContent = describe(i); tip.dataset.id = D.id[i]; tip.style.display = 'block';
-  tip.style.left = (ev.clientX + 14) + 'px'; tip.style.top = (ev.clientY + 12) + 'px'; });
+  const tw = tip.offsetWidth, th = tip.offsetHeight;  // keep the tooltip inside the window
+  tip.style.left = (ev.clientX + 14 + tw > window.innerWidth ? ev.clientX - tw - 10 : ev.clientX + 14) + 'px';
+  tip.style.top = (ev.clientY + 12 + th > window.innerHeight ? ev.clientY - th - 8 : ev.clientY + 12) + 'px'; });
 cv.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
 cv.addEventListener('wheel', ev => { ev.preventDefault(); const r = cv.getBoundingClientRect();
   const f = Math.exp(ev.deltaY * 0.0015), mx = ev.clientX - r.left;

@@ -115,6 +115,8 @@ def test_report_timeline_one_lane_per_worker_and_hover(browser: Any, served: Any
     page.mouse.move(pos["x"], pos["y"])
     tip = page.locator("#tip")
     assert tip.is_visible()
+    box = tip.bounding_box()
+    assert box["x"] >= 0 and box["x"] + box["width"] <= 1400  # inside the window, even at the right edge
     text = tip.inner_text()
     assert text.startswith(f"#{ident} ") and "waited" in text and "estimated" in text
     trace = json.loads((root / name / "best" / "trace.json").read_text())
