@@ -85,6 +85,16 @@ def _show(r: Run) -> None:
             table.add_row(e.candidate, e.proposer, "accepted" if e.accepted else "rejected",
                           fmt_ms(e.ms, e.estimated), e.note[:60])
         con.print(table)
+    trace_file = r.path / "best" / "trace.json"
+    if trace_file.is_file():
+        from kernels.trace import TraceError, format_summary, read_trace
+        from synth.report import parse_trace, read_json, summarize
+
+        try:
+            summary = summarize(parse_trace(read_trace(trace_file)), read_json(r.path / "best" / "schedule.json"))
+            con.print("best schedule's trace: " + format_summary(summary), markup=False)
+        except TraceError as exc:
+            con.print(f"note: {exc}", markup=False)
     report = r.path / "report.html"
     con.print(f"report: {report}" if report.exists() else f"report: not written yet (synth runs report {r.name})",
               markup=False)

@@ -174,12 +174,15 @@ def test_list_shows_every_run_with_best_and_speedup(runs_dir: Path) -> None:
 def test_list_empty_dir_says_so(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["runs", "list", "--runs-dir", str(tmp_path / "nothing")])
     assert r.exit_code == 0 and "no runs" in r.output
+    r = CliRunner().invoke(main, ["runs", "report", "--runs-dir", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "does not exist" in r.output and "Traceback" not in r.output
 
 
 def test_show_by_prefix_and_unknown_run(runs_dir: Path) -> None:
     r = invoke("runs", "show", "20261130", "--runs-dir", str(runs_dir))
     assert r.exit_code == 0, r.output
     assert "synth search --model tiny" in r.output and "c0001" in r.output
+    assert "best schedule's trace: makespan" in r.output and "(estimated)" in r.output and "critical path" in r.output
     r = CliRunner().invoke(main, ["runs", "show", "nope", "--runs-dir", str(runs_dir)])
     assert r.exit_code == 2 and "run 'nope' not found" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["runs", "show", "2026112", "--runs-dir", str(runs_dir)])
