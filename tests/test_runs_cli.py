@@ -359,3 +359,21 @@ def test_real_search_run_lists_shows_and_reports(searched: Path) -> None:
     fresh = load_run(searched)
     render_report(fresh)
     assert fresh.notes == []  # the search wrote everything the report reads
+
+
+def test_serve_command_prints_its_address_and_serves(runs_dir: Path) -> None:
+    """`synth runs serve --port 0` as a user runs it: it says where it listens (127.0.0.1) and serves the index."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "synth.cli", "runs", "serve", "--port", "0", "--runs-dir",
+                             str(runs_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/index\.html", line)
+        assert m, line + (proc.stderr.read() if proc.poll() is not None and proc.stderr else "")
+        with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/index.html", timeout=10) as resp:
+            assert b"20261130-tiny-a/report.html" in resp.read()
+    finally:
+        proc.terminate()
+        proc.wait(10)
