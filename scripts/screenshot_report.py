@@ -16,9 +16,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 
 def screenshot(report: Path, out: Path, width: int = 1400, full_page: bool = True, hover: bool = True,
-               executable: str = CHROMIUM) -> list[str]:
-    """Open `report` (an HTML file) in headless Chromium, hover the longest instruction, save a PNG to `out`.
-    Returns the console errors the page produced (empty when it loaded cleanly)."""
+               executable: str = CHROMIUM, section: str | None = None) -> list[str]:
+    """Open `report` (an HTML file) in headless Chromium, hover the longest instruction, save a PNG to `out` (the
+    whole page, the window, or one section such as `timeline-section`). Returns the console errors the page
+    produced (empty when it loaded cleanly)."""
     from playwright.sync_api import sync_playwright
 
     errors: list[str] = []
@@ -35,7 +36,12 @@ def screenshot(report: Path, out: Path, width: int = 1400, full_page: bool = Tru
                 if pos:
                     page.mouse.move(pos["x"], pos["y"])
             out.parent.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(out), full_page=full_page)
+            if section:
+                if page.locator(f"#{section}").count() == 0:
+                    raise SystemExit(f"error: the report has no section #{section}")
+                page.locator(f"#{section}").screenshot(path=str(out))
+            else:
+                page.screenshot(path=str(out), full_page=full_page)
         finally:
             browser.close()
     return errors
@@ -47,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="PNG file to write")
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--width", type=int, default=1400)
-    ap.add_argument("--viewport-only", action="store_true", help="capture the first screen, not the whole page")
+    ap.add_argument("--viewport-only", action="store_true", help="capture the window, not the whole page")
+    ap.add_argument("--section", help="capture one section only: summary, chart, timeline-section, per-op, "
+                    "critical-path, validation, leaderboard, rejected")
     ap.add_argument("--chromium", default=CHROMIUM, help="path of the Chromium executable")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -64,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = write_report(run)
     write_index(run.parent)
-    errors = screenshot(report, Path(a.out), a.width, full_page=not a.viewport_only, executable=a.chromium)
+    errors = screenshot(report, Path(a.out), a.width, full_page=not a.viewport_only, executable=a.chromium,
+                        section=a.section)
     for e in errors:
         print(f"console error: {e}", file=sys.stderr)
     print(f"{a.out}: screenshot of {report}")

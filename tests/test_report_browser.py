@@ -192,6 +192,11 @@ def test_screenshot_script(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert (run / "report.html").is_file() and (tmp_path / "index.html").is_file()
+    part = ARTIFACTS / "screenshot_timeline.png"
+    proc = subprocess.run([sys.executable, str(script), str(run), str(part), "--section", "timeline-section"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert part.read_bytes()[:4] == b"\x89PNG" and part.stat().st_size < out.stat().st_size
     proc = subprocess.run([sys.executable, str(script), "nope", str(tmp_path / "x.png"), "--runs-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "run 'nope' not found" in proc.stderr and "Traceback" not in proc.stderr
