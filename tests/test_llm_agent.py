@@ -305,6 +305,15 @@ def test_refusal_and_duplicate_are_rejected_and_budget_is_bounded(tmp_path: Path
         assert len(srv.requests) == 3
 
 
+def test_huge_answer_is_refused_with_a_size_hint(tmp_path: Path) -> None:
+    huge = _answer(rationale="x" * 50_000)
+    with ScriptedServer([("ok", huge), ("ok", _answer({"attn_splits": 2}))]) as srv:
+        out = LLMProposer(TINY, 8, _options(srv), run_dir=tmp_path).propose(_ctx(), 1)
+    assert len(out) == 1
+    fed_back = srv.requests[1]["messages"]
+    assert "answer too long" in fed_back[-1]["content"] and len(fed_back[-2]["content"]) <= 4000
+
+
 def test_fallback_without_structured_output(tmp_path: Path) -> None:
     fenced = "Here is my proposal:\n```json\n" + _answer({"attn_splits": 2}) + "\n```"
     with ScriptedServer([("no_format", fenced), ("no_format", fenced)]) as srv:
