@@ -33,7 +33,7 @@ def format_text(report: Report) -> str:
 @click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("--schema", "print_schema", is_flag=True, help="Print the JSON Schema of the format and exit.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "sarif"]), default="text", show_default=True)
-@click.option("--output", type=click.Path(dir_okay=False), help="Write the report here instead of stdout.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the report here instead of stdout.")
 @click.option("--interleavings", type=click.IntRange(0, 10_000_000), default=1000, show_default=True,
               help="Adversarial interleavings replayed against shadow memory.")
 @click.option("--seed", type=int, default=0, show_default=True)
