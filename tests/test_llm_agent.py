@@ -425,3 +425,12 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
     usage = json.loads((run / "agent_usage.json").read_text())
     assert usage["calls"] == 6 and usage["proposals"] == 3 and usage["accepted"] == 2 and usage["rejected"] == 1
     assert usage["total_tokens"] > 0 and usage["briefing_tokens_max"] <= usage["briefing_budget"]
+    # Resumed: the history is replayed to the agent without counting or logging it twice; calls keep counting.
+    with ScriptedServer([("ok", _answer({"attn_splits": 4}))]) as srv2:
+        monkeypatch.setenv("OPENAI_BASE_URL", srv2.base_url)
+        cfg.budget, cfg.resume = 5, True
+        assert search.run_search(cfg).evaluated == 1
+    assert "c0003 [llm]" in srv2.requests[0]["messages"][-1]["content"]
+    usage = json.loads((run / "agent_usage.json").read_text())
+    assert usage["calls"] == 7 and usage["accepted"] == 3 and usage["rejected"] == 1
+    assert [r["candidate"] for r in _transcript(run) if r["type"] == "result"] == ["c0001", "c0002", "c0003", "c0004"]

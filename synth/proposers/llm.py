@@ -286,6 +286,7 @@ class LLMProposer:
                            base_url=self.options.base_url or os.environ.get("OPENAI_BASE_URL"),
                            briefing_budget=self.options.budget_tokens)
         self._fatal: str | None = None  # set by 401/403/404: no later round will do better
+        self._observed: set[str] = set()  # candidates whose result is in the transcript
         self._resume_usage()
 
     # -- plumbing ------------------------------------------------------------------------------------------------
@@ -331,6 +332,16 @@ class LLMProposer:
         if isinstance(old.get("errors"), dict):
             self.usage.errors = {str(k): int(v) for k, v in old["errors"].items() if isinstance(v, int)}
         self._round = self.usage.rounds
+        try:
+            with open(self.run_dir / "agent.jsonl", encoding="utf-8") as fh:
+                for line in fh:
+                    if '"type": "result"' in line:
+                        try:
+                            self._observed.add(str(json.loads(line)["candidate"]))
+                        except (json.JSONDecodeError, KeyError):
+                            continue  # a line cut by a kill: the result is recorded again
+        except OSError:
+            pass
 
     def _error(self, kind: str) -> None:
         self.usage.errors[kind] = self.usage.errors.get(kind, 0) + 1
@@ -362,11 +373,19 @@ class LLMProposer:
 
     def observe(self, result: Result) -> None:
         """Remember how each evaluated proposal fared (the briefing shows the history; this tracks our own)."""
+        try:
+            self._observe(result)
+        except Exception as exc:  # noqa: BLE001 - bookkeeping must never crash the search
+            self._error("internal")
+            self._notes.append(f"could not record {result.candidate}: {type(exc).__name__}")
+
+    def _observe(self, result: Result) -> None:
         key = _canonical(result.proposal.strategy, result.proposal.patches)
         verdict = ("accepted" + (f" {result.ms:.4f} ms" if result.ms is not None else "")) if result.accepted else \
             ("rejected" if result.error is None else "could not be built")
         self._seen[key] = f"{result.candidate} ({verdict})"
-        if result.proposal.proposer == self.name:
+        if result.proposal.proposer == self.name and result.candidate not in self._observed:
+            self._observed.add(result.candidate)  # a resumed search replays its history: count and log once
             if result.accepted:
                 self.usage.accepted += 1
             else:
