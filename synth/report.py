@@ -925,7 +925,14 @@ def render_report(run: Run) -> str:
         floor_ms = estimated_floor_ms(schedule, ctx if isinstance(ctx, int) else None)
         floor_est = floor_ms is not None
     sp = run.speedup()
-    cards = [("best schedule", fmt_ms(best.ms, best.estimated) if best else "—"),
+    best_txt = fmt_ms(best.ms, best.estimated) if best else "—"
+    p10, p90 = _num(_first(timing, "p10_ms")), _num(_first(timing, "p90_ms"))
+    if best and p10 is not None and p90 is not None:
+        best_txt += f" (p10–p90 {p10:.3f}–{p90:.3f})"
+    src = _first(timing, "source")
+    if src:
+        best_txt += f" · {src}"
+    cards = [("best schedule", best_txt),
              ("naive schedule", fmt_ms(naive.ms, naive.estimated) if naive else "—"),
              ("speed-up over naive", f"{sp:.2f}×" if sp else "—"),
              ("bandwidth floor", fmt_ms(floor_ms, floor_est) + floor_note if floor_ms else "—"),

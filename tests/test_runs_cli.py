@@ -377,3 +377,16 @@ def test_serve_command_prints_its_address_and_serves(runs_dir: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_gpu_run_is_labelled_measured_not_estimated(tmp_path: Path) -> None:
+    """A run timed on the GPU: no "estimated" label anywhere, the spread and the source of the timing are shown."""
+    run = make_run(tmp_path, "20261130-gpu", workers=4, estimated=False)
+    write_json_atomic(run / "run.json", {"model": "tiny", "gpu": "NVIDIA H200", "command": "synth search"})
+    write_json_atomic(run / "best" / "timing.json", {"ms": 0.024, "median_ms": 0.024, "p10_ms": 0.023,
+                                                     "p90_ms": 0.026, "estimated": False,
+                                                     "source": "GPU (NVIDIA H200)"})
+    html = render_report(load_run(run))
+    visible = re.sub(r"<script.*?</script>", "", html, flags=re.S).replace("Hatched bars are estimates", "")
+    assert "estimated" not in visible
+    assert "p10–p90 0.023–0.026" in html and "GPU (NVIDIA H200)" in html and 'class="meas"' in html
