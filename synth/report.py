@@ -957,7 +957,8 @@ def render_report(run: Run) -> str:
                                        "</code>, then <code>synth runs report RUN --bench bench.json</code>.</p>")
     body.append('<section id="chart"><h2>Milliseconds per token: baselines, naive, best, floor</h2>'
                 + (bar_chart_svg(bars) or "<p class='note'>No timings in this run.</p>") + chart_note
-                + "<p class='note'>Hatched bars are estimates.</p></section>")
+                + ("<p class='note'>Hatched bars are estimates.</p>" if any(b[3] for b in bars) else "")
+                + "</section>")
 
     # timeline
     if trace is not None and trace.events:
