@@ -483,7 +483,7 @@ def _history_section(history: list[Result], rows: int) -> str:
         if r.accepted:
             verdict = f"accepted {r.ms:.4f} ms" + (" est" if r.estimated else "") if r.ms is not None else "accepted"
         elif r.error:
-            verdict = "could not be built: " + r.error[:160]
+            verdict = "not accepted (not validated): " + r.error[:160]
         else:
             cat = _cex_categories(r.counterexample)
             verdict = "REJECTED by the validator" + (f" ({cat})" if cat else "")

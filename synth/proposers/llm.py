@@ -382,7 +382,7 @@ class LLMProposer:
     def _observe(self, result: Result) -> None:
         key = _canonical(result.proposal.strategy, result.proposal.patches)
         verdict = ("accepted" + (f" {result.ms:.4f} ms" if result.ms is not None else "")) if result.accepted else \
-            ("rejected" if result.error is None else "could not be built")
+            ("rejected" if result.error is None else "not validated")
         self._seen[key] = f"{result.candidate} ({verdict})"
         if result.proposal.proposer == self.name and result.candidate not in self._observed:
             self._observed.add(result.candidate)  # a resumed search replays its history: count and log once
