@@ -190,3 +190,31 @@ def test_shared_counter_stages_are_proven_by_the_graph() -> None:
     report = verify(parse_schedule(doc), "shared", Options(interleavings=50))
     assert not races and not deadlock and report.accepted
     assert report.stats["proven_by_z3"] == 0 and report.stats["proven_by_graph"] == report.stats["conflicting_pairs"]
+
+
+def _first_of_two() -> dict[str, Any]:
+    """#2 waits for one add from #0 (writes x) or #1 (queued after #0): the graph cannot order #0 -> #2, z3 can."""
+    return {"format": "megakernel-schedule/1", "target": {"workers": 2}, "buffers": {"x": 4}, "counters": 1,
+            "instructions": [
+                {"id": 0, "op": "w", "writes": [{"buffer": "x", "range": [0, 4]}],
+                 "signals": [{"counter": 0, "add": 1}]},
+                {"id": 1, "op": "n", "signals": [{"counter": 0, "add": 1}]},
+                {"id": 2, "op": "r", "reads": [{"buffer": "x", "range": [0, 4]}],
+                 "waits": [{"counter": 0, "value": 1}]}],
+            "queues": [[0, 1], [2]]}
+
+
+def test_z3_proves_what_the_graph_cannot() -> None:
+    report = verify(parse_schedule(_first_of_two()), "k-of-n", Options(interleavings=50))
+    assert report.accepted and report.stats["proven_by_z3"] == 1 and report.stats["proven_by_graph"] == 0
+    assert brute_force(_first_of_two()) == (set(), False)
+
+
+def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
+    import validator.races as races
+
+    real = races.prove
+    monkeypatch.setattr(races, "prove", lambda *a, **k: real(*a, **k, budget_s=-1.0))
+    report = verify(parse_schedule(_first_of_two()), "k-of-n", Options(interleavings=0))
+    assert [f.category for f in report.findings] == ["unproven"]
+    assert not report.accepted

@@ -130,10 +130,13 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
         msg, details = _pair_text(prog, r.a, r.b)
         findings.append(Finding("unproven", f"z3 could not decide ({r.reason or 'unknown'}): " + msg,
                                 [prog.ids[r.a], prog.ids[r.b]], prog.path(r.b), details))
-    if unchecked and findings:
+    if unchecked and any(f.category == "race" for f in findings):
         findings[0].details.setdefault("text", []).append(
             f"({unchecked} more conflicting pairs were not checked after {len(sat)} counterexamples; fix the races "
             "shown and rerun)")
+    elif unchecked:  # the z3 time budget ran out before every pair was decided: not proven is not accepted
+        findings.append(Finding("unproven", f"{unchecked} of {len(pairs)} conflicting pairs left to z3 were not "
+                                "decided within its time budget", []))
 
     t = time.perf_counter()
     n_inter = int(getattr(options, "interleavings", 0))
