@@ -278,10 +278,12 @@ def main() -> int:
         "gubr32": KernelConfig(br_gu=32, bk_gu=256),
         "lmbr64": KernelConfig(br_lm=64, bk_lm=256),
         "flatns4": KernelConfig(num_stages=4),
+        "bd1024": KernelConfig(bk_d=1024),
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}
     gu32 = {**tiles, "mlp_norm_gate_up": 32}
+    best = {**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}  # bench/best_schedule_llama1b_h200.json
 
     def strat(**kw: Any) -> Strategy:
         return Strategy(**kw)
@@ -295,6 +297,11 @@ def main() -> int:
         "gu64lm": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}, attn_splits=4),
         "gu64s8": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=8),
         "gu128": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 128}, attn_splits=4),
+        "best": lambda: strat(tiles=best, attn_splits=8),
+        "best_o32": lambda: strat(tiles={**best, "o_proj_residual": 32}, attn_splits=8),
+        "best_s16": lambda: strat(tiles=best, attn_splits=16),
+        "best_d32k2": lambda: strat(tiles={**best, "down_proj_residual": 32}, attn_splits=8,
+                                    k_splits={"o_proj_residual": 1, "down_proj_residual": 2}),
         "chunk": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk"),
         "head": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="head"),
         "chunk_cb": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk", assignment="cost_balanced"),
