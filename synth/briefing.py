@@ -203,8 +203,10 @@ def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
     return "\n".join(lines)
 
 
-def _hardware_section(ctx: SearchContext) -> str:
-    lines = [f"## Hardware: {ctx.device}, {ctx.workers} workers (one persistent program per SM)"]
+def _hardware_section(ctx: SearchContext, schedule: Schedule | None) -> str:
+    target = schedule.target.device if schedule is not None and schedule.target.device else None
+    where = f"target {target}, timed by {ctx.device}" if target and target != ctx.device else ctx.device
+    lines = [f"## Hardware: {where}; {ctx.workers} workers (one persistent program per SM)"]
     try:
         from synth.costmodel import load_params  # the cost model owns the hardware numbers
 
@@ -591,7 +593,7 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
     for lvl, level in enumerate(LEVELS):
         sections = {
             "model": _model_section(spec, best_schedule, seq),
-            "hardware": _hardware_section(ctx),
+            "hardware": _hardware_section(ctx, best_schedule),
             "strategy": _strategy_section(ctx.best, level["descr"]),
             "patches": "## Patch language\n" + patch_language(level["descr"]),
             "layout": _layout_section(best_schedule, level["layers"]) if best_schedule is not None else "",
