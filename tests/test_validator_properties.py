@@ -144,6 +144,25 @@ def _check(doc: dict[str, Any], pipelined: bool) -> None:
             a, b = f.details["pair"]
             assert (a, b) in races, (doc, races, f.to_json())
             assert "disagreement" not in f.message
+            _check_events(doc, f.details.get("events", []), a, b)
+
+
+def _check_events(doc: dict[str, Any], events: list[dict[str, Any]], a: int, b: int) -> None:
+    """A counterexample is a legal run in which b starts before a ends: each instruction starts before it ends,
+    workers start their instructions in queue order, and the waits shown hold."""
+    if not events:
+        return
+    at = {(e["instruction"], e["event"]): k for k, e in enumerate(events)}
+    assert at[(b, "start")] < at.get((a, "end"), len(events))
+    for (i, kind), k in at.items():
+        if kind == "end":
+            assert at[(i, "start")] < k
+    for q in doc["queues"]:
+        starts = [at[(i, "start")] for i in q if (i, "start") in at]
+        assert starts == sorted(starts)
+    for e in events:
+        for w in e.get("waits", []):
+            assert w["current"] >= w["value"], e
 
 
 @settings(max_examples=900, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
