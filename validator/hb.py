@@ -147,12 +147,15 @@ def bits_of(indices: list[int] | set[int], n: int) -> int:
 
 
 def indices_of(bits: int) -> list[int]:
-    """The set bits of a bitset, ascending."""
+    """The set bits of a bitset, ascending (via its binary string: linear, unlike repeated big-int masking)."""
+    if not bits:
+        return []
+    text = bin(bits)[:1:-1]
     out = []
-    while bits:
-        low = bits & -bits
-        out.append(low.bit_length() - 1)
-        bits ^= low
+    k = text.find("1")
+    while k >= 0:
+        out.append(k)
+        k = text.find("1", k + 1)
     return out
 
 
