@@ -13,11 +13,13 @@ Shadow memory is kept at the granularity of the conflict sweep (validator.hb): t
 so a check is "did `b` start before the latest end among the accesses it must follow", vectorised over interleavings
 with numpy. When the waits admit a static evaluation order (every signaller a waiter could depend on is evaluated
 first; true of lowerings), all N executions are computed at once, instruction by instruction; otherwise a per-execution
-event simulation runs (bounded: small schedules only).
+event simulation runs (time-bounded: after
+EVENT_SIM_BUDGET_S it stops and the report says how many interleavings it replayed).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
@@ -28,7 +30,7 @@ from validator.hb import Conflicts, WaitGroups
 from validator.program import Program
 
 HELD = 1e7  # duration of a suspect producer that is held back
-MAX_EVENT_SIM_WORK = 20_000_000  # instructions x interleavings for the per-execution fallback
+EVENT_SIM_BUDGET_S = 20.0  # the per-execution fallback stops starting batches after this long (reported as "capped")
 
 
 @dataclass
@@ -149,7 +151,8 @@ def _vectorised(prog: Program, wg: WaitGroups, order: list[tuple[int, int]], dur
 
 def _event_sim(prog: Program, wg: WaitGroups, live: list[bool], dur: np.ndarray,
                pipelined: bool) -> tuple[np.ndarray, np.ndarray]:
-    """One event-driven simulation per interleaving (ASAP starts, given durations)."""
+    """One event-driven simulation per interleaving (ASAP starts, given durations); a blocked worker is only looked
+    at again when a counter it waits on grows."""
     import heapq
 
     n, size = dur.shape
@@ -159,33 +162,39 @@ def _event_sim(prog: Program, wg: WaitGroups, live: list[bool], dur: np.ndarray,
     for k in range(size):
         counters: dict[int, int] = defaultdict(int)
         head = [0] * nq
-        free_at = [0.0] * nq  # when the worker may start its next instruction
-        heap: list[tuple[float, int]] = []
+        busy = [False] * nq
+        blocked: dict[int, list[int]] = defaultdict(list)
+        heap: list[tuple[float, int, int]] = []
+        ready = list(range(nq))
         now = 0.0
-        for _ in range(2 * n + 2):  # each round ends at least one instruction
-            progress = True
-            while progress:
-                progress = False
-                for w in range(nq):
-                    q = prog.queues[w]
-                    if head[w] < len(q) and free_at[w] <= now:
-                        i = q[head[w]]
-                        if all(counters[c] >= v for c, v in prog.waits[i]):
-                            start[i, k] = now
-                            end[i, k] = now + dur[i, k]
-                            heapq.heappush(heap, (end[i, k], i))
-                            head[w] += 1
-                            free_at[w] = now if pipelined else float(end[i, k])
-                            progress = True
+        for _ in range(2 * n + 2):  # every round ends one instruction
+            while ready:
+                w = ready.pop()
+                q = prog.queues[w]
+                if busy[w] or head[w] >= len(q):
+                    continue
+                i = q[head[w]]
+                unmet = next((c for c, v in prog.waits[i] if counters[c] < v), None)
+                if unmet is not None:
+                    blocked[unmet].append(w)
+                    continue
+                start[i, k] = now
+                end[i, k] = now + dur[i, k]
+                heapq.heappush(heap, (float(end[i, k]), i, w))
+                head[w] += 1
+                if pipelined:
+                    ready.append(w)
+                else:
+                    busy[w] = True
             if not heap:
                 break
-            now, i = heapq.heappop(heap)
+            now, i, w = heapq.heappop(heap)
             for c, add in prog.signals[i]:
                 counters[c] += add
-            while heap and heap[0][0] <= now:
-                _, j = heapq.heappop(heap)
-                for c, add in prog.signals[j]:
-                    counters[c] += add
+                ready.extend(blocked.pop(c, ()))
+            if not pipelined:
+                busy[w] = False
+                ready.append(w)
     return start, end
 
 
@@ -198,17 +207,22 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
     mode = "vectorised"
     if order is None:
         mode = "event"
-        if n * count > MAX_EVENT_SIM_WORK:
-            count = max(1, MAX_EVENT_SIM_WORK // max(n, 1))
-            mode = "capped"
     witnesses: dict[tuple[int, int], Witness] = {}
     witnessed = np.zeros(count, dtype=bool)
     checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
     set_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.sets]
     batch = max(16, min(count, int(2e7 // max(n, 1))))  # three float64 (n x batch) arrays: ~480 MB at most
+    if order is None:
+        batch = min(batch, max(1, 200_000 // max(n, 1)))  # small batches, so the time budget is kept
     rng = np.random.default_rng(seed)
+    began = time.perf_counter()
+    done = 0
     for first in range(0, count, batch):
+        if order is None and time.perf_counter() - began > EVENT_SIM_BUDGET_S:
+            mode = "capped"
+            break
         size = min(batch, count - first)
+        done = first + size
         dur = _durations(rng, n, size, targets, first)
         if order is not None:
             start, end = _vectorised(prog, wg, order, dur, pipelined)
@@ -230,4 +244,4 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
                 for a in late.tolist():
                     if (a, b) not in witnesses:
                         witnesses[(a, b)] = Witness(a, b, first + k, float(start[b, k]), float(end[a, k]))
-    return ReplayResult(count, witnesses, int(witnessed.sum()), mode)
+    return ReplayResult(done, witnesses, int(witnessed.sum()), mode)
