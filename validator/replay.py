@@ -13,8 +13,7 @@ Shadow memory is kept at the granularity of the conflict sweep (validator.hb): t
 so a check is "did `b` start before the latest end among the accesses it must follow", vectorised over interleavings
 with numpy. When the waits admit a static evaluation order (every signaller a waiter could depend on is evaluated
 first; true of lowerings), all N executions are computed at once, instruction by instruction; otherwise a per-execution
-event simulation runs (time-bounded: after
-EVENT_SIM_BUDGET_S it stops and the report says how many interleavings it replayed).
+event simulation runs, time-bounded (after EVENT_SIM_BUDGET_S it stops; the report says how many it replayed).
 """
 
 from __future__ import annotations
