@@ -625,3 +625,45 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
                 total = sys_tokens + count_tokens(user)
             return Briefing(system, user, sizes, total, budget, lvl, truncated)
     raise AssertionError("unreachable: the last level always returns")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m synth.briefing --model llama-1b`: print the first round's briefing (naive baseline as the best,
+    estimated) and its measured size per section, to check that it fits a model's context before a run."""
+    import argparse
+    import sys
+
+    from synth.lower import lower
+    from synth.models import get_model
+    from synth.proposers.base import Proposal
+
+    parser = argparse.ArgumentParser(prog="python -m synth.briefing", description=main.__doc__)
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--workers", type=int, default=132)
+    parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
+    parser.add_argument("--ctx", type=int, default=1024)
+    args = parser.parse_args(argv)
+    try:
+        spec = get_model(args.model)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    if not 1 <= args.workers <= 4096 or args.budget < 500:
+        print("error: --workers must be in [1, 4096] and --budget at least 500", file=sys.stderr)
+        return 2
+    from synth.costmodel import estimate
+
+    schedule = lower(spec, args.workers)
+    est = estimate(schedule, min(args.ctx, spec.max_seq_len))
+    best = Result("c0000", Proposal(Strategy(), proposer="naive"), True, est.makespan_ms, True,
+                  profile={"trace": est.trace})
+    ctx = SearchContext(spec.name, args.workers, "cost model (CPU)", best, [best], est.makespan_ms, True)
+    b = build_briefing(ctx, spec, schedule, budget=args.budget, seq=args.ctx)
+    print(b.system + "\n\n" + b.user)
+    print(f"\n{b.tokens} tokens (budget {b.budget}, detail level {b.level}{', truncated' if b.truncated else ''}): "
+          + ", ".join(f"{k} {v}" for k, v in b.sections.items()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

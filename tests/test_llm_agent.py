@@ -434,3 +434,14 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
     usage = json.loads((run / "agent_usage.json").read_text())
     assert usage["calls"] == 7 and usage["accepted"] == 3 and usage["rejected"] == 1
     assert [r["candidate"] for r in _transcript(run) if r["type"] == "result"] == ["c0001", "c0002", "c0003", "c0004"]
+
+
+def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("synth.costmodel")
+    from synth.briefing import main
+
+    assert main(["--model", "tiny", "--workers", "8", "--ctx", "64"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("You tune megakernel schedules") and "## Best so far" in out
+    assert "tokens (budget 8000, detail level 0)" in err
+    assert main(["--model", "nope"]) == 2 and "unknown model" in capsys.readouterr().err
