@@ -134,3 +134,11 @@ def test_console_script_exit_code_without_traceback(files: dict[str, str]) -> No
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "bad.json" in proc.stderr
+
+
+def test_validator_imports_no_torch_triton_or_synth() -> None:
+    code = ("import sys, validator.cli, validator.races, validator.smt, validator.replay, validator.hb, "
+            "validator.sarif, validator.bench; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'synth', 'kernels')])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "[]"
