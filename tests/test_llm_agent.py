@@ -108,7 +108,7 @@ def _answer(strategy: dict[str, Any] | None = None, patches: list[dict[str, Any]
 
 
 def _options(server: ScriptedServer, **kw: Any) -> LLMOptions:
-    base = {"model": "scripted", "base_url": server.base_url, "api_key": "sk-test", "timeout_s": 1.0,
+    base = {"model": "scripted", "base_url": server.base_url, "api_key": "sk-test", "timeout_s": 2.0,
             "attempts": 3, "max_calls": 20, "backoff_s": 0.01, "backoff_max_s": 0.05, "seq": 64}
     return LLMOptions(**{**base, **kw})
 
@@ -278,9 +278,9 @@ def test_bad_patches_are_fed_back_with_their_path(tmp_path: Path) -> None:
 
 
 def test_transport_failures_are_retried_then_the_round_gives_up(tmp_path: Path) -> None:
-    script = [("status", 429), ("status", 503), ("slow", 2.5, _answer())]
+    script = [("status", 429), ("status", 503), ("slow", 4.0, _answer())]
     with ScriptedServer(script) as srv:
-        prop = LLMProposer(TINY, 8, _options(srv, timeout_s=1.0), run_dir=tmp_path)
+        prop = LLMProposer(TINY, 8, _options(srv, timeout_s=2.0), run_dir=tmp_path)
         t0 = time.monotonic()
         out = prop.propose(_ctx(), 1)
         elapsed = time.monotonic() - t0
@@ -386,7 +386,7 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
     good = _answer({"attn_splits": 2}, rationale="split attention over the sequence")
     script = [("ok", racy),  # round 1: a racy proposal (validator rejects it)
               ("ok", "{\"strategy\": {\"attn_splits\": 2,"), ("status", 429), ("ok", good),  # round 2
-              ("slow", 2.5, _answer()), ("ok", _answer({"tiles": {"mlp_norm_gate_up": 32}}))]  # round 3
+              ("slow", 4.0, _answer()), ("ok", _answer({"tiles": {"mlp_norm_gate_up": 32}}))]  # round 3
     monkeypatch.setenv("OPENAI_BASE_URL", "")
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with ScriptedServer(script) as srv:
@@ -394,7 +394,7 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
         cfg = search.SearchConfig(model="tiny", workers=8, proposer="llm", budget=4, seed=0, runs_dir=tmp_path,
                                   run="agent", interleavings=20, final_interleavings=50, ctx=64, gpu=False,
                                   progress=False, notice=lambda m: None,
-                                  llm={"model": "scripted", "timeout_s": 1.0, "max_calls": 12, "attempts": 3,
+                                  llm={"model": "scripted", "timeout_s": 2.0, "max_calls": 12, "attempts": 3,
                                        "backoff_s": 0.01, "backoff_max_s": 0.05})
         summary = search.run_search(cfg)
     run = tmp_path / "agent"
