@@ -237,3 +237,14 @@ def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
     report = verify(parse_schedule(_first_of_two()), "k-of-n", Options(interleavings=0))
     assert [f.category for f in report.findings] == ["unproven"]
     assert not report.accepted
+
+
+def test_pair_forced_backwards_is_a_race() -> None:
+    """#1 is queued before #0 on one worker: #1 always runs first although #0 < #1 (backward order)."""
+    doc = _first_of_two()
+    doc["instructions"] = doc["instructions"][:1] + [{"id": 1, "op": "r", "reads": [{"buffer": "x", "range": [1, 2]}]}]
+    doc["queues"] = [[1, 0]]
+    report = verify(parse_schedule(doc), "backwards", Options(interleavings=10))
+    (race,) = [f for f in report.findings if f.category == "race"]
+    assert race.details["pair"] == [0, 1] and "stale read" in race.message
+    assert brute_force(doc)[0] == {(0, 1)}
