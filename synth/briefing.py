@@ -428,6 +428,27 @@ def normalise_profile(profile: dict[str, Any] | None, schedule: Schedule | None,
     return out
 
 
+def _sm_groups(per_sm: dict[Any, float], groups: int) -> str:
+    """The SMs with the largest values, grouped by value (0.1 us) with runs of SM numbers: `30.5 SM84-99,SM80`."""
+    by_value: dict[float, list[Any]] = {}
+    for w, v in per_sm.items():
+        by_value.setdefault(round(v, 1), []).append(w)
+    out = []
+    for value in sorted(by_value, reverse=True)[:groups]:
+        sms = sorted(by_value[value], key=lambda w: (not isinstance(w, int), w if isinstance(w, int) else 0))
+        runs: list[list[Any]] = []
+        for w in sms:
+            if runs and isinstance(w, int) and isinstance(runs[-1][1], int) and w == runs[-1][1] + 1:
+                runs[-1][1] = w
+            else:
+                runs.append([w, w])
+        text = ",".join(f"SM{a}" + (f"-{b}" if b != a else "") for a, b in runs[:8])
+        if len(runs) > 8:
+            text += f",+{sum(1 for _ in runs[8:])} more runs"
+        out.append(f"{value:.1f} {text}")
+    return "; ".join(out)
+
+
 def _best_section(ctx: SearchContext, prof: dict[str, Any], level: dict[str, Any]) -> str:
     best = ctx.best
     if best is None:
@@ -447,15 +468,13 @@ def _best_section(ctx: SearchContext, prof: dict[str, Any], level: dict[str, Any
     idle = prof.get("idle_us") or {}
     if idle:
         vals = sorted(idle.values())
-        top = sorted(idle.items(), key=lambda kv: -kv[1])[:level["idle"]]
         lines.append(f"Idle per SM (us): min {vals[0]:.1f}, median {vals[len(vals) // 2]:.1f}, max {vals[-1]:.1f}; "
-                     "most idle: " + ", ".join(f"SM{w} {v:.1f}" for w, v in top))
+                     "most idle: " + _sm_groups(idle, max(2, level["idle"] // 3)))
     waiting = prof.get("wait_us") or {}
     if waiting and any(waiting.values()):
         vals = sorted(waiting.values())
-        top = sorted(waiting.items(), key=lambda kv: -kv[1])[:level["idle"]]
         lines.append(f"Spin-waiting on counters per SM (us): median {vals[len(vals) // 2]:.1f}, max {vals[-1]:.1f}; "
-                     "most waiting: " + ", ".join(f"SM{w} {v:.1f}" for w, v in top))
+                     "most waiting: " + _sm_groups(waiting, max(2, level["idle"] // 3)))
     path = prof.get("critical_path") or []
     if path:
         lines.append(f"Critical path ({len(path)} instructions, first to last): {_path_runs(path, level['path'])}")
