@@ -279,6 +279,8 @@ def main() -> int:
         "lmbr64": KernelConfig(br_lm=64, bk_lm=256),
         "flatns4": KernelConfig(num_stages=4),
         "bd1024": KernelConfig(bk_d=1024),
+        "qkv512": KernelConfig(bk_qkv=512),
+        "gu1632": KernelConfig(br_gu=16, bk_gu=512),  # the gate/up tile before v5
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}

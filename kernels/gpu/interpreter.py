@@ -56,7 +56,7 @@ def _megakernel(
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
-    FLAT: tl.constexpr,
+    FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -168,9 +168,13 @@ def _megakernel(
             elif op == OP_OPROJ:
                 ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS)
             elif op == OP_GATE_UP:
-                if FLAT and (H % BK_GU == 0):
-                    ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                                        BR_GU, BK_GU, NS)
+                if FLAT and (H % BK_GU == 0) and (H % BK_GU2 == 0):
+                    if (a1 - a0) % BR_GU == 0:
+                        ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
+                                            BR_GU, BK_GU, NS)
+                    else:  # tiles that are not a multiple of BR_GU rows: a narrower tile wastes no masked rows
+                        ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
+                                            BR_GU2, BK_GU2, NS)
                 else:
                     ops.op_gate_up(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, BLOCK_H,
                                    EPS, BR_GU, BK_GU, NS)
@@ -234,6 +238,8 @@ class KernelConfig:
     bk_o: int = 512
     br_gu: int = 32  # 2 x [32, 256] bf16 tiles per stage (measured: better than 16 x 512, perf-notes v5)
     bk_gu: int = 256
+    br_gu2: int = 16  # gate/up tiles whose row count is not a multiple of br_gu use br_gu2 x bk_gu2
+    bk_gu2: int = 512
     br_d: int = 16
     bk_d: int = 512
     br_lm: int = 32
@@ -289,6 +295,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
+        BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp),
         num_warps=k.num_warps, num_stages=1)
 
 
