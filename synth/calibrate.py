@@ -11,6 +11,8 @@ schedule against its measured makespan (median absolute % error; the goal is <= 
 from __future__ import annotations
 
 import bisect
+import json
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
@@ -21,6 +23,7 @@ from validator.program import resolve
 from validator.schedule import Schedule
 
 MIN_EVENTS = 3  # fewer traced instructions of an op than this: keep its prior
+HOP_STEPS = 14  # golden-section steps for hop_us over [0, 10] µs (precision ~0.01 µs)
 
 
 @dataclass
@@ -92,8 +95,36 @@ def _fit_line(xs: list[float], ys: list[float], prior: OpParams) -> OpParams:
     return OpParams(eff=1 / b, overhead_us=a)
 
 
+def _fit_hop(pairs: list[tuple[dict[str, Any], Schedule]], progs: list[Any], params: CostParams) -> float:
+    """The hop latency that best matches the traced makespans (golden-section search of the mean |log error|).
+    Per-instruction fits leave out the time between instructions (polling, the visibility of signals); this folds
+    it into the one parameter that models it."""
+    ctxs = [int(t.get("metadata", {}).get("ctx") or 1024) for t, _ in pairs]
+    meas = [measured_ms(t) for t, _ in pairs]
+
+    def loss(hop: float) -> float:
+        p = replace(params, hop_us=hop)
+        return sum(abs(math.log(estimate(g, c, p).makespan_ms / m)) for g, c, m in zip(progs, ctxs, meas, strict=True)
+                   if m > 0)
+
+    lo, hi = 0.0, 10.0
+    phi = (math.sqrt(5) - 1) / 2
+    a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+    fa, fb = loss(a), loss(b)
+    for _ in range(HOP_STEPS):
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - phi * (hi - lo)
+            fa = loss(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + phi * (hi - lo)
+            fb = loss(b)
+    return round((lo + hi) / 2, 4)
+
+
 def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None = None,
-        device: str | None = None) -> Fit:
+        device: str | None = None, fit_hop: bool = True) -> Fit:
     """Fit per-op parameters from (trace, schedule) pairs and report the makespan error of the fitted model."""
     prior = prior or CostParams()
     xs: dict[str, list[float]] = defaultdict(list)
@@ -125,8 +156,11 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
         per_op[op] = {"n": len(xs[op]), "eff": round(p.eff, 4), "overhead_us": round(p.overhead_us, 4),
                       "median_abs_pct_error": round(statistics.median(errs), 2)}
     fitted = replace(prior, ops=ops, source=f"fitted from {len(pairs)} traces" + (f" ({device})" if device else ""),
-                     notes="synth calibrate: per-op eff/overhead fitted by least squares; total_bw, sm_peak, hop_us "
+                     notes="synth calibrate: per-op eff/overhead fitted by least squares on traced instructions; "
+                           "hop_us (sync cost per inter-SM wait) fitted to the traced makespans; total_bw and sm_peak "
                            "kept from the prior")
+    if fit_hop:
+        fitted = replace(fitted, hop_us=_fit_hop(pairs, progs, fitted))
     out = Fit(fitted, per_op)
     for (trace, _), prog in zip(pairs, progs, strict=True):
         ctx = int(trace.get("metadata", {}).get("ctx") or 1024)
@@ -135,4 +169,28 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
         out.makespans.append({"schedule_sha256": trace.get("metadata", {}).get("schedule_sha256"),
                               "measured_ms": round(meas, 6), "estimated_ms": round(est, 6),
                               "error_pct": round((est - meas) / meas * 100, 3) if meas else 0.0})
+    return out
+
+
+def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
+    """Held-out check: the model's estimate of every GPU-measured candidate in the given runs/<run> folders against
+    its measured time (timing.json `ms` with `estimated: false`, at the candidate's `ctx`)."""
+    from pathlib import Path
+
+    from validator.schedule import load_schedule
+
+    out = []
+    for run in run_dirs:
+        for cand in sorted(Path(run).glob("candidates/*")):
+            try:
+                timing = json.loads((cand / "timing.json").read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
+                continue
+            ctx = int(timing.get("ctx") or 1024)
+            est = estimate(load_schedule(cand / "schedule.json"), ctx, params).makespan_ms
+            err = round((est - timing["ms"]) / timing["ms"] * 100, 3)
+            out.append({"candidate": f"{Path(run).name}/{cand.name}", "ctx": ctx, "measured_ms": timing["ms"],
+                        "estimated_ms": round(est, 6), "error_pct": err})
     return out

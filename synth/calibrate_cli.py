@@ -20,8 +20,10 @@ from validator.errors import ScheduleError
 @click.option("--prior", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Starting parameters (default: the committed H200 file).")
 @click.option("--allow-estimated", is_flag=True, help="Accept traces labelled estimated (tests only).")
+@click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A runs/<run> folder of a GPU search: report the fitted model's error on every measured candidate.")
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
-              allow_estimated: bool) -> None:
+              allow_estimated: bool, check_runs: tuple[str, ...]) -> None:
     """Fit per-op cost-model parameters from GPU traces (kernels/trace.py format) and their schedules."""
     from synth.calibrate import fit
     from synth.costmodel import load_params
@@ -65,8 +67,17 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     med = result.median_abs_pct_error
     click.echo(f"makespan: median absolute error {med:.2f}% over {len(result.makespans)} schedules"
                + (" (goal <= 10%)" if med is not None else ""))
+    fit_doc = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med}
+    if check_runs:
+        import statistics
+
+        from synth.calibrate import check_runs as check
+
+        rows = check(list(check_runs), result.params)
+        cmed = statistics.median(abs(r["error_pct"]) for r in rows) if rows else None
+        fit_doc["check"] = {"runs": list(check_runs), "schedules": rows, "median_abs_pct_error": cmed}
+        click.echo(f"held-out check: median absolute error {cmed:.2f}% over {len(rows)} measured schedules"
+                   if rows else "held-out check: no GPU-measured candidates in those runs")
     if output:
-        write_json_atomic(output, {**result.params.to_json(), "fit": {"per_op": result.per_op,
-                                                                      "makespans": result.makespans,
-                                                                      "median_abs_pct_error": med}})
+        write_json_atomic(output, {**result.params.to_json(), "fit": fit_doc})
         click.echo(f"wrote {output}")

@@ -160,20 +160,51 @@ def default_workers() -> int:
 
 
 class GpuTimer:
-    """Times schedules on the persistent interpreter (one compiled kernel; each schedule is new tables)."""
+    """Times schedules on the persistent interpreter (one compiled kernel; each schedule is new tables). Every timed
+    schedule's logits are first compared with the naive schedule's at the same position (a kernel bug in a new
+    tiling shows up here, not in the leaderboard)."""
 
-    def __init__(self, schedule: Schedule, ctx: int, reps: int = 50) -> None:
+    TOLERANCE = 2e-2  # relative L2 of the logits (bf16 weights, different reduction orders)
+
+    def __init__(self, schedule: Schedule, ctx: int, reps: int = 50, seed: int = 0) -> None:
         import torch
 
         from kernels.gpu import Megakernel
-        from kernels.weights import random_weights
+        from kernels.weights import weight_shapes
         from validator.model import ModelConfig
 
         assert schedule.model is not None
         cfg = ModelConfig.from_hf(schedule.model.config)
-        self.mk = Megakernel(schedule, random_weights(cfg, seed=0, dtype=torch.bfloat16), max_seq_len=max(ctx, 2))
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        weights: dict[str, Any] = {}
+        for name, shape in weight_shapes(cfg).items():  # the scaling of kernels.weights.random_weights, on the GPU
+            if len(shape) == 1:
+                t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
+            elif name == "embed" and cfg.tie_word_embeddings:
+                t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(cfg.hidden_size)
+            elif name == "embed":
+                t = torch.randn(shape, generator=gen, device="cuda")
+            else:
+                t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
+            weights[name] = t.to(torch.bfloat16)
+        if cfg.tie_word_embeddings:
+            weights["lm_head"] = weights["embed"]
+        self.mk = Megakernel(schedule, weights)
+        self.mk.k_cache.normal_(generator=gen)  # a random KV history: attention reads real data
+        self.mk.v_cache.normal_(generator=gen)
         self.ctx, self.reps = ctx, reps
+        self.token = 7
         self.device = torch.cuda.get_device_name(0)
+        self.reference = self._logits(schedule)
+
+    def _logits(self, schedule: Schedule) -> Any:
+        self.mk.set_schedule(schedule)
+        return self.mk.step(self.token, self.ctx - 1).float().clone()
+
+    def check(self, schedule: Schedule) -> float:
+        """Relative L2 distance of this schedule's logits from the naive schedule's."""
+        got = self._logits(schedule)
+        return float((got - self.reference).norm() / self.reference.norm())
 
     def time(self, schedule: Schedule) -> dict[str, Any]:
         from kernels.gpu import time_schedule
@@ -184,7 +215,7 @@ class GpuTimer:
     def trace(self, schedule: Schedule) -> dict[str, Any] | None:
         try:
             self.mk.set_schedule(schedule)
-            return self.mk.traced_step(1, self.ctx - 1)
+            return self.mk.traced_step(self.token, self.ctx - 1)
         except Exception as exc:  # noqa: BLE001 - a trace is evidence, not a result: say why it is missing
             print(f"note: no GPU trace for the best schedule: {exc}", file=sys.stderr)
             return None
@@ -328,8 +359,16 @@ class Search:
             return Result(cid, proposal, False, counterexample={"findings": data["findings"]})
         if self.gpu:
             if self.timer is None:
-                self.timer = GpuTimer(schedule, cfg.ctx)
+                self.timer = GpuTimer(self.build(_baseline_proposal()), cfg.ctx)
+            err = self.timer.check(schedule)
+            if not err <= GpuTimer.TOLERANCE:
+                record.update(reason="gpu_mismatch", error=f"logits differ from the naive schedule's by {err:.3g} "
+                              f"(relative L2 > {GpuTimer.TOLERANCE}): a kernel bug for this schedule",
+                              validation=validation)
+                self.run.save_rejected(cid, record)
+                return Result(cid, proposal, False, error=record["error"])
             timing = self.timer.time(schedule)
+            timing["check_rel_l2"] = err
         else:
             assert est is not None
             timing = {"ms": est.makespan_ms, "estimated": True, "source": f"cost model ({self.params.source})"}

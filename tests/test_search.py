@@ -152,3 +152,31 @@ def test_two_processes_share_one_sqlite_study(tmp_path: Path) -> None:
     assert done <= on_disk
     pids = {t.user_attrs.get("pid") for t in study.trials[2:]}
     assert len(pids) == 2  # both processes contributed trials
+
+
+def test_search_cli_on_tiny(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from synth.cli import main
+
+    res = CliRunner().invoke(main, ["search", "--model", "tiny", "--workers", "6", "--budget", "3", "--runs-dir",
+                                    str(tmp_path), "--run", "cli", "--interleavings", "10", "--final-interleavings",
+                                    "20", "--ctx", "32", "--cpu", "--proposer", "heuristic", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert "estimated by the cost model" in res.output and (tmp_path / "cli" / "best" / "schedule.json").exists()
+    res = CliRunner().invoke(main, ["search", "--model", "tiny", "--resume", "nope", "--runs-dir", str(tmp_path),
+                                    "--cpu", "--no-progress"])
+    assert res.exit_code == 2 and "cannot resume" in res.output
+
+
+@pytest.mark.gpu
+def test_search_times_on_the_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    summary = run_search(_cfg(tmp_path, gpu=True, budget=3, workers=None))
+    assert not summary.estimated and summary.best_ms is not None
+    timing = json.loads((summary.run_dir / "best" / "timing.json").read_text())
+    assert timing["estimated"] is False and timing["check_rel_l2"] <= 2e-2
+    trace = json.loads((summary.run_dir / "best" / "trace.json").read_text())
+    assert trace["metadata"]["estimated"] is False
