@@ -34,6 +34,15 @@ from validator.verify import Options, Report, verify
 
 STUDY = "megasynth"
 MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search stops
+MAX_DUPLICATES = 500  # proposals that lower to an already evaluated schedule, per process, before it stops
+
+
+def schedule_key(schedule: Schedule) -> str:
+    """Digest of what executes (instructions, queues, counters; not meta): equal keys = the same candidate."""
+    from kernels.trace import schedule_sha256
+
+    doc = schedule.to_json()
+    return schedule_sha256({k: doc[k] for k in ("instructions", "queues", "counters")})
 
 
 @dataclass
@@ -214,8 +223,12 @@ class GpuTimer:
 
     def trace(self, schedule: Schedule) -> dict[str, Any] | None:
         try:
+            from kernels.trace import schedule_sha256
+
             self.mk.set_schedule(schedule)
-            return self.mk.traced_step(self.token, self.ctx - 1)
+            meta = {"model": schedule.model.name if schedule.model else None,
+                    "schedule_sha256": schedule_sha256(schedule.to_json())}
+            return self.mk.traced_step(self.token, self.ctx - 1, meta)
         except Exception as exc:  # noqa: BLE001 - a trace is evidence, not a result: say why it is missing
             print(f"note: no GPU trace for the best schedule: {exc}", file=sys.stderr)
             return None
@@ -267,10 +280,16 @@ class Search:
         self.best_est: float | None = None
         self.baseline_ms: float | None = None
         self.proposer: Proposer | None = None
+        self.keys: dict[str, str] = {}  # schedule_key -> the candidate that has it
+        self.results: dict[str, Result] = {}
 
     # -- study -------------------------------------------------------------------------------------------------
     def _study(self) -> Any:
-        import optuna
+        try:
+            import optuna
+        except ImportError:
+            raise ValueError("the search keeps its study in Optuna, which is not installed here (pip install optuna, "
+                             "or carry its wheels to the GPU machine)") from None
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         storage = self.cfg.storage or f"sqlite:///{(self.run.path / 'study.db').resolve()}"
@@ -294,6 +313,8 @@ class Search:
             res = Result(cid, prop, True, t["ms"], bool(t.get("estimated", True)),
                          profile={"critical_path": t.get("critical_path", [])})
             self._remember(res, t.get("estimate_ms"))
+            if t.get("schedule_key"):
+                self.keys.setdefault(t["schedule_key"], cid)
         for cid, r in self.run.rejected().items():
             try:
                 st = parse_strategy(r.get("strategy", {}))
@@ -302,9 +323,12 @@ class Search:
             prop = Proposal(st, list(r.get("patches", [])), r.get("rationale", ""), r.get("proposer", ""),
                             r.get("parent"))
             self.history.append(Result(cid, prop, False, error=r.get("error"), counterexample=r.get("findings")))
+            if r.get("schedule_key") and r.get("reason") != "screened":
+                self.keys.setdefault(r["schedule_key"], cid)
 
     def _remember(self, res: Result, est_ms: float | None) -> None:
         self.history.append(res)
+        self.results[res.candidate] = res
         if res.candidate == BASELINE:
             self.baseline_ms = res.ms
         if res.accepted and res.ms is not None and (self.best is None or res.ms < (self.best.ms or math.inf)):
@@ -324,7 +348,7 @@ class Search:
                               "rationale": proposal.rationale})
         return schedule
 
-    def evaluate(self, cid: str, proposal: Proposal) -> Result:
+    def evaluate(self, cid: str, proposal: Proposal, schedule: Schedule | None = None) -> Result:
         """Lower, patch, validate, time or estimate one proposal and write it to the run folder."""
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -333,11 +357,13 @@ class Search:
                                   "strategy": proposal.strategy.model_dump(mode="json"), "patches": proposal.patches,
                                   "estimated": not self.gpu}
         try:
-            schedule = self.build(proposal)
+            schedule = schedule or self.build(proposal)
         except (ScheduleError, ValueError) as exc:
             record.update(reason="malformed", error=str(exc))
             self.run.save_rejected(cid, record)
             return Result(cid, proposal, False, error=str(exc))
+        record["schedule_key"] = key = schedule_key(schedule)
+        self.keys.setdefault(key, cid)
         try:
             est = estimate(schedule, cfg.ctx, self.params)
         except ValueError as exc:  # deadlock: the validator says it precisely
@@ -376,7 +402,8 @@ class Search:
             timing["estimate"] = est.summary()
             timing["estimate_ms"] = est.makespan_ms
             timing["critical_path"] = est.critical_path
-        timing.update({k: record[k] for k in ("proposer", "parent", "rationale", "strategy", "patches")})
+        timing.update({k: record[k] for k in ("proposer", "parent", "rationale", "strategy", "patches",
+                                              "schedule_key")})
         timing.update(ctx=cfg.ctx, workers=self.workers, seconds=round(time.perf_counter() - t0, 3))
         if self.baseline_ms:
             timing["speedup_vs_naive"] = round(self.baseline_ms / timing["ms"], 4)
@@ -425,6 +452,7 @@ class Search:
         evaluated = 0
         queue: list[Proposal] = []
         empty_rounds = 0
+        dups = 0
         bar = _Progress(cfg.budget, cfg.progress)
         try:
             if not (self.run.path / "candidates" / BASELINE / "timing.json").exists():
@@ -448,6 +476,21 @@ class Search:
                         continue
                     empty_rounds = 0
                 proposal = queue.pop(0)
+                try:
+                    built: Schedule | None = self.build(proposal)
+                except (ScheduleError, ValueError):
+                    built = None  # evaluate() records why, as a rejected candidate
+                if built is not None and (same := self.keys.get(schedule_key(built))) is not None:
+                    # The same schedule as an earlier candidate: tell the proposer, spend no trial on it.
+                    dups += 1
+                    if dups > MAX_DUPLICATES:
+                        cfg.notice(f"{MAX_DUPLICATES} proposals repeated earlier schedules; stopping")
+                        break
+                    old = self.results.get(same)
+                    self.proposer.observe(Result(same, proposal, old.accepted if old else False,
+                                                 old.ms if old else None, not self.gpu,
+                                                 error=f"the same schedule as {same}"))
+                    continue
                 trial = study.ask()
                 cid = candidate_id(trial.number)
                 if cid == BASELINE:  # another process created the study: it is ours to evaluate the baseline
@@ -455,7 +498,7 @@ class Search:
                     evaluated += 1
                     queue.insert(0, proposal)
                     continue
-                self._run_trial(study, trial, cid, proposal)
+                self._run_trial(study, trial, cid, proposal, built)
                 evaluated += 1
         finally:
             bar.close()
@@ -485,14 +528,15 @@ class Search:
     def _tell_baseline(self, study: Any, trial: Any, bar: Any) -> None:
         self._run_trial(study, trial, BASELINE, _baseline_proposal())
 
-    def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal) -> None:
+    def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal, schedule: Schedule | None = None
+                   ) -> None:
         import optuna
 
         for key, value in (("candidate", cid), ("proposer", proposal.proposer), ("rationale", proposal.rationale),
                            ("parent", proposal.parent), ("pid", _pid()),
                            ("strategy", proposal.strategy.model_dump(mode="json")), ("patches", proposal.patches)):
             trial.set_user_attr(key, value)
-        res = self.evaluate(cid, proposal)
+        res = self.evaluate(cid, proposal, schedule)
         if res.accepted and res.ms is not None:
             study.tell(trial.number, res.ms)
         else:

@@ -47,6 +47,8 @@ def test_search_writes_the_run_layout_and_every_kept_schedule_validates(tmp_path
     for cand in (run / "candidates").iterdir():
         sched = load_schedule(cand / "schedule.json")
         assert verify(sched, options=Options(interleavings=20)).accepted, cand.name
+    keys = [json.loads((c / "timing.json").read_text())["schedule_key"] for c in (run / "candidates").iterdir()]
+    assert len(keys) == len(set(keys))  # a proposal that repeats an earlier schedule costs no candidate
 
 
 def test_rejected_candidates_keep_their_counterexample(tmp_path: Path) -> None:
