@@ -489,14 +489,21 @@ class Megakernel:
 
     def traced_step(self, token: int, pos: int, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""
-        from kernels.trace import from_raw
+        from kernels.trace import from_raw, schedule_sha256
 
         p = self.packed
         assert p is not None
         p.device["trace"].zero_()
         self.launch(p, token, pos, trace=True)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self.check(p)
-        meta = {"model": None, "device": torch.cuda.get_device_name(self.device), "ctx": pos + 1,
-                "estimated": False, **(metadata or {})}
+        sched = p.schedule
+        meta = {"model": sched.model.name if sched is not None and sched.model is not None else None,
+                "device": (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                           else "cpu (interpreter)"),
+                "ctx": pos + 1, "estimated": False,
+                "schedule_sha256": schedule_sha256(sched.to_json()) if sched is not None else None,
+                "launch": "plain launch of the trace-enabled kernel (timestamps from %globaltimer)",
+                **(metadata or {})}
         return from_raw(self.raw_trace(p), p.ids, p.ops, p.layers, meta)

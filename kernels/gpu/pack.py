@@ -56,6 +56,7 @@ class Packed:
     worker_of: list[int]
     expected_counters: np.ndarray  # each counter's value once every instruction has signalled
     device: dict[str, object] = field(default_factory=dict)  # device copies, filled by the interpreter
+    schedule: Schedule | None = None  # the packed schedule (for trace metadata)
 
     @property
     def n(self) -> int:
@@ -112,4 +113,6 @@ def pack_program(prog: Program) -> Packed:
 
 def pack(schedule: Schedule) -> Packed:
     """Resolve (structural checks) and pack a schedule."""
-    return pack_program(resolve(schedule))
+    packed = pack_program(resolve(schedule))
+    packed.schedule = schedule
+    return packed
