@@ -286,12 +286,14 @@ def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: to
 
 
 def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool) -> dict[str, Any]:
-    """The compile-time parameters of the interpreter for one model config (launch options included)."""
+    """The compile-time parameters of the interpreter for one model config (launch options included). The QKV K tile
+    shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128)."""
     hp = _pow2(c.hidden_size)
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
-        GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp), BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
+        GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp, max(32, 8192 // max(1, c.hd // 2))),
+        BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
         BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
