@@ -441,7 +441,7 @@ class Search:
         self.run.init({"model": cfg.model, "seed": cfg.seed, "workers": self.workers, "ctx": cfg.ctx,
                        "proposer": cfg.proposer, "budget": cfg.budget, "storage": cfg.storage or "study.db",
                        "interleavings": {"search": cfg.interleavings, "best": cfg.final_interleavings},
-                       "gpu": None if not self.gpu else "cuda", "estimated": not self.gpu,
+                       "gpu": _gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
         study = self._study()
         self._load_history()
@@ -554,6 +554,12 @@ class Search:
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
         return SearchSummary(self.run.path, evaluated, len(acc), len(rej), best[0] if best else None,
                              best[1]["ms"] if best else None, acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds)
+
+
+def _gpu_name() -> str:
+    import torch
+
+    return str(torch.cuda.get_device_name(0))
 
 
 def _baseline_proposal() -> Proposal:
