@@ -24,6 +24,8 @@ from validator.schedule import Schedule
 
 MIN_EVENTS = 3  # fewer traced instructions of an op than this: keep its prior
 HOP_STEPS = 14  # golden-section steps for hop_us over [0, 10] µs (precision ~0.01 µs)
+#: One SM's peak bandwidth (bytes/µs) tried when measured whole steps are given (a fair share of 132 SMs is 31.7e3).
+PEAK_GRID = [20e3, 30e3, 45e3, 65e3, 95e3, 140e3]
 
 
 @dataclass
@@ -95,48 +97,42 @@ def _fit_line(xs: list[float], ys: list[float], prior: OpParams) -> OpParams:
     return OpParams(eff=1 / b, overhead_us=a)
 
 
-def _fit_hop(pairs: list[tuple[dict[str, Any], Schedule]], progs: list[Any], params: CostParams) -> float:
-    """The hop latency that best matches the traced makespans (golden-section search of the mean |log error|).
-    Per-instruction fits leave out the time between instructions (polling, the visibility of signals); this folds
-    it into the one parameter that models it."""
-    ctxs = [int(t.get("metadata", {}).get("ctx") or 1024) for t, _ in pairs]
-    meas = [measured_ms(t) for t, _ in pairs]
+Target = tuple[Any, int, float]  # (resolved program, ctx, measured makespan in ms)
 
-    def loss(hop: float) -> float:
-        p = replace(params, hop_us=hop)
-        return sum(abs(math.log(estimate(g, c, p).makespan_ms / m)) for g, c, m in zip(progs, ctxs, meas, strict=True)
-                   if m > 0)
 
+def _loss(targets: list[Target], params: CostParams) -> float:
+    return sum(abs(math.log(estimate(g, c, params).makespan_ms / m)) for g, c, m in targets if m > 0)
+
+
+def _fit_hop(targets: list[Target], params: CostParams) -> tuple[float, float]:
+    """The hop latency that best matches the measured makespans (golden-section search of the summed |log error|),
+    and that loss. Per-instruction fits leave out the time between instructions (polling, the visibility of
+    signals); this folds it into the one parameter that models it."""
     lo, hi = 0.0, 10.0
     phi = (math.sqrt(5) - 1) / 2
     a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
-    fa, fb = loss(a), loss(b)
+    fa, fb = _loss(targets, replace(params, hop_us=a)), _loss(targets, replace(params, hop_us=b))
     for _ in range(HOP_STEPS):
         if fa <= fb:
             hi, b, fb = b, a, fa
             a = hi - phi * (hi - lo)
-            fa = loss(a)
+            fa = _loss(targets, replace(params, hop_us=a))
         else:
             lo, a, fa = a, b, fb
             b = lo + phi * (hi - lo)
-            fb = loss(b)
-    return round((lo + hi) / 2, 4)
+            fb = _loss(targets, replace(params, hop_us=b))
+    hop = round((lo + hi) / 2, 4)
+    return hop, _loss(targets, replace(params, hop_us=hop))
 
 
-def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None = None,
-        device: str | None = None, fit_hop: bool = True) -> Fit:
-    """Fit per-op parameters from (trace, schedule) pairs and report the makespan error of the fitted model."""
-    prior = prior or CostParams()
+def _per_op(traced: list[tuple[dict[str, Any], Any, int]], prior: CostParams
+            ) -> tuple[dict[str, OpParams], dict[str, dict[str, Any]]]:
+    """Least-squares per-op fit of every traced instruction, with bandwidth shares under `prior`'s global params."""
     xs: dict[str, list[float]] = defaultdict(list)
     ys: dict[str, list[float]] = defaultdict(list)
-    progs = []
-    for trace, schedule in pairs:
-        prog = resolve(schedule)
-        progs.append(prog)
-        ctx = int(trace.get("metadata", {}).get("ctx") or 1024)
+    for trace, prog, ctx in traced:
         evs = _events(trace)
-        rates = _mean_rates(evs, prior)
-        for e, r in zip(evs, rates, strict=True):
+        for e, r in zip(evs, _mean_rates(evs, prior), strict=True):
             i = prog.index.get(int(e["args"]["id"]))
             if i is None:
                 raise ValueError(f"trace event for instruction {e['args']['id']} is not in its schedule")
@@ -155,16 +151,41 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
                                                                                             strict=True)]
         per_op[op] = {"n": len(xs[op]), "eff": round(p.eff, 4), "overhead_us": round(p.overhead_us, 4),
                       "median_abs_pct_error": round(statistics.median(errs), 2)}
-    fitted = replace(prior, ops=ops, source=f"fitted from {len(pairs)} traces" + (f" ({device})" if device else ""),
-                     notes="synth calibrate: per-op eff/overhead fitted by least squares on traced instructions; "
-                           "hop_us (sync cost per inter-SM wait) fitted to the traced makespans; total_bw and sm_peak "
-                           "kept from the prior")
-    if fit_hop:
-        fitted = replace(fitted, hop_us=_fit_hop(pairs, progs, fitted))
+    return ops, per_op
+
+
+def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None = None,
+        device: str | None = None, fit_hop: bool = True, measured: list[tuple[Schedule, int, float]] | None = None,
+        peaks: list[float] | None = None) -> Fit:
+    """Fit per-op parameters from (trace, schedule) pairs, the hop latency to the traced makespans (plus `measured`
+    (schedule, ctx, ms) whole-step timings), and, when `peaks` are given, one SM's peak bandwidth from that grid;
+    report the makespan error of the fitted model on the traces."""
+    prior = prior or CostParams()
+    traced = [(trace, resolve(schedule), int(trace.get("metadata", {}).get("ctx") or 1024))
+              for trace, schedule in pairs]
+    targets: list[Target] = [(prog, ctx, measured_ms(trace)) for trace, prog, ctx in traced]
+    targets += [(resolve(s), c, ms) for s, c, ms in measured or []]
+    best: tuple[float, CostParams, dict[str, dict[str, Any]]] | None = None
+    for peak in peaks or [prior.sm_peak]:
+        base = replace(prior, sm_peak=peak)
+        ops, per_op = _per_op(traced, base)
+        cand = replace(base, ops=ops)
+        if fit_hop:
+            hop, loss = _fit_hop(targets, cand)
+            cand = replace(cand, hop_us=hop)
+        else:
+            loss = _loss(targets, cand)
+        if best is None or loss < best[0]:
+            best = (loss, cand, per_op)
+    assert best is not None
+    _, fitted, per_op = best
+    what = f"{len(pairs)} traces" + (f" + {len(measured)} measured steps" if measured else "")
+    fitted = replace(fitted, source=f"fitted from {what}" + (f" ({device})" if device else ""),
+                     notes="synth calibrate: per-op eff/overhead by least squares on traced instructions; hop_us "
+                           "(sync cost per inter-SM wait) fitted to the measured makespans"
+                           + ("; sm_peak chosen from a grid" if peaks else "; sm_peak and total_bw from the prior"))
     out = Fit(fitted, per_op)
-    for (trace, _), prog in zip(pairs, progs, strict=True):
-        ctx = int(trace.get("metadata", {}).get("ctx") or 1024)
-        meas = measured_ms(trace)
+    for (trace, prog, ctx), (_, _, meas) in zip(traced, targets, strict=False):
         est = estimate(prog, ctx, fitted).makespan_ms
         out.makespans.append({"schedule_sha256": trace.get("metadata", {}).get("schedule_sha256"),
                               "measured_ms": round(meas, 6), "estimated_ms": round(est, 6),
@@ -193,4 +214,23 @@ def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
             err = round((est - timing["ms"]) / timing["ms"] * 100, 3)
             out.append({"candidate": f"{Path(run).name}/{cand.name}", "ctx": ctx, "measured_ms": timing["ms"],
                         "estimated_ms": round(est, 6), "error_pct": err})
+    return out
+
+
+def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
+    """(schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
+    from pathlib import Path
+
+    from validator.schedule import load_schedule
+
+    out = []
+    for run in run_dirs:
+        for cand in sorted(Path(run).glob("candidates/*")):
+            try:
+                timing = json.loads((cand / "timing.json").read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError):
+                continue
+            if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
+                continue
+            out.append((load_schedule(cand / "schedule.json"), int(timing.get("ctx") or 1024), float(timing["ms"])))
     return out

@@ -20,10 +20,13 @@ from validator.errors import ScheduleError
 @click.option("--prior", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Starting parameters (default: the committed H200 file).")
 @click.option("--allow-estimated", is_flag=True, help="Accept traces labelled estimated (tests only).")
+@click.option("--fit-run", "fit_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A runs/<run> folder of a GPU search: fit hop latency and one SM's peak bandwidth to its measured "
+              "whole-step times too (slower: a grid of fits).")
 @click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A runs/<run> folder of a GPU search: report the fitted model's error on every measured candidate.")
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
-              allow_estimated: bool, check_runs: tuple[str, ...]) -> None:
+              allow_estimated: bool, fit_runs: tuple[str, ...], check_runs: tuple[str, ...]) -> None:
     """Fit per-op cost-model parameters from GPU traces (kernels/trace.py format) and their schedules."""
     from synth.calibrate import fit
     from synth.costmodel import load_params
@@ -55,8 +58,12 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         except ScheduleError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+    from synth.calibrate import PEAK_GRID, measured_steps
+
+    measured = measured_steps(list(fit_runs)) if fit_runs else None
     try:
-        result = fit(pairs, load_params(prior), ", ".join(sorted(devices)))
+        result = fit(pairs, load_params(prior), ", ".join(sorted(devices)), measured=measured,
+                     peaks=PEAK_GRID if measured else None)
     except ValueError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -67,7 +74,8 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     med = result.median_abs_pct_error
     click.echo(f"makespan: median absolute error {med:.2f}% over {len(result.makespans)} schedules"
                + (" (goal <= 10%)" if med is not None else ""))
-    fit_doc = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med}
+    fit_doc = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med,
+               "fit_runs": list(fit_runs), "sm_peak": result.params.sm_peak, "hop_us": result.params.hop_us}
     if check_runs:
         import statistics
 

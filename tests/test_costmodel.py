@@ -161,3 +161,21 @@ def test_held_out_check_on_a_measured_run(tmp_path: Path) -> None:
     (est / "timing.json").write_text(json.dumps({"ms": 1.0, "estimated": True}))  # estimates are not checked
     rows = check_runs([str(tmp_path / "run")], CostParams())
     assert len(rows) == 1 and abs(rows[0]["error_pct"]) < 1e-3
+
+
+def test_measured_steps_pick_the_sm_peak_from_a_grid() -> None:
+    from dataclasses import replace
+
+    secret = CostParams(ops={op: OpParams(eff=0.7, overhead_us=1.5) for op in CostParams().ops}, sm_peak=3e3,
+                        total_bw=2e4, hop_us=0.8)
+    pairs = _synthetic(2, secret, noise=0.0, seed=7)
+    spec = get_model("tiny-gqa4")
+    measured = []
+    for workers in (2, 4, 24):  # few workers: one SM's peak bandwidth decides
+        sched = lower(spec, workers, Strategy(attn_splits=2))
+        measured.append((sched, 128, estimate(sched, 128, secret).makespan_ms))
+    prior = replace(secret, sm_peak=9e3, hop_us=0.1)
+    result = fit(pairs, prior, measured=measured, peaks=[1.5e3, 3e3, 9e3])
+    assert result.params.sm_peak == pytest.approx(3e3)
+    assert result.params.hop_us == pytest.approx(0.8, abs=0.3)
+    assert "measured steps" in result.params.source
