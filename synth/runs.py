@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from validator.atomic import write_json_atomic
+from validator.atomic import write_json_atomic, write_text_atomic
 from validator.schedule import Schedule
 
 BASELINE = "c0000"
@@ -45,6 +45,11 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def _write_schedule(path: Path, schedule: Schedule) -> None:
+    """Schedules are written compact: a llama-1b schedule is ~2.7 MB so (4.5 MB indented), and a run keeps dozens."""
+    write_text_atomic(path, json.dumps(schedule.to_json(), separators=(",", ":")) + "\n")
 
 
 def _read(path: Path) -> Any:
@@ -85,7 +90,7 @@ class RunDir:
     def save_candidate(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any]) -> None:
         """An accepted candidate. timing.json goes last: a candidate counts once its timing is there."""
         d = self.path / "candidates" / cid
-        write_json_atomic(d / "schedule.json", schedule.to_json())
+        _write_schedule(d / "schedule.json", schedule)
         write_json_atomic(d / "validation.json", validation)
         write_json_atomic(d / "timing.json", timing)
 
@@ -121,7 +126,7 @@ class RunDir:
                   trace: dict[str, Any] | None) -> None:
         """Replace best/ (schedule, validation and trace first, timing last)."""
         d = self.path / "best"
-        write_json_atomic(d / "schedule.json", schedule.to_json())
+        _write_schedule(d / "schedule.json", schedule)
         write_json_atomic(d / "validation.json", validation)
         if trace is not None:
             write_json_atomic(d / "trace.json", trace, indent=None)
