@@ -444,6 +444,7 @@ class Search:
                        "gpu": _gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
         study = self._study()
+        self._reap(study)
         self._load_history()
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
                                          **{"seq": cfg.ctx, **cfg.llm})
@@ -505,6 +506,23 @@ class Search:
             self.run.write_leaderboard()
         return self.summary(evaluated, time.monotonic() - t_start)
 
+    def _reap(self, study: Any) -> None:
+        """Trials left RUNNING by a killed process of this machine (its pid is gone) are marked FAIL, so they stop
+        counting as in flight; their candidates are re-proposed by nobody and their partial files are ignored."""
+        import optuna
+
+        host = _pid().split(":")[0]
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            owner = str(t.user_attrs.get("pid", ""))
+            h, _, pid = owner.partition(":")
+            if h != host or not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+            except (ValueError, RuntimeError):
+                continue
+            self.cfg.notice(f"{candidate_id(t.number)}: its process ({owner}) is gone; marked failed")
+
     def _evaluate_baseline(self, study: Any, bar: Any) -> None:
         trials = study.get_trials(deepcopy=False)
         if not trials:
@@ -564,6 +582,18 @@ def _gpu_name() -> str:
 
 def _baseline_proposal() -> Proposal:
     return Proposal(Strategy(), [], "the naive baseline: round-robin, one all-join counter per stage", "naive")
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _pid() -> str:

@@ -182,3 +182,33 @@ def test_search_times_on_the_gpu(tmp_path: Path) -> None:
     assert timing["estimated"] is False and timing["check_rel_l2"] <= 2e-2
     trace = json.loads((summary.run_dir / "best" / "trace.json").read_text())
     assert trace["metadata"]["estimated"] is False
+
+
+def test_a_killed_search_resumes_without_losing_accepted_results(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    import optuna
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = _WORKER.replace('run="shared"', 'run="killed"')
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path), "new", "1000", "3"], env=env,
+                            stderr=subprocess.DEVNULL)
+    run = RunDir(tmp_path / "killed")
+    deadline = time.monotonic() + 90
+    while len(run.accepted()) < 4 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = run.accepted()
+    assert len(before) >= 4, "the search did not get going"
+    storage = f"sqlite:///{tmp_path / 'killed' / 'study.db'}"
+    n_before = len(optuna.load_study(study_name="megasynth-killed", storage=storage).trials)
+    summary = run_search(_cfg(tmp_path, run="killed", resume=True, budget=n_before + 3, proposer="evolve"))
+    after = RunDir(summary.run_dir).accepted()
+    assert set(before) <= set(after) and all(after[c]["ms"] == before[c]["ms"] for c in before)
+    study = optuna.load_study(study_name="megasynth-killed", storage=storage)
+    assert not [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert (summary.run_dir / "best" / "timing.json").exists()
+    lb = json.loads((summary.run_dir / "leaderboard.json").read_text())
+    assert {e["candidate"] for e in lb["entries"] if e["accepted"]} == set(after)
