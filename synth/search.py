@@ -34,6 +34,7 @@ from validator.verify import Options, Report, verify
 
 STUDY = "megasynth"
 MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search stops
+ORPHAN_AGE_S = 120  # a RUNNING trial with no owner recorded this long after its start is stale
 MAX_DUPLICATES = 500  # proposals that lower to an already evaluated schedule, per process, before it stops
 
 
@@ -515,7 +516,11 @@ class Search:
         for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
             owner = str(t.user_attrs.get("pid", ""))
             h, _, pid = owner.partition(":")
-            if h != host or not pid.isdigit() or _alive(int(pid)):
+            if not owner:  # killed between ask() and recording its owner: stale once it is old
+                started = t.datetime_start.timestamp() if t.datetime_start else time.time()
+                if time.time() - started < ORPHAN_AGE_S:
+                    continue
+            elif h != host or not pid.isdigit() or _alive(int(pid)):
                 continue
             try:
                 study.tell(t.number, state=optuna.trial.TrialState.FAIL)
