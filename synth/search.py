@@ -387,14 +387,20 @@ class Search:
         if self.gpu:
             if self.timer is None:
                 self.timer = GpuTimer(self.build(_baseline_proposal()), cfg.ctx)
-            err = self.timer.check(schedule)
+            try:
+                err = self.timer.check(schedule)
+                timing = self.timer.time(schedule) if err <= GpuTimer.TOLERANCE else {}
+            except Exception as exc:  # noqa: BLE001 - a watchdog hang or a kernel limit: keep it as evidence
+                record.update(reason="gpu_error", error=f"{type(exc).__name__}: {exc}"[:2000], validation=validation)
+                self.run.save_rejected(cid, record)
+                cfg.notice(f"{cid}: the GPU run failed: {record['error'][:200]}")
+                return Result(cid, proposal, False, error=record["error"])
             if not err <= GpuTimer.TOLERANCE:
                 record.update(reason="gpu_mismatch", error=f"logits differ from the naive schedule's by {err:.3g} "
                               f"(relative L2 > {GpuTimer.TOLERANCE}): a kernel bug for this schedule",
                               validation=validation)
                 self.run.save_rejected(cid, record)
                 return Result(cid, proposal, False, error=record["error"])
-            timing = self.timer.time(schedule)
             timing["check_rel_l2"] = err
         else:
             assert est is not None

@@ -214,3 +214,41 @@ def test_a_killed_search_resumes_without_losing_accepted_results(tmp_path: Path)
     assert (summary.run_dir / "best" / "timing.json").exists()
     lb = json.loads((summary.run_dir / "leaderboard.json").read_text())
     assert {e["candidate"] for e in lb["entries"] if e["accepted"]} == set(after)
+
+
+class _FakeTimer:
+    """Stands in for GpuTimer (no CUDA here): a fixed logits error, a fixed time, or a failure."""
+
+    device = "fake GPU"
+
+    def __init__(self, err: float = 0.0, fail: bool = False) -> None:
+        self.err, self.fail = err, fail
+
+    def check(self, schedule) -> float:
+        if self.fail:
+            raise RuntimeError("watchdog: worker 3 stuck")
+        return self.err
+
+    def time(self, schedule) -> dict:
+        return {"ms": 0.5, "median_ms": 0.5, "estimated": False, "source": "GPU (fake GPU)"}
+
+    def trace(self, schedule) -> None:
+        return None
+
+
+def test_gpu_path_checks_logits_and_keeps_failures(tmp_path: Path) -> None:
+    search = Search(_cfg(tmp_path, gpu=True))
+    search.run.init({"model": "tiny"})
+    search.timer = _FakeTimer()
+    res = search.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
+    assert res.accepted and res.ms == 0.5 and res.estimated is False
+    timing = json.loads((tmp_path / "r" / "candidates" / "c0001" / "timing.json").read_text())
+    assert timing["estimated"] is False and timing["check_rel_l2"] == 0.0 and "estimate_ms" in timing
+    search.timer = _FakeTimer(err=0.5)
+    res = search.evaluate("c0002", Proposal(Strategy(attn_splits=3), proposer="test"))
+    rec = json.loads((tmp_path / "r" / "rejected" / "c0002.json").read_text())
+    assert not res.accepted and rec["reason"] == "gpu_mismatch"
+    search.timer = _FakeTimer(fail=True)
+    res = search.evaluate("c0003", Proposal(Strategy(attn_splits=4), proposer="test"))
+    rec = json.loads((tmp_path / "r" / "rejected" / "c0003.json").read_text())
+    assert not res.accepted and rec["reason"] == "gpu_error" and "watchdog" in rec["error"]
