@@ -418,21 +418,30 @@ class Search:
         res = Result(cid, proposal, True, timing["ms"], not self.gpu,
                      profile=_profile(est, keep_trace=False) if est is not None else None)
         if self.best is None or timing["ms"] < (self.best.ms or math.inf):
-            self._promote(cid, schedule, timing, est, res)
+            full = self._promote(cid, schedule, timing, est, res)
+            if full is not None:  # the full interleaving count found what the shorter replay missed: demote it
+                import shutil
+
+                data = _findings_json(full)
+                record.update(reason="rejected", findings=data["findings"], validation=data)
+                self.run.save_rejected(cid, record)
+                shutil.rmtree(self.run.path / "candidates" / cid, ignore_errors=True)
+                return Result(cid, proposal, False, counterexample={"findings": data["findings"]})
         return res
 
     def _promote(self, cid: str, schedule: Schedule, timing: dict[str, Any], est: Estimate | None,
-                 res: Result) -> None:
-        """A new best: re-validate with the full interleaving count, then write best/."""
+                 res: Result) -> Report | None:
+        """A new best: re-validate with the full interleaving count, then write best/. Returns the report when that
+        re-validation rejects the candidate (it is then not promoted)."""
         cfg = self.cfg
         full = verify(schedule, cid, Options(interleavings=cfg.final_interleavings, seed=cfg.seed))
         if not full.accepted:
             cfg.notice(f"{cid}: accepted with {cfg.interleavings} interleavings but rejected with "
                        f"{cfg.final_interleavings}; not promoted")
-            return
+            return full
         on_disk = self.run.best_ms()
         if on_disk is not None and on_disk <= timing["ms"] and (self.run.path / "best" / "schedule.json").exists():
-            return  # another process sharing the run found a better one
+            return None  # another process sharing the run found a better one
         trace = self.timer.trace(schedule) if self.timer else (est.trace if est else None)
         validation = {**full.to_json(), "interleavings": cfg.final_interleavings}
         self.run.save_best(cid, schedule, validation, timing, trace)
@@ -440,6 +449,7 @@ class Search:
             res.profile = _profile(est, keep_trace=True)
         if self.best is not None and self.best.profile:
             self.best.profile.pop("trace", None)
+        return None
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run_loop(self) -> SearchSummary:

@@ -252,3 +252,25 @@ def test_gpu_path_checks_logits_and_keeps_failures(tmp_path: Path) -> None:
     res = search.evaluate("c0003", Proposal(Strategy(attn_splits=4), proposer="test"))
     rec = json.loads((tmp_path / "r" / "rejected" / "c0003.json").read_text())
     assert not res.accepted and rec["reason"] == "gpu_error" and "watchdog" in rec["error"]
+
+
+def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import synth.search as search_mod
+    from validator.program import Finding
+
+    real = search_mod.verify
+
+    def picky(schedule, file=None, options=None):
+        report = real(schedule, file, options)
+        if options is not None and options.interleavings == 50 and file == "c0001":
+            report.findings.append(Finding("race", "replay witness: stale read (planted by the test)", [0]))
+        return report
+
+    monkeypatch.setattr(search_mod, "verify", picky)
+    search = Search(_cfg(tmp_path, final_interleavings=50))
+    search.run.init({"model": "tiny"})
+    res = search.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
+    assert not res.accepted
+    assert not (tmp_path / "r" / "candidates" / "c0001").exists()
+    rec = json.loads((tmp_path / "r" / "rejected" / "c0001.json").read_text())
+    assert rec["reason"] == "rejected" and "planted" in rec["findings"][0]["message"]
