@@ -129,6 +129,10 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
         return HeuristicProposer(seed)
     if name == "evolve":
         return EvolveProposer(seed)
+    if name == "tpe":
+        from synth.proposers.tpe import TPEProposer
+
+        return TPEProposer(seed)
     if name in ("llm", "auto"):
         try:
             from synth.proposers import llm
@@ -142,7 +146,7 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
         if notice:
             notice("auto: no OPENAI_API_KEY / OPENAI_BASE_URL, so no LLM agent: heuristic proposer, then evolve")
         return ChainProposer(HeuristicProposer(seed), EvolveProposer(seed), len(SEEDS))
-    raise ValueError(f"unknown proposer {name!r}; choose heuristic, evolve, llm or auto")
+    raise ValueError(f"unknown proposer {name!r}; choose heuristic, evolve, tpe, llm or auto")
 
 
 # --------------------------------------------------------------------------------------------------------------

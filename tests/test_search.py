@@ -274,3 +274,11 @@ def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatc
     assert not (tmp_path / "r" / "candidates" / "c0001").exists()
     rec = json.loads((tmp_path / "r" / "rejected" / "c0001.json").read_text())
     assert rec["reason"] == "rejected" and "planted" in rec["findings"][0]["message"]
+
+
+def test_tpe_proposer_runs_a_search(tmp_path: Path) -> None:
+    summary = run_search(_cfg(tmp_path, proposer="tpe", budget=5))
+    assert summary.evaluated == 5
+    props = {json.loads((c / "timing.json").read_text())["proposer"]
+             for c in (summary.run_dir / "candidates").iterdir()}
+    assert "tpe" in props

@@ -1,0 +1,82 @@
+"""A model-based proposer: Optuna's TPE sampler over the strategy knobs (an in-memory study of its own, told how
+each of its proposals fared). Complements `evolve` when the budget is small and the knobs interact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from synth.proposers.base import Proposal, Result, SearchContext
+from synth.proposers.heuristic import (
+    ATTN_SPLIT_CHOICES,
+    CHUNK_CHOICES,
+    FINE_EDGES,
+    K_SPLIT_CHOICES,
+    TILE_CHOICES,
+    strategy_key,
+)
+from synth.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
+
+MAX_TRIES = 20  # suggestions per wanted proposal before giving up on finding a new one
+
+
+def _suggest(trial: Any) -> Strategy:
+    d = Strategy().model_dump(mode="json")
+    for op, choices in TILE_CHOICES.items():
+        d["tiles"][op] = trial.suggest_categorical(f"tile:{op}", choices)
+    for op in ("o_proj_residual", "down_proj_residual"):
+        d["k_splits"][op] = trial.suggest_categorical(f"k_split:{op}", K_SPLIT_CHOICES)
+    d["attn_splits"] = trial.suggest_categorical("attn_splits", ATTN_SPLIT_CHOICES)
+    for e in FINE_EDGES:
+        g = trial.suggest_categorical(f"edge:{e}", list(GRANULARITIES[:3]))
+        if g != "all":
+            d["edges"][e] = g
+        if g == "chunk":
+            d["chunks"][e] = trial.suggest_categorical(f"chunks:{e}", CHUNK_CHOICES)
+    d["assignment"] = trial.suggest_categorical("assignment", list(ASSIGNMENTS))
+    d["order"] = trial.suggest_categorical("order", list(ORDERS))
+    return Strategy.model_validate(d)
+
+
+class TPEProposer:
+    name = "tpe"
+
+    def __init__(self, seed: int = 0) -> None:
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed))
+        self.pending: dict[str, int] = {}  # strategy key -> trial number of this proposer's study
+        self.seen: set[str] = set()
+
+    def propose(self, ctx: SearchContext, n: int) -> list[Proposal]:
+        import optuna
+
+        for h in ctx.history:
+            self.seen.add(strategy_key(h.proposal.strategy, h.proposal.patches))
+        out: list[Proposal] = []
+        for _ in range(MAX_TRIES * max(1, n)):
+            if len(out) >= n:
+                break
+            trial = self.study.ask()
+            st = _suggest(trial)
+            key = strategy_key(st)
+            if key in self.seen:
+                self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                continue
+            self.seen.add(key)
+            self.pending[key] = trial.number
+            out.append(Proposal(st, [], "TPE suggestion from the results so far", self.name))
+        return out
+
+    def observe(self, result: Result) -> None:
+        import optuna
+
+        key = strategy_key(result.proposal.strategy, result.proposal.patches)
+        self.seen.add(key)
+        number = self.pending.pop(key, None)
+        if number is None:
+            return
+        if result.accepted and result.ms is not None:
+            self.study.tell(number, result.ms)
+        else:
+            self.study.tell(number, state=optuna.trial.TrialState.FAIL)
