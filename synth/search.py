@@ -14,6 +14,7 @@ it is written to best/.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from synth.proposers.base import Proposal, Proposer, Result, SearchContext
 from synth.runs import BASELINE, RunDir, candidate_id
 from synth.strategy import Strategy, parse_strategy
 from validator.errors import ScheduleError
-from validator.schedule import Schedule
+from validator.schedule import Schedule, parse_schedule
 from validator.verify import Options, Report, verify
 
 STUDY = "megasynth"
@@ -62,6 +63,7 @@ class SearchConfig:
     final_interleavings: int = 1000
     ctx: int = 1024
     batch: int = 4  # proposals asked for per round
+    jobs: int | None = None  # processes lowering+validating ahead of the timer; None: GPU min(8, cores - 1), CPU 1
     prescreen: float = 1.5  # GPU only: skip timing when the estimate is worse than prescreen x the best estimate
     gpu: bool | None = None  # None: use the GPU when CUDA is present
     progress: bool = True
@@ -256,6 +258,31 @@ def _findings_json(report: Report) -> dict[str, Any]:
     return data
 
 
+class _Verdict:
+    """A validator report carried back from a worker process as JSON (what `evaluate` reads of a `Report`)."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self.accepted = data.get("verdict") == "accepted"
+
+    def to_json(self) -> dict[str, Any]:
+        return self.data
+
+
+def _prepare(model: str, workers: int, proposal: Proposal, interleavings: int, seed: int
+             ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None]:
+    """Worker process: lower + patch + validate one proposal. Returns (schedule JSON, build error, report JSON)."""
+    search = Search.__new__(Search)
+    search.spec = get_model(model)
+    search.workers = workers
+    try:
+        schedule = search.build(proposal)
+    except (ScheduleError, ValueError) as exc:
+        return None, str(exc), None
+    report = verify(schedule, None, Options(interleavings=interleavings, seed=seed))
+    return schedule.to_json(), None, report.to_json()
+
+
 class Search:
     """One process's part of a search (see module docstring)."""
 
@@ -353,7 +380,8 @@ class Search:
                               "rationale": proposal.rationale})
         return schedule
 
-    def evaluate(self, cid: str, proposal: Proposal, schedule: Schedule | None = None) -> Result:
+    def evaluate(self, cid: str, proposal: Proposal, schedule: Schedule | None = None,
+                 report: Report | _Verdict | None = None) -> Result:
         """Lower, patch, validate, time or estimate one proposal and write it to the run folder."""
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -380,7 +408,8 @@ class Search:
                           f"best estimate {self.best_est:.4f} ms; not validated or timed")
             self.run.save_rejected(cid, record)
             return Result(cid, proposal, False, error=record["error"])
-        report = verify(schedule, cid, Options(interleavings=cfg.interleavings, seed=cfg.seed))
+        if report is None:
+            report = verify(schedule, cid, Options(interleavings=cfg.interleavings, seed=cfg.seed))
         validation = {**report.to_json(), "interleavings": cfg.interleavings}
         if not report.accepted:
             data = _findings_json(report)
@@ -480,6 +509,10 @@ class Search:
             if not (self.run.path / "candidates" / BASELINE / "timing.json").exists():
                 self._evaluate_baseline(study, bar)
                 evaluated += 1
+            jobs = cfg.jobs if cfg.jobs is not None else (min(8, max(1, (os.cpu_count() or 2) - 1)) if self.gpu else 1)
+            if jobs > 1:
+                evaluated += self._run_parallel(study, bar, jobs, t_start)
+                return self.summary(evaluated, time.monotonic() - t_start)
             while True:
                 done = len(study.get_trials(deepcopy=False))
                 bar.update(done, self.best, self.baseline_ms, not self.gpu)
@@ -527,6 +560,74 @@ class Search:
             self.run.write_leaderboard()
         return self.summary(evaluated, time.monotonic() - t_start)
 
+    def _run_parallel(self, study: Any, bar: _Progress, jobs: int, t_start: float) -> int:
+        """Like the sequential loop, but `jobs` worker processes lower and validate proposals ahead of this process,
+        which estimates or times them (the GPU is used by this process only). Returns candidates evaluated."""
+        import concurrent.futures as cf
+        import multiprocessing
+
+        cfg = self.cfg
+        assert self.proposer is not None
+        evaluated = empty_rounds = dups = 0
+        queue: list[Proposal] = []
+        inflight: dict[cf.Future[Any], Proposal] = {}
+        stop = False
+        with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            while True:
+                done = len(study.get_trials(deepcopy=False))
+                bar.update(done, self.best, self.baseline_ms, not self.gpu)
+                if cfg.time_limit is not None and time.monotonic() - t_start > cfg.time_limit and not stop:
+                    cfg.notice(f"time limit of {cfg.time_limit:g} s reached")
+                    stop = True
+                while not stop and len(inflight) < jobs and done + len(inflight) < cfg.budget:
+                    if not queue:
+                        queue = list(self.proposer.propose(self.context(), max(cfg.batch, jobs)))
+                        if not queue:
+                            empty_rounds += 1
+                            if empty_rounds >= MAX_EMPTY_ROUNDS and not inflight:
+                                cfg.notice(f"the proposer had nothing new for {MAX_EMPTY_ROUNDS} rounds; stopping")
+                                stop = True
+                            break
+                        empty_rounds = 0
+                    proposal = queue.pop(0)
+                    fut = pool.submit(_prepare, cfg.model, self.workers, proposal, cfg.interleavings, cfg.seed)
+                    inflight[fut] = proposal
+                if not inflight:
+                    if stop or done >= cfg.budget or empty_rounds >= MAX_EMPTY_ROUNDS:
+                        break
+                    continue
+                finished, _ = cf.wait(list(inflight), return_when=cf.FIRST_COMPLETED)
+                for fut in finished:
+                    proposal = inflight.pop(fut)
+                    doc, error, report = fut.result()
+                    schedule = parse_schedule(doc) if doc is not None else None
+                    if schedule is not None and (same := self.keys.get(schedule_key(schedule))) is not None:
+                        dups += 1
+                        old = self.results.get(same)
+                        self.proposer.observe(Result(same, proposal, old.accepted if old else False,
+                                                     old.ms if old else None, not self.gpu,
+                                                     error=f"the same schedule as {same}"))
+                        if dups > MAX_DUPLICATES:
+                            cfg.notice(f"{MAX_DUPLICATES} proposals repeated earlier schedules; stopping")
+                            stop = True
+                        continue
+                    if len(study.get_trials(deepcopy=False)) >= cfg.budget:
+                        continue
+                    trial = study.ask()
+                    cid = candidate_id(trial.number)
+                    if cid == BASELINE:
+                        self._tell_baseline(study, trial, bar)
+                        evaluated += 1
+                        trial = study.ask()
+                        cid = candidate_id(trial.number)
+                    if schedule is None:  # evaluate() records the build error as a rejected candidate
+                        self._run_trial(study, trial, cid, proposal)
+                    else:
+                        self._run_trial(study, trial, cid, proposal, schedule,
+                                        _Verdict(report) if report is not None else None)
+                    evaluated += 1
+        return evaluated
+
     def _reap(self, study: Any) -> None:
         """Trials left RUNNING by a killed process of this machine (its pid is gone) are marked FAIL, so they stop
         counting as in flight; their candidates are re-proposed by nobody and their partial files are ignored."""
@@ -571,15 +672,15 @@ class Search:
     def _tell_baseline(self, study: Any, trial: Any, bar: Any) -> None:
         self._run_trial(study, trial, BASELINE, _baseline_proposal())
 
-    def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal, schedule: Schedule | None = None
-                   ) -> None:
+    def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal, schedule: Schedule | None = None,
+                   report: _Verdict | None = None) -> None:
         import optuna
 
         for key, value in (("candidate", cid), ("proposer", proposal.proposer), ("rationale", proposal.rationale),
                            ("parent", proposal.parent), ("pid", _pid()),
                            ("strategy", proposal.strategy.model_dump(mode="json")), ("patches", proposal.patches)):
             trial.set_user_attr(key, value)
-        res = self.evaluate(cid, proposal, schedule)
+        res = self.evaluate(cid, proposal, schedule, report)
         if res.accepted and res.ms is not None:
             study.tell(trial.number, res.ms)
         else:

@@ -37,6 +37,9 @@ from validator.errors import ScheduleError
 @click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Cost-model parameters (default: synth/data/h200_costmodel.json).")
 @click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None,
+              help="Processes that lower and validate candidates ahead of the timer [default: on a GPU min(8, "
+              "cores - 1), else 1].")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 @click.option("--llm-model", default=None, metavar="NAME", help="Agent: model name (default $OPENAI_MODEL, else "
               "gpt-4o-mini). Endpoint: OPENAI_BASE_URL / OPENAI_API_KEY (see docs/agent.md).")
@@ -47,7 +50,8 @@ from validator.errors import ScheduleError
               help="Agent: seconds per request before it is retried [default: 120].")
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
            resume: str | None, run_name: str | None, storage: str | None, runs_dir: str, interleavings: int,
-           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, no_progress: bool,
+           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, jobs: int | None,
+           no_progress: bool,
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
            llm_timeout: float | None) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
@@ -70,7 +74,7 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, interleavings=interleavings, final_interleavings=final_interleavings,
                        ctx=ctx, gpu=False if cpu else None, progress=not no_progress and sys.stderr.isatty(),
-                       cost_params=params, notice=lambda m: click.echo(m, err=True),
+                       cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
                        llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
                             "timeout_s": llm_timeout})
     try:

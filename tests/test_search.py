@@ -282,3 +282,15 @@ def test_tpe_proposer_runs_a_search(tmp_path: Path) -> None:
     props = {json.loads((c / "timing.json").read_text())["proposer"]
              for c in (summary.run_dir / "candidates").iterdir()}
     assert "tpe" in props
+
+
+def test_parallel_validation_workers(tmp_path: Path) -> None:
+    summary = run_search(_cfg(tmp_path, jobs=2, budget=7, proposer="auto"))
+    run = RunDir(summary.run_dir)
+    assert summary.evaluated == 7 and len(run.accepted()) + len(run.rejected()) == 7
+    keys = [t["schedule_key"] for t in run.accepted().values()]
+    assert len(keys) == len(set(keys))
+    for cid in run.accepted():
+        v = json.loads((summary.run_dir / "candidates" / cid / "validation.json").read_text())
+        assert v["verdict"] == "accepted" and v["interleavings"] == 20
+    assert (summary.run_dir / "best" / "trace.json").exists()
