@@ -12,7 +12,8 @@ the thousands of readers of one residual share one bitset.
 Happens-before (sound): program order (unless `pipelined`), and counter edges: for a wait `counters[c] >= v` of `b`,
 a signaller `a` of `c` is needed when the adds of the other signallers of `c` that could end before `b` starts cannot
 reach `v` (a signaller never ends before `b` starts when it is `b`, queued after `b` on `b`'s worker, or never runs in
-any execution; and one that itself waits for `c >= v` or more never supplies the adds that first reach `v`).
+any execution; and one that itself waits for `c >= v` or more, or more generally cannot complete while `c < v`
+(`_capped_phases`), never supplies the adds that first reach `v`).
 An instruction that never runs (stuck in the unique maximal execution) never starts, so it is never the later side of
 a race; as the earlier side it never ends, so a running `b` that conflicts with it is a race. The maximal
 execution's completion order is a topological order of these edges, so ancestor bitsets (Python ints) are computed in
@@ -31,6 +32,8 @@ from validator.deadlock import Execution
 from validator.program import Program
 
 READ, REDUCE, WRITE = 0, 1, 2
+#: Work allowed for capped executions (instructions + waits visited): each costs one pass over the schedule.
+F_BUDGET = 6_000_000
 _KIND = {"read": READ, "reduce": REDUCE, "write": WRITE}
 
 
@@ -172,14 +175,48 @@ class WaitGroups:
 def wait_groups(prog: Program, live: list[bool]) -> WaitGroups:
     """Group the waits: two waits with the same counter, value and excluded signallers share their analysis."""
     sig: dict[int, list[tuple[int, int]]] = defaultdict(list)  # counter -> [(signaller, add)]
-    per_worker: dict[tuple[int, int], list[int]] = defaultdict(list)  # (counter, worker) -> qpos of signallers
     for i in range(prog.n):
         if live[i]:
             for c, add in prog.signals[i]:
                 sig[c].append((i, add))
-                per_worker[(c, prog.worker[i])].append(prog.qpos[i])
-    for v in per_worker.values():
-        v.sort()
+    wait_values: dict[int, list[int]] = defaultdict(list)
+    for b in range(prog.n):
+        for c, v in prog.waits[b]:
+            if v > 0:
+                wait_values[c].append(v)
+    for c in wait_values:
+        wait_values[c] = sorted(set(wait_values[c]))
+    phases: dict[int, tuple[dict[int, int], list[int]]] = {}
+    run_cost = prog.n + sum(len(w) for w in prog.waits)
+    spent = [0]
+    base: dict[tuple[int, int], tuple[list[tuple[int, int]], dict[int, list[int]]]] = {}
+
+    def base_candidates(c: int, v: int) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+        """Signallers of c that can supply the adds that first reach v, and their queue positions per worker."""
+        got = base.get((c, v))
+        if got is None:
+            # A signaller that itself waits on c for at least v ("gated") only starts once c >= v, so it never
+            # supplies the adds that reach v: leaving it out is exact (c first reaches v through the others).
+            cands = [(a, add) for a, add in sig.get(c, []) if not any(c2 == c and v2 >= v for c2, v2 in prog.waits[a])]
+            total = sum(add for _, add in cands)
+            if any(total - add >= v for _, add in cands):
+                # Some candidate may not be needed: keep only those that can end while c < v (one that cannot is
+                # no source of the adds that first reach v either; exact, like the gated rule).
+                if c not in phases and spent[0] + run_cost <= F_BUDGET:
+                    spent[0] += run_cost
+                    phases[c] = _capped_phases(prog, c, wait_values[c])
+                if c in phases:  # past the budget the candidates stay a superset: sound, z3 decides the rest
+                    when, values = phases[c]
+                    j = bisect_left(values, v)
+                    cands = [(a, add) for a, add in cands if when.get(a, len(values) + 1) <= j]
+            per_worker: dict[int, list[int]] = defaultdict(list)
+            for a, _ in cands:
+                per_worker[prog.worker[a]].append(prog.qpos[a])
+            for lst in per_worker.values():
+                lst.sort()
+            got = base[(c, v)] = (cands, per_worker)
+        return got
+
     wg = WaitGroups(of=[[] for _ in range(prog.n)])
     for b in range(prog.n):
         if not live[b]:
@@ -189,21 +226,60 @@ def wait_groups(prog: Program, live: list[bool]) -> WaitGroups:
             if v <= 0:
                 wg.of[b].append(-1)
                 continue
-            lst = per_worker.get((c, w), [])
-            excluded = len(lst) - bisect_left(lst, q)  # signallers of c at or after b in b's queue
+            cands, per_worker = base_candidates(c, v)
+            lst = per_worker.get(w, [])
+            excluded = len(lst) - bisect_left(lst, q)  # candidates at or after b in b's queue never end before it
             key = (c, v, w if excluded else -1, excluded)
             g = wg.keys.get(key)
             if g is None:
                 g = wg.keys[key] = len(wg.candidates)
-                # A signaller that itself waits on c for at least v ("gated") only starts once c >= v, so it never
-                # supplies the adds that reach v: leaving it out is exact (c first reaches v through the others).
-                cands = [(a, add) for a, add in sig.get(c, []) if not (prog.worker[a] == w and prog.qpos[a] >= q)
-                         and not any(c2 == c and v2 >= v for c2, v2 in prog.waits[a])]
+                if excluded:
+                    cands = [(a, add) for a, add in cands if not (prog.worker[a] == w and prog.qpos[a] >= q)]
                 total = sum(add for _, add in cands)
                 wg.candidates.append(cands)
                 wg.needed.append([a for a, add in cands if total - add < v])
             wg.of[b].append(g)
     return wg
+
+
+def _capped_phases(prog: Program, c: int, values: list[int]) -> tuple[dict[int, int], list[int]]:
+    """For the sorted wait values v_0 < v_1 < ... on counter `c`: the phase j in which each instruction completes in
+    the maximal execution where waits read `c` as at most v_j - 1 (phases raise the cap one value at a time; the
+    last phase lifts it). An instruction can end while `c < v_j` iff its phase is <= j. One pass: counters and the
+    cap only grow, so each instruction's waits are checked from the first one not yet known to hold."""
+    counters = [0] * prog.counters
+    head = [0] * len(prog.queues)
+    nxt = [0] * prog.n  # index of the first wait of each instruction not yet known to hold
+    blocked_on: dict[int, list[int]] = defaultdict(list)
+    ready = list(range(len(prog.queues)))
+    when: dict[int, int] = {}
+    for j, v in enumerate([*values, None]):
+        cap = v - 1 if v is not None else None
+        ready.extend(blocked_on.pop(c, ()))
+        while ready:
+            w = ready.pop()
+            queue = prog.queues[w]
+            while head[w] < len(queue):
+                i = queue[head[w]]
+                waits = prog.waits[i]
+                k = nxt[i]
+                while k < len(waits):
+                    cc, vv = waits[k]
+                    have = counters[cc] if cc != c or cap is None else min(counters[cc], cap)
+                    if have < vv:
+                        break
+                    k += 1
+                nxt[i] = k
+                if k < len(waits):
+                    blocked_on[waits[k][0]].append(w)
+                    break
+                when[i] = j
+                head[w] += 1
+                for cc, add in prog.signals[i]:
+                    counters[cc] += add
+                    if blocked_on.get(cc):
+                        ready.extend(blocked_on.pop(cc))
+    return when, values
 
 
 @dataclass

@@ -136,7 +136,7 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
             "shown and rerun)")
     elif unchecked:  # the z3 time budget ran out before every pair was decided: not proven is not accepted
         findings.append(Finding("unproven", f"{unchecked} of {len(pairs)} conflicting pairs left to z3 were not "
-                                "decided within its time budget", []))
+                                "decided (z3's time budget or model-size limit was reached first)", []))
 
     t = time.perf_counter()
     n_inter = int(getattr(options, "interleavings", 0))
