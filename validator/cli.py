@@ -36,9 +36,10 @@ def format_text(report: Report) -> str:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the report here instead of stdout.")
 @click.option("--interleavings", type=click.IntRange(0, 10_000_000), default=1000, show_default=True,
               help="Adversarial interleavings replayed against shadow memory.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the replay and of z3.")
 @click.option("--pipelined", is_flag=True, help="Consecutive instructions of a worker may overlap.")
-@click.option("--jobs", type=click.IntRange(1, 256), default=1, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Validate several files in parallel processes.")
 def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | None, interleavings: int, seed: int,
          pipelined: bool, jobs: int) -> None:
     """Prove megakernel schedules free of races and deadlocks, or show an interleaving that breaks them."""
