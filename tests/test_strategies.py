@@ -61,7 +61,6 @@ def test_per_edge_granularity_makes_finer_waits() -> None:
     _accepted("tiny-gqa4", 8, fine.meta["strategy"] and Strategy.model_validate(fine.meta["strategy"]))
 
 
-@pytest.mark.slow
 def test_counter_sharing_across_layers_is_proven() -> None:
     _accepted("tiny", 7, Strategy(counter_sharing="across_layers"))
 
