@@ -198,7 +198,7 @@ def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
     its measured time (timing.json `ms` with `estimated: false`, at the candidate's `ctx`)."""
     from pathlib import Path
 
-    from validator.schedule import load_schedule
+    from synth.runs import RunDir
 
     out = []
     for run in run_dirs:
@@ -210,7 +210,7 @@ def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
             if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
                 continue
             ctx = int(timing.get("ctx") or 1024)
-            est = estimate(load_schedule(cand / "schedule.json"), ctx, params).makespan_ms
+            est = estimate(RunDir(run).load_candidate(cand.name), ctx, params).makespan_ms
             err = round((est - timing["ms"]) / timing["ms"] * 100, 3)
             out.append({"candidate": f"{Path(run).name}/{cand.name}", "ctx": ctx, "measured_ms": timing["ms"],
                         "estimated_ms": round(est, 6), "error_pct": err})
@@ -221,7 +221,7 @@ def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
     """(schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
     from pathlib import Path
 
-    from validator.schedule import load_schedule
+    from synth.runs import RunDir
 
     out = []
     for run in run_dirs:
@@ -232,5 +232,5 @@ def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
                 continue
             if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
                 continue
-            out.append((load_schedule(cand / "schedule.json"), int(timing.get("ctx") or 1024), float(timing["ms"])))
+            out.append((RunDir(run).load_candidate(cand.name), int(timing.get("ctx") or 1024), float(timing["ms"])))
     return out

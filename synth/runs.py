@@ -4,7 +4,9 @@ on disk are the source of truth, so a killed search resumes without losing accep
 Layout:
   run.json                                  command, versions, GPU, model, seed, options
   study.db                                  the Optuna study (SQLite) unless --storage names another
-  candidates/<id>/schedule.json             every accepted candidate ...
+  candidates/<id>/schedule.json             every accepted candidate (a committed run may leave it out for size:
+                                            `RunDir.load_candidate` rebuilds it from timing.json's strategy and
+                                            patches and checks it against the recorded schedule_key) ...
   candidates/<id>/validation.json           ... its validator report ...
   candidates/<id>/timing.json               ... and its timing: {"ms", "estimated", "source", ...}
   rejected/<id>.json                        rejected or unbuildable candidates, with the counterexample / error
@@ -45,6 +47,14 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def schedule_key(schedule: Schedule) -> str:
+    """Digest of what executes (instructions, queues, counters; not meta): equal keys = the same candidate."""
+    from kernels.trace import schedule_sha256
+
+    doc = schedule.to_json()
+    return schedule_sha256({k: doc[k] for k in ("instructions", "queues", "counters")})
 
 
 def _write_schedule(path: Path, schedule: Schedule) -> None:
@@ -116,6 +126,34 @@ class RunDir:
 
     def candidate_schedule(self, cid: str) -> Path:
         return self.path / "candidates" / cid / "schedule.json"
+
+    def load_candidate(self, cid: str) -> Schedule:
+        """An accepted candidate's schedule: its schedule.json, or, where that was left out, the schedule rebuilt
+        from the strategy and patches in its timing.json (a `ScheduleError` if the rebuild is not the schedule that
+        was timed, e.g. when a cost-balanced assignment was made with other cost-model parameters)."""
+        from validator.errors import ScheduleError
+        from validator.schedule import load_schedule
+
+        path = self.candidate_schedule(cid)
+        if path.exists():
+            return load_schedule(path)
+        timing = _read(path.with_name("timing.json"))
+        where = str(path.with_name("timing.json"))
+        if not isinstance(timing, dict) or "strategy" not in timing:
+            raise ScheduleError("no schedule.json and no strategy in timing.json to rebuild it from", "$", where)
+        from synth.lower import lower
+        from synth.models import get_model
+        from synth.patches import apply_patches
+        from synth.strategy import parse_strategy
+
+        model = self.info.get("model") or "llama-1b"
+        schedule = lower(get_model(model), int(timing.get("workers") or self.info.get("workers") or 132),
+                         parse_strategy(timing["strategy"], where), timing.get("proposer") or "naive")
+        schedule = apply_patches(schedule, timing.get("patches") or [])
+        if timing.get("schedule_key") and schedule_key(schedule) != timing["schedule_key"]:
+            raise ScheduleError("the schedule rebuilt from its strategy differs from the one timed (schedule_key)",
+                                "$.schedule_key", where)
+        return schedule
 
     # -- best and leaderboard ---------------------------------------------------------------------------------
     def best_ms(self) -> float | None:

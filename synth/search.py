@@ -27,7 +27,7 @@ from synth.lower import lower
 from synth.models import get_model
 from synth.patches import apply_patches
 from synth.proposers.base import Proposal, Proposer, Result, SearchContext
-from synth.runs import BASELINE, RunDir, candidate_id
+from synth.runs import BASELINE, RunDir, candidate_id, schedule_key
 from synth.strategy import Strategy, parse_strategy
 from validator.errors import ScheduleError
 from validator.schedule import Schedule, parse_schedule
@@ -37,14 +37,6 @@ STUDY = "megasynth"
 MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search stops
 ORPHAN_AGE_S = 120  # a RUNNING trial with no owner recorded this long after its start is stale
 MAX_DUPLICATES = 500  # proposals that lower to an already evaluated schedule, per process, before it stops
-
-
-def schedule_key(schedule: Schedule) -> str:
-    """Digest of what executes (instructions, queues, counters; not meta): equal keys = the same candidate."""
-    from kernels.trace import schedule_sha256
-
-    doc = schedule.to_json()
-    return schedule_sha256({k: doc[k] for k in ("instructions", "queues", "counters")})
 
 
 @dataclass
