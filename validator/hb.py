@@ -9,7 +9,8 @@ equivalent to "every access happens after every member of the run just before it
 those are the pairs we prove. An instruction's needed predecessors are interned as a *need group* (a set of runs), so
 the thousands of readers of one residual share one bitset.
 
-Happens-before (sound): program order (unless `pipelined`), and counter edges: for a wait `counters[c] >= v` of `b`,
+Happens-before (sound): program order (unless `pipelined`), what every candidate signaller of a wait is HB-after,
+and counter edges: for a wait `counters[c] >= v` of `b`,
 a signaller `a` of `c` is needed when the adds of the other signallers of `c` that could end before `b` starts cannot
 reach `v` (a signaller never ends before `b` starts when it is `b`, queued after `b` on `b`'s worker, or never runs in
 any execution; and one that itself waits for `c >= v` or more, or more generally cannot complete while `c < v`
@@ -23,7 +24,8 @@ one pass and freed after their last use, which keeps memory near-linear on large
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections import defaultdict
+from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -282,6 +284,66 @@ def _capped_phases(prog: Program, c: int, values: list[int]) -> tuple[dict[int, 
     return when, values
 
 
+def group_ancestors(wg: WaitGroups, g: int, anc: dict[int, int], done: Callable[[int], bool]) -> int:
+    """What a waiter of group `g` is HB-after: every needed signaller and its ancestors, and what every candidate is
+    HB-after (some candidate has ended when the wait holds). The second part needs every candidate's ancestors
+    (`done(a)`: already computed); otherwise it is left out (sound)."""
+    out = 0
+    for a in wg.needed[g]:
+        out |= anc[a] | (1 << a)
+    cands = wg.candidates[g]
+    if cands and len(wg.needed[g]) < len(cands) and all(done(a) for a, _ in cands):
+        common = -1
+        for a, _ in cands:
+            common &= anc[a] | (1 << a)
+            if not common:
+                break
+        out |= common
+    return out
+
+
+def static_order(prog: Program, wg: WaitGroups, live: list[bool]) -> list[tuple[int, int]] | None:
+    """A topological order of instructions (0, i) and wait groups (1, g) where each group follows all its candidate
+    signallers; None when the waits form a cycle among candidates."""
+    n = prog.n
+    indeg = [0] * n
+    gsucc: dict[int, list[int]] = defaultdict(list)
+    isucc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    gdeg: dict[int, int] = {}
+    for y in range(n):
+        if not live[y]:
+            continue
+        if prog.qpos[y] > 0:
+            p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
+            indeg[y] += 1
+            isucc[p].append((0, y))
+        for g in set(wg.of[y]):
+            if g < 0:
+                continue
+            indeg[y] += 1
+            gsucc[g].append(y)
+            if g not in gdeg:
+                gdeg[g] = len(wg.candidates[g])
+                for a, _ in wg.candidates[g]:
+                    isucc[a].append((1, g))
+    ready = deque([(1, g) for g, d in gdeg.items() if d == 0] + [(0, y) for y in range(n) if live[y] and not indeg[y]])
+    out: list[tuple[int, int]] = []
+    while ready:
+        kind, x = ready.popleft()
+        out.append((kind, x))
+        succ = isucc[x] if kind == 0 else [(0, y) for y in gsucc[x]]
+        for k2, y in succ:
+            if k2 == 0:
+                indeg[y] -= 1
+                if indeg[y] == 0:
+                    ready.append((0, y))
+            else:
+                gdeg[y] -= 1
+                if gdeg[y] == 0:
+                    ready.append((1, y))
+    return out if sum(1 for k, _ in out if k == 0) == sum(live) else None
+
+
 @dataclass
 class HBResult:
     """What the graph pass proved: the number of conflicting pairs, the ones it could not order, and for each wait
@@ -292,10 +354,12 @@ class HBResult:
     known_before: dict[tuple[int, int], set[int]]  # (instruction, wait number) -> signallers HB-before it
 
 
-def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pipelined: bool) -> HBResult:
-    """Ancestor bitsets over the HB graph in the maximal execution's order; check every instruction's need group."""
+def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pipelined: bool,
+               order: list[int] | None = None) -> HBResult:
+    """Ancestor bitsets over the HB graph in `order` (a topological order of it: the static order, where every
+    candidate signaller precedes its waiters, else the maximal execution's); check every instruction's need group."""
     n = prog.n
-    order = ex.order
+    order = order if order is not None else ex.order
     pos = {i: p for p, i in enumerate(order)}
     # Last use of each bitset, so that it can be freed (memory stays near the width of the schedule).
     first_use = [len(order)] * len(wg.candidates)
@@ -306,9 +370,10 @@ def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pi
     last = [0] * n
     for i in order:
         last[i] = pos[i]
-    for g, members in enumerate(wg.needed):
-        for a in members:
-            last[a] = max(last[a], first_use[g])
+    for g, cands in enumerate(wg.candidates):
+        for a, _ in cands:
+            if pos.get(a, len(order)) < first_use[g]:
+                last[a] = max(last[a], first_use[g])
     if not pipelined:
         for queue in prog.queues:
             for p, q in zip(queue, queue[1:], strict=False):
@@ -343,9 +408,7 @@ def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pi
                 continue
             ga = ganc.get(g)
             if ga is None:
-                ga = 0
-                for a in wg.needed[g]:
-                    ga |= anc[a] | (1 << a)
+                ga = group_ancestors(wg, g, anc, lambda a, p=p: pos.get(a, len(order)) < p)
                 ganc[g] = ga
             a_b |= ga
         anc[b] = a_b

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from validator.deadlock import Execution, maximal_execution
-from validator.hb import find_conflicts, graph_pass, wait_groups
+from validator.hb import find_conflicts, graph_pass, static_order, wait_groups
 from validator.program import Finding, Program
 from validator.replay import replay
 from validator.smt import PairResult, event_lines, prove
@@ -88,7 +88,9 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
         live[i] = True
     conf = find_conflicts(prog, [True] * prog.n)  # a stuck `a` still conflicts with a `b` that runs
     wg = wait_groups(prog, live)
-    hb = graph_pass(prog, ex, conf, wg, pipelined)
+    static = static_order(prog, wg, live)  # candidates before waiters: lets the graph use what they all follow
+    order = [x for kind, x in static if kind == 0] if static is not None else ex.order
+    hb = graph_pass(prog, ex, conf, wg, pipelined, order)
     report.seconds["graph"] = time.perf_counter() - t
     report.stats["conflicting_pairs"] = hb.pairs
     report.stats["proven_by_graph"] = hb.pairs - len(hb.undischarged)
@@ -96,7 +98,7 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
     t = time.perf_counter()
     never = [(a, b) for a, b in hb.undischarged if not live[a]]
     pairs = _order_pairs([(a, b) for a, b in hb.undischarged if live[a]])
-    results, unchecked = prove(prog, wg, hb, live, ex.order, pairs, pipelined, seed)
+    results, unchecked = prove(prog, wg, hb, live, order, pairs, pipelined, seed)
     report.seconds["z3"] = time.perf_counter() - t
     proven = {(r.a, r.b) for r in results if r.status == "unsat"}
     sat: dict[tuple[int, int], PairResult] = {(r.a, r.b): r for r in results if r.status == "sat"}
@@ -141,7 +143,7 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
     t = time.perf_counter()
     n_inter = int(getattr(options, "interleavings", 0))
     if n_inter > 0:
-        rep = replay(prog, ex, conf, wg, live, n_inter, seed, pipelined, targets=pairs[:64])
+        rep = replay(prog, ex, conf, wg, live, n_inter, seed, pipelined, targets=pairs[:64], static=static)
         report.stats["interleavings"] = rep.interleavings
         report.stats["replay_witnesses"] = len(rep.witnesses)
         if rep.mode != "vectorised":

@@ -19,13 +19,13 @@ event simulation runs, time-bounded (after EVENT_SIM_BUDGET_S it stops; the repo
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
 from validator.deadlock import Execution
-from validator.hb import Conflicts, WaitGroups
+from validator.hb import Conflicts, WaitGroups, static_order
 from validator.program import Program
 
 HELD = 1e7  # duration of a suspect producer that is held back
@@ -50,48 +50,6 @@ class ReplayResult:
     witnesses: dict[tuple[int, int], Witness]  # first witness per pair
     witnessed_runs: int  # interleavings with at least one witness
     mode: str  # "vectorised" or "event" or "capped"
-
-
-def _static_order(prog: Program, wg: WaitGroups, live: list[bool], pipelined: bool) -> list[tuple[int, int]] | None:
-    """A topological order of instructions (0, i) and wait groups (1, g) where each group follows all its candidate
-    signallers; None when the waits form a cycle among candidates."""
-    n = prog.n
-    indeg = [0] * n
-    gsucc: dict[int, list[int]] = defaultdict(list)
-    isucc: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    gdeg: dict[int, int] = {}
-    for y in range(n):
-        if not live[y]:
-            continue
-        if prog.qpos[y] > 0:
-            p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
-            indeg[y] += 1
-            isucc[p].append((0, y))
-        for g in set(wg.of[y]):
-            if g < 0:
-                continue
-            indeg[y] += 1
-            gsucc[g].append(y)
-            if g not in gdeg:
-                gdeg[g] = len(wg.candidates[g])
-                for a, _ in wg.candidates[g]:
-                    isucc[a].append((1, g))
-    ready = deque([(1, g) for g, d in gdeg.items() if d == 0] + [(0, y) for y in range(n) if live[y] and not indeg[y]])
-    out: list[tuple[int, int]] = []
-    while ready:
-        kind, x = ready.popleft()
-        out.append((kind, x))
-        succ = isucc[x] if kind == 0 else [(0, y) for y in gsucc[x]]
-        for k2, y in succ:
-            if k2 == 0:
-                indeg[y] -= 1
-                if indeg[y] == 0:
-                    ready.append((0, y))
-            else:
-                gdeg[y] -= 1
-                if gdeg[y] == 0:
-                    ready.append((1, y))
-    return out if sum(1 for k, _ in out if k == 0) == sum(live) else None
 
 
 def _durations(rng: np.random.Generator, n: int, size: int, targets: list[tuple[int, int]], first: int) -> np.ndarray:
@@ -198,11 +156,13 @@ def _event_sim(prog: Program, wg: WaitGroups, live: list[bool], dur: np.ndarray,
 
 
 def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: list[bool], count: int, seed: int,
-           pipelined: bool = False, targets: list[tuple[int, int]] | None = None) -> ReplayResult:
-    """Replay `count` adversarial interleavings; return the first witness per out-of-order pair."""
+           pipelined: bool = False, targets: list[tuple[int, int]] | None = None,
+           static: list[tuple[int, int]] | None | bool = False) -> ReplayResult:
+    """Replay `count` adversarial interleavings; return the first witness per out-of-order pair. `static`: the
+    static order if the caller has it (None: there is none)."""
     n = prog.n
     targets = targets or []
-    order = _static_order(prog, wg, live, pipelined)
+    order = static_order(prog, wg, live) if static is False else static
     mode = "vectorised"
     if order is None:
         mode = "event"

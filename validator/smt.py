@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from validator.hb import HBResult, WaitGroups, indices_of
+from validator.hb import HBResult, WaitGroups, group_ancestors, indices_of
 from validator.program import Program
 
 DEFAULT_TIMEOUT_MS = 10_000
@@ -68,13 +68,10 @@ def _ancestors(prog: Program, wg: WaitGroups, order: list[int], members: set[int
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
             a_y |= anc[p] | (1 << p)
         for g in wg.of[y]:
-            if g >= 0 and wg.needed[g]:
+            if g >= 0:
                 ga = ganc.get(g)
                 if ga is None:
-                    ga = 0
-                    for a in wg.needed[g]:
-                        ga |= anc[a] | (1 << a)
-                    ganc[g] = ga
+                    ga = ganc[g] = group_ancestors(wg, g, anc, anc.__contains__)
                 a_y |= ga
         anc[y] = a_y
     return anc
@@ -152,6 +149,8 @@ def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int]
             if known is None:
                 continue  # every candidate is needed: the join above is the whole wait
             c, v = prog.waits[y][j]
+            # signallers the graph pass proved to end before y starts: assert it, then count them as constants
+            out.extend(f"(assert (<= e{a} s{y}))" for a, _ in wg.candidates[g] if a in known and a in inside)
             base = sum(add for a, add in wg.candidates[g] if a in known or done >> a & 1)
             rest = [(a, add) for a, add in wg.candidates[g] if a not in known and not done >> a & 1]
             if base >= v:
