@@ -112,6 +112,32 @@ class ChainProposer:
         self.then.observe(result)
 
 
+class FallbackProposer:
+    """`auto` with an LLM endpoint: the agent while it can propose; once it stops for good (call budget spent, or an
+    endpoint error that retrying cannot fix) the built-in search takes over, so the budget is still used."""
+
+    name = "auto"
+
+    def __init__(self, agent: Proposer, builtin: Proposer, notice: Callable[[str], None] | None = None) -> None:
+        self.agent, self.builtin, self.notice = agent, builtin, notice
+        self.switched = False
+
+    def propose(self, ctx: SearchContext, n: int) -> list[Proposal]:
+        if not self.switched:
+            out = self.agent.propose(ctx, n)
+            if out or not getattr(self.agent, "exhausted", False):
+                return out
+            self.switched = True
+            if self.notice:
+                self.notice("auto: the LLM agent stopped proposing; the built-in search (heuristic, then evolve) "
+                            "takes over")
+        return self.builtin.propose(ctx, n)
+
+    def observe(self, result: Result) -> None:
+        self.agent.observe(result)
+        self.builtin.observe(result)
+
+
 def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run_dir: Path | None = None,
                      notice: Callable[[str], None] | None = None, **llm_options: Any) -> Proposer:
     """Build the proposer named on the command line. `llm` needs an endpoint (OPENAI_API_KEY/OPENAI_BASE_URL);
@@ -134,7 +160,11 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
             llm = None  # type: ignore[assignment]
         if llm is not None and llm.agent_configured():
             opts = llm.LLMOptions.from_env(**llm_options)
-            return llm.LLMProposer(get_model(spec_name), workers, opts, run_dir=run_dir)
+            agent = llm.LLMProposer(get_model(spec_name), workers, opts, run_dir=run_dir)
+            if name == "llm":
+                return agent
+            builtin = ChainProposer(HeuristicProposer(seed), EvolveProposer(seed), len(SEEDS))
+            return FallbackProposer(agent, builtin, notice)
         if name == "llm":
             raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
         if notice:

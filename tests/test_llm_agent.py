@@ -371,8 +371,10 @@ def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="OPENAI_API_KEY or OPENAI_BASE_URL"):
         search.resolve_proposer("llm", "tiny", 8)
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
-    agent = search.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    agent = search.resolve_proposer("llm", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
     assert isinstance(agent, LLMProposer) and agent.options.max_calls == 7 and agent.options.model == "m"
+    auto = search.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    assert isinstance(auto, search.FallbackProposer) and isinstance(auto.agent, LLMProposer)  # built-in after it
 
 
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(

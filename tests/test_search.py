@@ -294,3 +294,43 @@ def test_parallel_validation_workers(tmp_path: Path) -> None:
         v = json.loads((summary.run_dir / "candidates" / cid / "validation.json").read_text())
         assert v["verdict"] == "accepted" and v["interleavings"] == 20
     assert (summary.run_dir / "best" / "trace.json").exists()
+
+
+class _FakeAgent:
+    """An agent that proposes `left` times, then reports itself exhausted."""
+
+    name = "llm"
+
+    def __init__(self, left: int) -> None:
+        self.left, self.seen = left, []
+
+    @property
+    def exhausted(self) -> bool:
+        return self.left <= 0
+
+    def propose(self, ctx, n):
+        if self.left <= 0:
+            return []
+        self.left -= 1
+        return [Proposal(Strategy(attn_splits=2), rationale="agent", proposer="llm")]
+
+    def observe(self, result) -> None:
+        self.seen.append(result)
+
+
+def test_auto_falls_back_to_builtin_when_the_agent_is_exhausted() -> None:
+    from synth.proposers.heuristic import HeuristicProposer
+    from synth.search import FallbackProposer
+
+    notices: list[str] = []
+    agent = _FakeAgent(left=2)
+    auto = FallbackProposer(agent, HeuristicProposer(0), notices.append)
+    ctx = SearchContext("tiny", 4, "cost model (CPU)", None, [], None, True)
+    assert [p.proposer for p in auto.propose(ctx, 4)] == ["llm"]
+    assert [p.proposer for p in auto.propose(ctx, 4)] == ["llm"]
+    assert not notices
+    builtin = auto.propose(ctx, 3)
+    assert builtin and all(p.proposer != "llm" for p in builtin)
+    assert len(notices) == 1 and "built-in search" in notices[0]
+    auto.propose(ctx, 1)
+    assert len(notices) == 1  # said once

@@ -360,6 +360,11 @@ class LLMProposer:
 
     # -- the protocol ---------------------------------------------------------------------------------------------
 
+    @property
+    def exhausted(self) -> bool:
+        """True once the agent will propose nothing more in this run (call budget spent or a fatal endpoint error)."""
+        return self.usage.calls >= self.options.max_calls or bool(self._fatal)
+
     def propose(self, ctx: SearchContext, n: int) -> list[Proposal]:
         """One round: up to `options.attempts` calls; returns one checked proposal, or none when the round fails."""
         try:
