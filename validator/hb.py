@@ -9,16 +9,16 @@ equivalent to "every access happens after every member of the run just before it
 those are the pairs we prove. An instruction's needed predecessors are interned as a *need group* (a set of runs), so
 the thousands of readers of one residual share one bitset.
 
-Happens-before (sound): program order (unless `pipelined`), what every candidate signaller of a wait is HB-after,
-and counter edges: for a wait `counters[c] >= v` of `b`,
-a signaller `a` of `c` is needed when the adds of the other signallers of `c` that could end before `b` starts cannot
-reach `v` (a signaller never ends before `b` starts when it is `b`, queued after `b` on `b`'s worker, or never runs in
-any execution; and one that itself waits for `c >= v` or more, or more generally cannot complete while `c < v`
-(`_capped_phases`), never supplies the adds that first reach `v`).
+Happens-before (sound): program order (unless `pipelined`); counter edges: for a wait `counters[c] >= v` of `b`, a
+signaller `a` of `c` is needed when the adds of the other candidate signallers of `c` cannot reach `v` (a signaller
+is no candidate when it is `b`, is queued after `b` on `b`'s worker, never runs in any execution, or cannot complete
+while `c < v`: it waits for `c >= v` itself, or a capped maximal execution (`_capped_phases`) leaves it out); and
+"one of them has ended": `b` is HB-after whatever every candidate is HB-after.
 An instruction that never runs (stuck in the unique maximal execution) never starts, so it is never the later side of
-a race; as the earlier side it never ends, so a running `b` that conflicts with it is a race. The maximal
-execution's completion order is a topological order of these edges, so ancestor bitsets (Python ints) are computed in
-one pass and freed after their last use, which keeps memory near-linear on large schedules.
+a race; as the earlier side it never ends, so a running `b` that conflicts with it is a race. Ancestor bitsets
+(Python ints) are computed in one pass over a topological order (the static order, where every candidate precedes
+its waiters, when the waits admit one; else the maximal execution's completion order) and freed after their last
+use, which keeps memory near-linear on large schedules.
 """
 
 from __future__ import annotations
