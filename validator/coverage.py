@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from itertools import pairwise
 
 from validator.catalogue import OPS, required_tiles
 from validator.program import Finding, Program
@@ -15,7 +16,7 @@ def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]
         (f" kv_head {key[2]}" if len(key) > 2 else "")
     cuts = sorted({r0, r1} | {t[0][0][0] for t in tiles} | {t[0][0][1] for t in tiles})
     out: list[Finding] = []
-    for lo, hi in zip(cuts, cuts[1:]):
+    for lo, hi in pairwise(cuts):
         if lo >= r1 or hi <= r0:
             continue
         cols = sorted((t[0][1], t[1]) for t in tiles if t[0][0][0] <= lo and hi <= t[0][0][1])
