@@ -11,7 +11,6 @@ schedule against its measured makespan (median absolute % error; the goal is <= 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import statistics
 from collections import defaultdict
@@ -193,44 +192,31 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
     return out
 
 
-def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
-    """Held-out check: the model's estimate of every GPU-measured candidate in the given runs/<run> folders against
-    its measured time (timing.json `ms` with `estimated: false`, at the candidate's `ctx`)."""
-    from pathlib import Path
-
+def _measured(run_dirs: list[str]) -> list[tuple[str, Schedule, int, float]]:
+    """(label, schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
     from synth.runs import RunDir
 
     out = []
     for run in run_dirs:
-        for cand in sorted(Path(run).glob("candidates/*")):
-            try:
-                timing = json.loads((cand / "timing.json").read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
-                continue
-            if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
-                continue
-            ctx = int(timing.get("ctx") or 1024)
-            est = estimate(RunDir(run).load_candidate(cand.name), ctx, params).makespan_ms
-            err = round((est - timing["ms"]) / timing["ms"] * 100, 3)
-            out.append({"candidate": f"{Path(run).name}/{cand.name}", "ctx": ctx, "measured_ms": timing["ms"],
-                        "estimated_ms": round(est, 6), "error_pct": err})
+        rd = RunDir(run)
+        for cid, timing in rd.accepted().items():
+            if not timing.get("estimated", True):
+                out.append((f"{rd.path.name}/{cid}", rd.load_candidate(cid), int(timing.get("ctx") or 1024),
+                            float(timing["ms"])))
+    return out
+
+
+def check_runs(run_dirs: list[str], params: CostParams) -> list[dict[str, Any]]:
+    """Held-out check: the model's estimate of every GPU-measured candidate in the given runs/<run> folders against
+    its measured time (timing.json `ms` with `estimated: false`, at the candidate's `ctx`)."""
+    out = []
+    for label, schedule, ctx, ms in _measured(run_dirs):
+        est = estimate(schedule, ctx, params).makespan_ms
+        out.append({"candidate": label, "ctx": ctx, "measured_ms": ms, "estimated_ms": round(est, 6),
+                    "error_pct": round((est - ms) / ms * 100, 3)})
     return out
 
 
 def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
     """(schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
-    from pathlib import Path
-
-    from synth.runs import RunDir
-
-    out = []
-    for run in run_dirs:
-        for cand in sorted(Path(run).glob("candidates/*")):
-            try:
-                timing = json.loads((cand / "timing.json").read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError):
-                continue
-            if timing.get("estimated", True) or not isinstance(timing.get("ms"), int | float):
-                continue
-            out.append((RunDir(run).load_candidate(cand.name), int(timing.get("ctx") or 1024), float(timing["ms"])))
-    return out
+    return [(schedule, ctx, ms) for _, schedule, ctx, ms in _measured(run_dirs)]
