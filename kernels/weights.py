@@ -217,3 +217,17 @@ def load_hf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = tor
     if cfg.tie_word_embeddings:
         out["lm_head"] = out["embed"]
     return out
+
+
+def model_weights(cfg: ModelConfig, weights_dir: str | Path | None = None, seed: int = 0,
+                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Weights:
+    """The weights a command runs on (`--weights DIR`): a Hugging Face checkpoint folder, whose config.json must
+    describe `cfg`; else random weights from `seed`."""
+    if weights_dir is None:
+        return random_weights(cfg, seed=seed, dtype=dtype, device=device)
+    found = config_from_hf_dir(weights_dir)
+    if found != cfg:
+        diff = [k for k, v in found.to_hf().items() if cfg.to_hf().get(k) != v]
+        raise WeightsError(f"{Path(weights_dir) / 'config.json'}: does not match the model spec "
+                           f"(differs in {', '.join(diff) or 'its sizes'})")
+    return load_hf_weights(weights_dir, cfg, dtype=dtype, device=device)

@@ -80,6 +80,7 @@ class BenchOptions:
     reps: int = 100
     warmup: int = 10
     seed: int = 0
+    weights_dir: str | None = None  # a Hugging Face checkpoint folder; None = random weights from `seed`
     token: int = 1
     device: str = "cuda"
     variants: list[str] | None = None  # None = every variant
@@ -722,10 +723,13 @@ def _new_state(spec: ModelSpec, opts: BenchOptions) -> State:
     import torch
 
     from kernels.reference import new_kv_cache
-    from kernels.weights import random_weights
+    from kernels.weights import WeightsError, model_weights
 
     dtype = torch.bfloat16
-    weights = random_weights(spec.config, seed=opts.seed, dtype=dtype, device=opts.device)
+    try:
+        weights = model_weights(spec.config, opts.weights_dir, seed=opts.seed, dtype=dtype, device=opts.device)
+    except WeightsError as exc:
+        raise BenchError(str(exc)) from None
     k, v = new_kv_cache(spec.config, spec.max_seq_len, dtype=dtype, device=opts.device)
     if not 0 <= opts.token < spec.config.vocab_size:
         raise BenchError(f"--token {opts.token} is outside the vocabulary [0, {spec.config.vocab_size})")
@@ -836,7 +840,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
         "command": " ".join(["synth", *sys.argv[1:]]) if sys.argv else None,
         "model": spec.name, "config": spec.config.to_hf(), "max_seq_len": spec.max_seq_len,
         "device": dev, "versions": versions(), "dry_run": opts.device != "cuda",
-        "settings": {"reps": opts.reps, "warmup": opts.warmup, "seed": opts.seed, "token": opts.token,
+        "settings": {"reps": opts.reps, "warmup": opts.warmup, "seed": opts.seed, "weights": opts.weights_dir,
+                     "token": opts.token,
                      "dtype": "bfloat16 weights and KV cache", "flush_l2": opts.flush_l2,
                      "timer": "CUDA events per repetition" if opts.device == "cuda" else "perf_counter",
                      "position": "pos = ctx - 1 (attention over ctx positions), random KV history",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 import click
 
@@ -52,6 +51,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--flush-l2/--no-flush-l2", default=False, show_default=True,
               help="Overwrite 2x L2 between repetitions (outside the timed region).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and KV history.")
+@click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
+              help="Hugging Face safetensors checkpoint folder (default: random weights, --seed).")
 @click.option("--token", type=int, default=1, show_default=True, help="Token id decoded.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
@@ -59,7 +60,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...], reps: int,
           warmup: int, json_file: str, variants: str | None, compile_timeout: float, flush_l2: bool, seed: int,
-          token: int, verify: bool, dry_run: bool) -> None:
+          weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
     """Time the decode step: PyTorch (eager, CUDA graph, bf16-native), HF transformers, torch.compile, per-op
     launches and the megakernel, against the bandwidth floor; print a table and write JSON."""
     from rich.console import Console
@@ -82,7 +83,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         _fail("CUDA is not available: `synth bench` measures on a GPU; pass --dry-run to exercise it on the CPU")
     ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
     opts = BenchOptions(model=model_name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
-                        seed=seed, token=token, device=device,
+                        seed=seed, weights_dir=weights_dir, token=token, device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                         compile_timeout_s=compile_timeout, flush_l2=flush_l2, verify=verify)
     if dry_run:
@@ -147,20 +148,12 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
         _fail("--backend megakernel needs CUDA")
     device = "cuda" if cuda and backend == "megakernel" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    weights: dict[str, Any]
-    if weights_dir:
-        from kernels.weights import WeightsError, config_from_hf_dir, load_hf_weights
+    from kernels.weights import WeightsError, model_weights
 
-        try:
-            if config_from_hf_dir(weights_dir) != cfg:
-                _fail(f"{weights_dir}/config.json does not match {spec.name}'s config")
-            weights = load_hf_weights(weights_dir, cfg, dtype=dtype, device=device)
-        except WeightsError as exc:
-            _fail(str(exc))
-    else:
-        from kernels.weights import random_weights
-
-        weights = random_weights(cfg, seed=seed, dtype=dtype, device=device)
+    try:
+        weights = model_weights(cfg, weights_dir, seed=seed, dtype=dtype, device=device)
+    except WeightsError as exc:
+        _fail(str(exc))
     if not 0 <= prompt_token < cfg.vocab_size:
         raise click.BadParameter(f"{prompt_token} is outside the vocabulary [0, {cfg.vocab_size})",
                                  param_hint="--prompt-token")

@@ -376,3 +376,29 @@ def test_bf16_baseline_matches_reference() -> None:
     ref = decode_step(cfg, w, k, v, 5, 29)
     cos, sin = rope_cos_sin(cfg, 29)
     assert compare(bf16_decode_step(cfg, w, k, v, 5, 29, cos, sin), ref)["rel_l2"] < 2e-2
+
+
+def test_weights_dir_is_used_by_bench_and_generate(tmp_path) -> None:
+    from test_reference import write_checkpoint  # tests/ is on sys.path (no package): one checkpoint writer
+
+    from kernels.weights import random_weights
+
+    cfg = get_model("tiny").config
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, cfg, random_weights(cfg, seed=11))
+    out = tmp_path / "b.json"
+    args = ["bench", "--model", "tiny", "--dry-run", "--reps", "1", "--warmup", "0", "--variants", "torch_eager"]
+    result = CliRunner().invoke(main, [*args, "--weights", str(ckpt), "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["settings"]["weights"] == str(ckpt)
+    gen_ckpt = CliRunner().invoke(main, ["generate", "--model", "tiny", "--tokens", "3", "--backend", "reference",
+                                         "--weights", str(ckpt), "--no-check"])
+    gen_seed = CliRunner().invoke(main, ["generate", "--model", "tiny", "--tokens", "3", "--backend", "reference",
+                                         "--seed", "11", "--no-check"])
+    assert gen_ckpt.exit_code == 0 and gen_seed.exit_code == 0
+    first_line = [ln for ln in gen_ckpt.output.splitlines() if ln and ln[0].isdigit()][0]
+    assert first_line in gen_seed.output  # the checkpoint holds exactly the seed-11 weights: same greedy tokens
+    other = tmp_path / "other"
+    write_checkpoint(other, get_model("tiny-mha").config, random_weights(get_model("tiny-mha").config))
+    bad = CliRunner().invoke(main, [*args, "--weights", str(other), "--json", str(tmp_path / "x.json")])
+    assert bad.exit_code != 0 and "does not match the model spec" in bad.output and "Traceback" not in bad.output
