@@ -46,25 +46,26 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   device: str | torch.device = "cpu") -> Weights:
+                   device: str | torch.device = "cpu", draw_on: str = "cpu") -> Weights:
     """Seeded random weights that keep activations O(1) over many layers (so bf16 comparisons mean something).
 
     Matrices are normal / sqrt(fan_in), so a matvec of an O(1) vector is O(1); norm weights are 1 + 0.1 * normal.
-    The embedding is normal / sqrt(H) when tied (logits O(1)) and normal otherwise. Everything is drawn on the CPU
-    from one `torch.Generator(seed)` in `weight_shapes` order and then cast and moved, tensor by tensor, so the values
-    do not depend on the device and peak host memory is one tensor.
+    The embedding is normal / sqrt(H) when tied (logits O(1)) and normal otherwise. Values are drawn from one
+    `torch.Generator(seed)` on `draw_on` in `weight_shapes` order, then cast and moved tensor by tensor (peak extra
+    memory: one tensor). The default draws on the CPU, so the values do not depend on the device; `draw_on="cuda"`
+    draws on the GPU (llama-1b in about a second instead of ~20 s) with values of its own.
     """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=draw_on).manual_seed(seed)
     out: Weights = {}
     for name, shape in weight_shapes(cfg).items():
         if len(shape) == 1:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=draw_on)
         elif name == "embed":
-            t = torch.randn(shape, generator=gen)
+            t = torch.randn(shape, generator=gen, device=draw_on)
             if cfg.tie_word_embeddings:
                 t /= math.sqrt(cfg.hidden_size)
         else:
-            t = torch.randn(shape, generator=gen) / math.sqrt(shape[1])
+            t = torch.randn(shape, generator=gen, device=draw_on) / math.sqrt(shape[1])
         out[name] = t.to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings:
         out["lm_head"] = out["embed"]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -45,24 +44,10 @@ def log(msg: str) -> None:
 
 
 def gpu_random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Same scaling as kernels.weights.random_weights, drawn on the GPU (a 1.2B-parameter model in a second)."""
-    from kernels.weights import weight_shapes
+    """kernels.weights.random_weights drawn on the GPU (a 1.2B-parameter model in a second), bf16."""
+    from kernels.weights import random_weights
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in weight_shapes(cfg).items():
-        if len(shape) == 1:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
-        elif name == "embed":
-            t = torch.randn(shape, generator=gen, device="cuda")
-            if cfg.tie_word_embeddings:
-                t /= math.sqrt(cfg.hidden_size)
-        else:
-            t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
-        out[name] = t.to(torch.bfloat16)
-    if cfg.tie_word_embeddings:
-        out["lm_head"] = out["embed"]
-    return out
+    return random_weights(cfg, seed=seed, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
 
 
 def variant_schedule(spec: Any, workers: int, strategy: Strategy, reverse: bool = False, shuffle_counters: int = 0):

@@ -8,7 +8,6 @@ cleanly without CUDA or Triton.
 from __future__ import annotations
 
 import importlib.util
-import math
 import random
 
 import pytest
@@ -30,23 +29,10 @@ MARGIN = 0.05  # the greedy token must match where the reference's top-2 margin 
 
 
 def _weights(cfg, seed: int):
-    """Same scaling as kernels.weights.random_weights, drawn on the GPU (llama-1b in a second), bf16."""
-    from kernels.weights import weight_shapes
+    """kernels.weights.random_weights drawn on the GPU (llama-1b in a second), bf16."""
+    from kernels.weights import random_weights
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    out = {}
-    for name, shape in weight_shapes(cfg).items():
-        if len(shape) == 1:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
-        elif name == "embed":
-            t = torch.randn(shape, generator=gen, device="cuda") / (math.sqrt(cfg.hidden_size)
-                                                                    if cfg.tie_word_embeddings else 1.0)
-        else:
-            t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
-        out[name] = t.to(torch.bfloat16)
-    if cfg.tie_word_embeddings:
-        out["lm_head"] = out["embed"]
-    return out
+    return random_weights(cfg, seed=seed, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
 
 
 def _variant(spec, workers: int, strategy: Strategy, seed: int):
