@@ -266,15 +266,8 @@ def main() -> int:
         "bd1024": KernelConfig(bk_d=1024),
         "qkv512": KernelConfig(bk_qkv=512),
         "gu1632": KernelConfig(br_gu=16, bk_gu=512),  # the gate/up tile before v5
-        # v7: preloads before the waits (perf-notes v7); "pre" = the defaults
-        "off": KernelConfig(pre_k=0, pre_k_mv=0, attn_pre=0),
-        "attn": KernelConfig(pre_k=0, pre_k_mv=0),
-        "pair": KernelConfig(pre_k_mv=0, attn_pre=0),
-        "mv": KernelConfig(pre_k=0, attn_pre=0),
-        "pre": KernelConfig(),
-        "pre512": KernelConfig(pre_k=512),
-        "mv512": KernelConfig(pre_k_mv=512),
-        "attn64": KernelConfig(attn_pre=64),
+        "sp8": KernelConfig(reduce_splits=8),  # v8: attn_reduce unrolled over 8 splits (default 16)
+        "sp1": KernelConfig(reduce_splits=1),  # v8 with one unrolled split: close to the v6 loop
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}

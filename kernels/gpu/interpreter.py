@@ -56,13 +56,11 @@ def _megakernel(
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
-    FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, KP_GU: tl.constexpr, KP_QKV: tl.constexpr,
-    KP_MV: tl.constexpr, KP_O: tl.constexpr, BTP: tl.constexpr, SP: tl.constexpr,
+    FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
     G: tl.constexpr = NH // NKV
-    HALF: tl.constexpr = HD // 2
     pid = tl.program_id(0)
     tl.store(smid_ptr + pid, ops.smid())
     qi = tl.load(qoff_ptr + pid)
@@ -113,33 +111,6 @@ def _megakernel(
             ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
                                      lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
                                      OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, PF_CAP)
-        # Preloads: the first bytes of this instruction's stream, issued BEFORE its waits (weights and the KV
-        # history never depend on a counter), so HBM works while the SM spins and the ramp of the stream is hidden.
-        # One register tile set per shape, shared by the ops of that shape; other opcodes issue masked-off loads.
-        if KP_GU > 0:  # [BR_GU, KP_GU] x 2: gate/up (same rows of both) or QKV (the two RoPE halves of a head)
-            pre_pair = ((op == OP_GATE_UP) & ((a1 - a0) % BR_GU == 0)).to(tl.int32)
-            b1 = wg_ptr + layer.to(tl.int64) * (IS * H)
-            b2 = wu_ptr + layer.to(tl.int64) * (IS * H)
-            if KP_QKV > 0:
-                if op == OP_QKV:
-                    pre_pair = pre_pair * 0 + 1
-                    b1 = wqkv_ptr + layer.to(tl.int64) * ((QS + 2 * KVS) * H)
-                    b2 = b1 + HALF * H
-            w1pre = ops.preload_tile(b1, H, a0, a1, KP_GU, pre_pair, BR_GU, KP_GU)
-            w2pre = ops.preload_tile(b2, H, a0, a1, KP_GU, pre_pair, BR_GU, KP_GU)
-        if KP_MV > 0:  # [BR_D, KP_MV]: down (or o_proj) rows at the start of their K range
-            pre_mv = ((op == OP_DOWN) & (a2 % 16 == 0) & (a3 - a2 >= KP_MV)).to(tl.int32)
-            b3 = wd_ptr + layer.to(tl.int64) * (H * IS) + a2
-            ld3 = a2 * 0 + IS
-            if KP_O > 0:
-                if op == OP_OPROJ:
-                    pre_mv = ((a2 % 16 == 0) & (a3 - a2 >= KP_O)).to(tl.int32)
-                    b3 = wo_ptr + layer.to(tl.int64) * (H * QS) + a2
-                    ld3 = a2 * 0 + QS
-            w3pre = ops.preload_tile(b3, ld3, a0, a1, KP_MV, pre_mv, BR_D, KP_MV)
-        if BTP > 0:  # the attention split's first BTP positions of K/V history
-            kpre, vpre = ops.preload_kv(kc_ptr, vc_ptr, layer, a0, a1, a2, pos, (op == OP_PARTIAL).to(tl.int32),
-                                        NKV, HD, S, BTP)
         if TRACE:
             t_wait = ops.globaltimer()
         if wn == 1:  # the common case: one wait, inline in the row, one acquire load per poll
@@ -183,41 +154,24 @@ def _megakernel(
             if op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
-                if KP_QKV > 0:
-                    ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
-                                    a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS, w1pre, w2pre,
-                                    pre_pair, KP_QKV)
-                else:
-                    ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
-                                    a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS)
+                ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
+                                a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS)
             elif op == OP_PARTIAL:
                 if ATTN_MMA:
-                    if BTP > 0:
-                        ops.op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
-                                                kpre, vpre, NH, NKV, HD, S, G, BT, SCALE, NS_ATTN, BTP)
-                    else:
-                        ops.op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
-                                                0.0, 0.0, NH, NKV, HD, S, G, BT, SCALE, NS_ATTN, 0)
+                    ops.op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
+                                            NH, NKV, HD, S, G, BT, SCALE, NS_ATTN)
                 else:
                     ops.op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
                                         NH, NKV, HD, S, G, GP, BT, SCALE)
             elif op == OP_REDUCE:
                 ops.op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP)
             elif op == OP_OPROJ:
-                if KP_O > 0:
-                    ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS,
-                                           w3pre, pre_mv, KP_O)
-                else:
-                    ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS)
+                ops.op_matvec_residual(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BK_O, NS)
             elif op == OP_GATE_UP:
                 if FLAT and (H % BK_GU == 0) and (H % BK_GU2 == 0):
                     if (a1 - a0) % BR_GU == 0:
-                        if KP_GU > 0:
-                            ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS,
-                                                EPS, BR_GU, BK_GU, NS, w1pre, w2pre, pre_pair, KP_GU)
-                        else:
-                            ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS,
-                                                EPS, BR_GU, BK_GU, NS)
+                        ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
+                                            BR_GU, BK_GU, NS)
                     else:  # tiles that are not a multiple of BR_GU rows: a narrower tile wastes no masked rows
                         ops.op_gate_up_flat(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
                                             BR_GU2, BK_GU2, NS)
@@ -225,11 +179,7 @@ def _megakernel(
                     ops.op_gate_up(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, BLOCK_H,
                                    EPS, BR_GU, BK_GU, NS)
             elif op == OP_DOWN:
-                if KP_MV > 0:
-                    ops.op_matvec_residual(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BK_D, NS,
-                                           w3pre, pre_mv, KP_MV)
-                else:
-                    ops.op_matvec_residual(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BK_D, NS)
+                ops.op_matvec_residual(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BK_D, NS)
             elif op == OP_LM_HEAD:
                 if FLAT and (H % BK_LM == 0):
                     ops.op_lm_head_flat(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, EPS, BR_LM,
@@ -301,12 +251,7 @@ class KernelConfig:
     pf_cap: int = 1 << 30  # bytes prefetched per instruction (the head of its weight stream)
     flat: bool = True  # gate/up and LM head: one pipelined loop over (row block, K block), no refill per row block
     be: int = 1024  # embedding copy block
-    # Preloads issued before an instruction's waits (0 = off): the first columns of gate/up (and QKV) tiles, of
-    # down (and o_proj) tiles, and the first positions of an attention split's KV history (perf-notes v7).
-    pre_k: int = 256
-    pre_k_mv: int = 1024
-    attn_pre: int = 128
-    reduce_splits: int = 16  # attention splits combined per round trip in attn_reduce
+    reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once (perf-notes v8)
 
 
 def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -345,24 +290,15 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
     """The compile-time parameters of the interpreter for one model config (launch options included). The QKV K tile
     shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128)."""
     hp = _pow2(c.hidden_size)
-    bk_gu, bk_gu2, bk_qkv = min(k.bk_gu, hp), min(k.bk_gu2, hp), min(k.bk_qkv, hp, max(32, 8192 // max(1, c.hd // 2)))
-    bk_d, bk_o = min(k.bk_d, _pow2(c.intermediate_size)), min(k.bk_o, _pow2(c.q_size))
-    h = c.hidden_size
-    # A preload is compiled in only where its tile fits the op's loop exactly (else that op streams as before).
-    kp_gu = k.pre_k if (k.flat and k.pre_k > 0 and h % bk_gu == 0 and h % bk_gu2 == 0 and k.pre_k % bk_gu == 0
-                        and k.pre_k < h) else 0
-    kp_qkv = kp_gu if (kp_gu and c.hd // 2 == k.br_gu and kp_gu % bk_qkv == 0 and h % bk_qkv == 0) else 0
-    kp_mv = k.pre_k_mv if (k.pre_k_mv > 0 and k.pre_k_mv % bk_d == 0) else 0
-    kp_o = kp_mv if (kp_mv and k.br_o == k.br_d and kp_mv % bk_o == 0) else 0
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
-        GP=max(2, _pow2(c.group_size)), BK_QKV=bk_qkv, BR_O=k.br_o, BK_O=bk_o, BR_GU=k.br_gu, BK_GU=bk_gu,
-        BR_D=k.br_d, BK_D=bk_d,
+        GP=max(2, _pow2(c.group_size)), BK_QKV=min(k.bk_qkv, hp, max(32, 8192 // max(1, c.hd // 2))),
+        BR_O=k.br_o, BK_O=min(k.bk_o, _pow2(c.q_size)),
+        BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
-        BR_GU2=k.br_gu2, BK_GU2=bk_gu2, KP_GU=kp_gu, KP_QKV=kp_qkv, KP_MV=kp_mv, KP_O=kp_o,
-        BTP=k.attn_pre if k.attn_mma else 0, SP=max(2, _pow2(k.reduce_splits)),
+        BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits),
         num_warps=k.num_warps, num_stages=1)
 
 

@@ -100,51 +100,20 @@ def _vec(v_ptr, nw_ptr, kk, kmask, NORM: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def preload_tile(base_ptr, ld, r0, r1, kn, active, BR: tl.constexpr, KP: tl.constexpr):
-    """W[r0:r0+BR, 0:KP] from a weight matrix with row stride ld (base_ptr already at the tile's first column; rows
-    >= r1 and columns >= kn read as 0), loaded BEFORE the instruction waits: weights never depend on a counter, so
-    the first bytes of the stream are in flight while the SM spins. `active` = 0 issues no memory traffic."""
-    rows = r0 + tl.arange(0, BR)
-    ks = tl.arange(0, KP)
-    m = ((rows < r1) & (active != 0))[:, None] & (ks < kn)[None, :]
-    return tl.load(base_ptr + rows[:, None].to(tl.int64) * ld + ks[None, :], mask=m, other=0.0)
-
-
-@triton.jit
-def preload_dot(w, v_ptr, nw_ptr, k0, on, NORM: tl.constexpr, KP: tl.constexpr):
-    """The preloaded tile's share of a matrix-vector product: (sum_k w[:, k] * v[k0 + k], sum of squares of the
-    v chunk), both zero when `on` is 0 (no preload for this instruction)."""
-    kk = k0 + tl.arange(0, KP)
-    m = (kk * 0 + on) != 0
-    v = tl.load(v_ptr + kk, mask=m, other=0.0, cache_modifier=".cg")
-    ss = tl.sum(v * v, 0)
-    if NORM:
-        v = v * tl.load(nw_ptr + kk, mask=m, other=0.0)
-    return tl.sum(w.to(tl.float32) * v[None, :], 1), ss
-
-
-@triton.jit
 def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr,
              NORM: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
-             NS: tl.constexpr, pre=0.0, pre_on=0, KP: tl.constexpr = 0):
+             NS: tl.constexpr):
     """sum_k W[rows, k] * v[k] over k in [k0, k1), fp32 [BR]. With NORM (k range = all of x): v = rmsnorm(x) * nw,
-    the norm's sum of squares gathered in the same pass (rstd applied once at the end: no separate pass over x).
-    With KP > 0 and pre_on != 0, W[rows, k0:k0+KP] arrived preloaded in `pre` (`preload_tile`; the caller made sure
-    k0 % 16 == 0 and k1 - k0 >= KP) and the stream starts after it."""
+    the norm's sum of squares gathered in the same pass (rstd applied once at the end: no separate pass over x)."""
     acc = tl.zeros((BR, BK), tl.float32)
     ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
     ks = tl.arange(0, BK)
     wrow = w_ptr + rows[:, None].to(tl.int64) * ld
-    y0 = tl.zeros((BR,), tl.float32)
-    kb0 = k0 * 0
-    if KP > 0:
-        y0, ss = preload_dot(pre, v_ptr, nw_ptr, k0, pre_on, NORM, KP)
-        kb0 = (pre_on != 0).to(tl.int32) * (KP // BK)
     if k0 % 16 == 0:
         k0a = tl.multiple_of(k0, 16)
         nfull = (k1 - k0a) // BK
         kend = k0a + nfull * BK
-        for kb in tl.range(kb0, nfull, num_stages=NS):
+        for kb in tl.range(0, nfull, num_stages=NS):
             kk = tl.multiple_of(k0a + kb * BK, 16) + ks
             v, sq = _vec(v_ptr, nw_ptr, kk, kk < k1, NORM, False)
             ss += sq
@@ -165,7 +134,7 @@ def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr,
             ss += sq
             w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc += w.to(tl.float32) * v[None, :]
-    y = tl.sum(acc, 1) + y0
+    y = tl.sum(acc, 1)
     if NORM:
         y = y * (1.0 / tl.sqrt(ss / H + EPS))
     return y
@@ -173,26 +142,17 @@ def dot_rows(w_ptr, ld, rows, rmask, k0, k1, v_ptr, nw_ptr,
 
 @triton.jit
 def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, K: tl.constexpr, EPS: tl.constexpr,
-              BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, pre1=0.0, pre2=0.0, pre_on=0,
-              KP: tl.constexpr = 0):
+              BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
     """Two row sets against rmsnorm(v) * nw in one K loop (gate/up, or the two RoPE halves of a head); the norm's
-    sum of squares is gathered in the same pass and applied at the end. With KP > 0 and pre_on != 0, columns
-    [0, KP) of both row sets arrived preloaded (`preload_tile`; needs K % BK == 0 and KP % BK == 0)."""
+    sum of squares is gathered in the same pass and applied at the end."""
     acc1 = tl.zeros((BR, BK), tl.float32)
     acc2 = tl.zeros((BR, BK), tl.float32)
     ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
     ks = tl.arange(0, BK)
     w1row = w1_ptr + rows1[:, None].to(tl.int64) * ld
     w2row = w2_ptr + rows2[:, None].to(tl.int64) * ld
-    y01 = tl.zeros((BR,), tl.float32)
-    y02 = tl.zeros((BR,), tl.float32)
-    k_begin = K * 0
-    if KP > 0:
-        y01, ss = preload_dot(pre1, v_ptr, nw_ptr, 0, pre_on, True, KP)
-        y02, _ = preload_dot(pre2, v_ptr, nw_ptr, 0, pre_on, True, KP)
-        k_begin = (pre_on != 0).to(tl.int32) * KP
     if K % BK == 0:
-        for k in tl.range(k_begin, K, BK, num_stages=NS):
+        for k in tl.range(0, K, BK, num_stages=NS):
             kk = k + ks
             x = tl.load(v_ptr + kk, cache_modifier=".cg")
             ss += tl.sum(x * x, 0)
@@ -202,7 +162,6 @@ def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, K: tl.cons
             acc1 += w1.to(tl.float32) * v[None, :]
             acc2 += w2.to(tl.float32) * v[None, :]
     else:
-        tl.static_assert(KP == 0, "a preload needs K % BK == 0")
         for k in tl.range(0, K, BK, num_stages=NS):
             kk = k + ks
             kmask = kk < K
@@ -215,7 +174,7 @@ def dot_rows2(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, nw_ptr, K: tl.cons
             acc1 += w1.to(tl.float32) * v[None, :]
             acc2 += w2.to(tl.float32) * v[None, :]
     rstd = 1.0 / tl.sqrt(ss / K + EPS)
-    return (tl.sum(acc1, 1) + y01) * rstd, (tl.sum(acc2, 1) + y02) * rstd
+    return tl.sum(acc1, 1) * rstd, tl.sum(acc2, 1) * rstd
 
 
 @triton.jit
@@ -232,10 +191,8 @@ def op_embed(embed_ptr, x_ptr, token, start, end, H: tl.constexpr, BE: tl.conste
 @triton.jit
 def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, start, end, pos,
                 H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr, KVS: tl.constexpr,
-                S: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
-                pre1=0.0, pre2=0.0, pre_on=0, KP: tl.constexpr = 0):
-    """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache.
-    With KP > 0 the first head's first KP columns (both halves) arrived preloaded in pre1/pre2."""
+                S: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache."""
     HALF: tl.constexpr = HD // 2
     QKV: tl.constexpr = QS + 2 * KVS
     nw = norm_ptr + layer * H
@@ -245,8 +202,7 @@ def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_p
     sin = tl.load(sin_ptr + pos * HALF + j)
     rtrue = j < HALF
     for r in range(start, end, HD):
-        y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, H, EPS, HALF, BK, NS, pre1, pre2,
-                           pre_on * (r == start).to(tl.int32), KP)
+        y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, H, EPS, HALF, BK, NS)
         if r < QS + KVS:
             o1 = y1 * cos - y2 * sin
             o2 = y2 * cos + y1 * sin
@@ -308,50 +264,50 @@ def op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, 
 
 
 @triton.jit
+def _combine(m, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: tl.constexpr, HD: tl.constexpr):
+    """Fold split s (heads hs, lanes ok) into the running (max, denominator, weighted sum) of attn_reduce."""
+    ls = tl.load(lse_ptr + s * NH + hs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(opart_ptr + (s * NH + hs)[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0,
+                cache_modifier=".cg")
+    m_new = tl.maximum(m, ls)
+    alpha = tl.exp(m - m_new)
+    wgt = tl.exp(ls - m_new)  # an empty split (lse = -inf) weighs 0
+    return m_new, den * alpha + wgt, acc * alpha[:, None] + wgt[:, None] * o
+
+
+@triton.jit
 def op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: tl.constexpr, HD: tl.constexpr,
                    HB: tl.constexpr, SP: tl.constexpr):
     """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end).
 
-    Up to SP splits are loaded as one [SP, HB, HD] tile (one round trip to L2 instead of two per split: the op is
-    pure latency), combined online across chunks of SP when there are more splits."""
+    The op is pure latency (a few KB from L2), so the first SP splits are an unrolled, masked sequence whose loads
+    are all independent (one L2 round trip, not two per split), folded with an online log-sum-exp; any further
+    splits follow in a loop."""
     d = tl.arange(0, HD)
-    sp = tl.arange(0, SP)
     for hc in range(start, end, HB):
         hs = hc + tl.arange(0, HB)
         hm = hs < end
         m = tl.full((HB,), -1.0e30, tl.float32)
         den = tl.zeros((HB,), tl.float32)
         acc = tl.zeros((HB, HD), tl.float32)
-        for s0 in range(0, splits, SP):
-            ss = s0 + sp
-            lm = (ss < splits)[:, None] & hm[None, :]
-            rows = ss[:, None] * NH + hs[None, :]  # [SP, HB]
-            ls = tl.load(lse_ptr + rows, mask=lm, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(opart_ptr + rows[:, :, None] * HD + d[None, None, :], mask=lm[:, :, None], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m, tl.max(ls, 0))
-            alpha = tl.exp(m - m_new)
-            wgt = tl.exp(ls - m_new[None, :])  # [SP, HB]; empty splits and masked lanes give 0
-            den = den * alpha + tl.sum(wgt, 0)
-            acc = acc * alpha[:, None] + tl.sum(wgt[:, :, None] * o, 0)
-            m = m_new
+        for s in tl.static_range(SP):
+            m, den, acc = _combine(m, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
+        for s in range(SP, splits):
+            m, den, acc = _combine(m, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
         den = tl.where(den > 0, den, 1.0)
         tl.store(attn_ptr + hs[:, None] * HD + d[None, :], acc / den[:, None], mask=hm[:, None])
 
 
 @triton.jit
 def op_matvec_residual(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.constexpr, K: tl.constexpr,
-                       BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, pre=0.0, pre_on=0,
-                       KP: tl.constexpr = 0):
-    """x[start:end] += W[layer][start:end, k0:k1] @ v[k0:k1] (W is [L, R, K]); fp32 atomics (K-split safe). With
-    KP > 0 the first row block's first KP columns arrived preloaded in `pre`."""
+                       BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
+    """x[start:end] += W[layer][start:end, k0:k1] @ v[k0:k1] (W is [L, R, K]); fp32 atomics (K-split safe)."""
     wl = w_ptr + layer.to(tl.int64) * R * K
     rb = tl.arange(0, BR)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows(wl, K, rows, rmask, k0, k1, v_ptr, v_ptr, False, K, 1.0, BR, BK, NS, pre,
-                     pre_on * (r == start).to(tl.int32), KP)
+        y = dot_rows(wl, K, rows, rmask, k0, k1, v_ptr, v_ptr, False, K, 1.0, BR, BK, NS)
         tl.atomic_add(x_ptr + rows, y, mask=rmask, sem="relaxed", scope="gpu")
 
 
@@ -390,46 +346,11 @@ def _split_bf16(x):
 
 
 @triton.jit
-def _attn_block(q_hi, q_lo, k, v, tm, m_i, l_i, acc):
-    """One flash-decoding block on the tensor cores: scores of the padded query rows against k [BT, HD] (positions
-    masked by tm), online softmax, p @ v; returns the updated (m, l, acc)."""
-    kt = tl.trans(k)
-    s = tl.dot(q_hi, kt) + tl.dot(q_lo, kt)  # [MQ, BT] fp32
-    s = tl.where(tm[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p_hi, p_lo = _split_bf16(p)
-    acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def preload_kv(kc_ptr, vc_ptr, layer, g, split, splits, pos, active, NKV: tl.constexpr, HD: tl.constexpr,
-               S: tl.constexpr, BTP: tl.constexpr):
-    """The first BTP positions of an attention split's K/V history, loaded BEFORE the instruction waits: positions
-    < pos were written by earlier steps, never by this one, so no counter guards them (the current position is
-    read after the wait, in `op_attn_partial_mma`). `active` = 0 issues no memory traffic (other opcodes)."""
-    T = pos + 1
-    splits = tl.maximum(splits, 1)  # other opcodes pass other arguments here: never divide by zero
-    lo = split * T // splits
-    hi = (split + 1) * T // splits
-    ts = lo + tl.arange(0, BTP)
-    d = tl.arange(0, HD)
-    m = ((ts < hi) & (ts < pos) & (active != 0))[:, None]
-    offs = (layer * NKV + g).to(tl.int64) * S * HD + ts[:, None] * HD + d[None, :]
-    return tl.load(kc_ptr + offs, mask=m, other=0.0), tl.load(vc_ptr + offs, mask=m, other=0.0)
-
-
-@triton.jit
-def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, kpre, vpre,
+def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos,
                         NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-                        BT: tl.constexpr, SCALE: tl.constexpr, NS: tl.constexpr, BTP: tl.constexpr):
+                        BT: tl.constexpr, SCALE: tl.constexpr, NS: tl.constexpr):
     """`op_attn_partial` on the tensor cores (flash-decoding): the group's query heads padded to 16 rows, q and p
-    split into bf16 hi + lo parts so the products keep fp32-level accuracy; the K/V stream is software-pipelined.
-    With BTP > 0 the split's first BTP positions arrive preloaded (`preload_kv`, issued before the wait); only the
-    current position's row is read here, then the rest of the split streams as before."""
+    split into bf16 hi + lo parts so the products keep fp32-level accuracy; the K/V stream is software-pipelined."""
     MQ: tl.constexpr = 16
     T = pos + 1
     lo = split * T // splits
@@ -444,24 +365,23 @@ def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, spl
     m_i = tl.full((MQ,), -1.0e30, tl.float32)
     l_i = tl.zeros((MQ,), tl.float32)
     acc = tl.zeros((MQ, HD), tl.float32)
-    t_begin = lo
-    if BTP > 0:
-        tp = lo + tl.arange(0, BTP)
-        tpm = tp < hi
-        cur = (tp == pos)[:, None]  # this step's row (written by this step's QKV: read after the wait)
-        poffs = base + tp[:, None] * HD + d[None, :]
-        kp = tl.where(cur, tl.load(kc_ptr + poffs, mask=cur, other=0.0, cache_modifier=".cg"), kpre)
-        vp = tl.where(cur, tl.load(vc_ptr + poffs, mask=cur, other=0.0, cache_modifier=".cg"), vpre)
-        m_i, l_i, acc = _attn_block(q_hi, q_lo, kp, vp, tpm, m_i, l_i, acc)
-        t_begin = lo + BTP
     tb = tl.arange(0, BT)
-    for t0 in tl.range(t_begin, hi, BT, num_stages=NS):
+    for t0 in tl.range(lo, hi, BT, num_stages=NS):
         ts = t0 + tb
         tm = ts < hi
         offs = base + ts[:, None] * HD + d[None, :]
         k = tl.load(kc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg")
         v = tl.load(vc_ptr + offs, mask=tm[:, None], other=0.0, cache_modifier=".cg")
-        m_i, l_i, acc = _attn_block(q_hi, q_lo, k, v, tm, m_i, l_i, acc)
+        kt = tl.trans(k)
+        s = tl.dot(q_hi, kt) + tl.dot(q_lo, kt)  # [MQ, BT] fp32
+        s = tl.where(tm[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_hi, p_lo = _split_bf16(p)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        m_i = m_new
     empty = hi <= lo
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     o = tl.where(empty, 0.0, acc / safe_l[:, None])
@@ -549,12 +469,9 @@ def prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_pt
 
 @triton.jit
 def op_gate_up_flat(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr,
-                    IS: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
-                    pre1=0.0, pre2=0.0, pre_on=0, KP: tl.constexpr = 0):
+                    IS: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
     """`op_gate_up` as ONE software-pipelined loop over (row block, K block) pairs: the weight stream of the whole
-    instruction flows without a pipeline drain and refill at each row block. Needs H % BK == 0. With KP > 0 (a
-    multiple of BK) and pre_on != 0, the first row block's first KP columns arrived preloaded in pre1/pre2 and the
-    loop starts after them."""
+    instruction flows without a pipeline drain and refill at each row block. Needs H % BK == 0."""
     NKB: tl.constexpr = H // BK
     nw = norm_ptr + layer * H
     off = layer.to(tl.int64) * IS * H
@@ -564,14 +481,7 @@ def op_gate_up_flat(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end,
     acc1 = tl.zeros((BR, BK), tl.float32)
     acc2 = tl.zeros((BR, BK), tl.float32)
     ss = tl.sum(tl.zeros((BK,), tl.float32), 0)
-    y01 = tl.zeros((BR,), tl.float32)
-    y02 = tl.zeros((BR,), tl.float32)
-    it0 = start * 0
-    if KP > 0:
-        y01, ss = preload_dot(pre1, x_ptr, nw, 0, pre_on, True, KP)
-        y02, _ = preload_dot(pre2, x_ptr, nw, 0, pre_on, True, KP)
-        it0 = (pre_on != 0).to(tl.int32) * (KP // BK)
-    for it in tl.range(it0, nrb * NKB, num_stages=NS):
+    for it in tl.range(0, nrb * NKB, num_stages=NS):
         kb = it % NKB
         rows = start + (it // NKB) * BR + rb
         rmask = rows < end
@@ -586,10 +496,9 @@ def op_gate_up_flat(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end,
         acc2 = acc2 * keep + w2.to(tl.float32) * v[None, :]
         ss = ss * keep + tl.sum(x * x, 0)
         if kb == NKB - 1:
-            first = (it < NKB).to(tl.float32)  # the preloaded columns belong to the first row block only
             rstd = 1.0 / tl.sqrt(ss / H + EPS)
-            g = (tl.sum(acc1, 1) + y01 * first) * rstd
-            u = (tl.sum(acc2, 1) + y02 * first) * rstd
+            g = tl.sum(acc1, 1) * rstd
+            u = tl.sum(acc2, 1) * rstd
             tl.store(act_ptr + rows, g / (1.0 + tl.exp(-g)) * u, mask=rmask)
 
 
