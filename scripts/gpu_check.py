@@ -254,7 +254,6 @@ def main() -> int:
         "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
         "pfall": KernelConfig(prefetch=1),
         "ns1": KernelConfig(num_stages=1),
-        "ns4": KernelConfig(num_stages=4),
         "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
         "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
         "bt128": KernelConfig(bt=128),
@@ -268,11 +267,23 @@ def main() -> int:
         "gu1632": KernelConfig(br_gu=16, bk_gu=512),  # the gate/up tile before v5
         "sp8": KernelConfig(reduce_splits=8),  # v8: attn_reduce unrolled over 8 splits (default 16)
         "sp1": KernelConfig(reduce_splits=1),  # v8 with one unrolled split: close to the v6 loop
+        # v9: L2 warm-up of o_proj / the first rows of gate/up at the start of each layer
+        "wo": KernelConfig(warm_o=True),
+        "wg16": KernelConfig(warm_gu=16),
+        "wg32": KernelConfig(warm_gu=32),
+        "wg64": KernelConfig(warm_gu=64),
+        "wo_g16": KernelConfig(warm_o=True, warm_gu=16),
+        "wo_g32": KernelConfig(warm_o=True, warm_gu=32),
+        "ns4": KernelConfig(num_stages=4),  # the default since v9
+        "ns3": KernelConfig(num_stages=3),  # the default up to v8
+        "wo_ns4": KernelConfig(warm_o=True, num_stages=4),
+        "wo_ns5": KernelConfig(warm_o=True, num_stages=5),
+        "wo_ns4_a4": KernelConfig(warm_o=True, num_stages=4, ns_attn=4),
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}
     gu32 = {**tiles, "mlp_norm_gate_up": 32}
-    best = {**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}  # bench/best_schedule_llama1b_h200.json
+    best = {**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}  # + 16 splits: bench/best_schedule_...
 
     def strat(**kw: Any) -> Strategy:
         return Strategy(**kw)
@@ -286,9 +297,9 @@ def main() -> int:
         "gu64lm": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}, attn_splits=4),
         "gu64s8": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=8),
         "gu128": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 128}, attn_splits=4),
-        "best": lambda: strat(tiles=best, attn_splits=8),
+        "best": lambda: strat(tiles=best, attn_splits=16),  # bench/best_schedule_llama1b_h200.json since v8
+        "best_s8": lambda: strat(tiles=best, attn_splits=8),  # the best schedule up to v7
         "best_o32": lambda: strat(tiles={**best, "o_proj_residual": 32}, attn_splits=8),
-        "best_s16": lambda: strat(tiles=best, attn_splits=16),
         "best_d32k2": lambda: strat(tiles={**best, "down_proj_residual": 32}, attn_splits=8,
                                     k_splits={"o_proj_residual": 1, "down_proj_residual": 2}),
         "chunk": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk"),

@@ -46,7 +46,7 @@ def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: 
     try:
         spec = get_model(model_name)
         strategy = load_strategy(strategy_file) if strategy_file else None
-        schedule = lower(spec, workers, strategy)
+        schedule = lower(spec, workers, strategy, proposer="naive" if strategy is None else "manual")
     except KeyError as exc:
         raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
     except ScheduleError as exc:

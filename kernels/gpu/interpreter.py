@@ -56,7 +56,8 @@ def _megakernel(
     BR_D: tl.constexpr, BK_D: tl.constexpr, BR_LM: tl.constexpr, BK_LM: tl.constexpr, BT: tl.constexpr,
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
-    FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr,
+    FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
+    WARM_GU: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -88,6 +89,8 @@ def _megakernel(
     sc0 = tl.load(row + 13, mask=valid, other=0)
     sa0 = tl.load(row + 14, mask=valid, other=0)
     idx = tl.load(row + 15, mask=valid, other=0)
+    warm_o = tl.load(row + 16, mask=valid, other=-1)
+    warm_gu = tl.load(row + 17, mask=valid, other=-1)
     while (qi < q1) & (ok != 0):
         nvalid = qi + 1 < q1
         nrow = ins_ptr + (qi + 1) * ROWW
@@ -107,10 +110,28 @@ def _megakernel(
         n_sc0 = tl.load(nrow + 13, mask=nvalid, other=0)
         n_sa0 = tl.load(nrow + 14, mask=nvalid, other=0)
         n_idx = tl.load(nrow + 15, mask=nvalid, other=0)
+        n_warm_o = tl.load(nrow + 16, mask=nvalid, other=-1)
+        n_warm_gu = tl.load(nrow + 17, mask=nvalid, other=-1)
         if PREFETCH >= 1:  # weights never depend on a wait: start streaming (the head of) them into L2 now
             ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
                                      lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
                                      OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, PF_CAP)
+        # L2 warm-up (pack.warm_hints): the first instruction of a layer on this worker starts pulling the weights of
+        # its later o_proj (all of it) and gate/up (the first WARM_GU rows) into L2, while the attention chain
+        # leaves HBM mostly idle; the hint is a prefetch, so it changes no result.
+        if WARM_O:
+            if warm_o >= 0:
+                trow = ins_ptr + warm_o * ROWW
+                ops.prefetch_rows(wo_ptr, tl.load(trow + 1).to(tl.int64) * H * QS, QS, tl.load(trow + 2),
+                                  tl.load(trow + 3), tl.load(trow + 4), tl.load(trow + 5), 1 << 30)
+        if WARM_GU > 0:
+            if warm_gu >= 0:
+                trow = ins_ptr + warm_gu * ROWW
+                goff = tl.load(trow + 1).to(tl.int64) * IS * H
+                g0 = tl.load(trow + 2)
+                g1 = tl.minimum(tl.load(trow + 3), g0 + WARM_GU)
+                ops.prefetch_rows(wg_ptr, goff, H, g0, g1, g0 * 0, g0 * 0 + H, 1 << 30)
+                ops.prefetch_rows(wu_ptr, goff, H, g0, g1, g0 * 0, g0 * 0 + H, 1 << 30)
         if TRACE:
             t_wait = ops.globaltimer()
         if wn == 1:  # the common case: one wait, inline in the row, one acquire load per poll
@@ -221,6 +242,8 @@ def _megakernel(
         sc0 = n_sc0
         sa0 = n_sa0
         idx = n_idx
+        warm_o = n_warm_o
+        warm_gu = n_warm_gu
 
 
 def _pow2(n: int) -> int:
@@ -232,7 +255,7 @@ class KernelConfig:
     """Compile-time tile shapes and pipelining of the interpreter (none of them depend on the schedule)."""
 
     num_warps: int = 8
-    num_stages: int = 3  # software-pipelining depth of the weight-streaming K loops
+    num_stages: int = 4  # software-pipelining depth of the weight-streaming K loops (3 until v9)
     bk_qkv: int = 256
     br_o: int = 16
     bk_o: int = 512
@@ -252,6 +275,8 @@ class KernelConfig:
     flat: bool = True  # gate/up and LM head: one pipelined loop over (row block, K block), no refill per row block
     be: int = 1024  # embedding copy block
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once (perf-notes v8)
+    warm_o: bool = False  # L2 warm-up of a worker's o_proj tile at the start of its layer (perf-notes v9)
+    warm_gu: int = 0  # rows of a worker's gate/up tile warmed into L2 at the start of its layer (0: none)
 
 
 def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -298,7 +323,8 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_GU=k.br_gu, BK_GU=min(k.bk_gu, hp), BR_D=k.br_d, BK_D=min(k.bk_d, _pow2(c.intermediate_size)),
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
-        BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits),
+        BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
+        WARM_GU=k.warm_gu,
         num_warps=k.num_warps, num_stages=1)
 
 

@@ -7,7 +7,9 @@ kernel. Layout (all int32):
                     reads its next row with no indirection and can load it ahead): opcode, layer, four op arguments in
                     the catalogue's argument order (`OPS[op].args`), the instruction id, (offset, count) into
                     `waits` and `sigs`, the first wait (counter, value) and first signal (counter, add) inline (the
-                    common case needs no table access), and the instruction's index (ascending-id order)
+                    common case needs no table access), the instruction's index (ascending-id order), and two L2
+                    warm-up hints (`warm_hints`): rows of this worker's o_proj and gate/up instructions of the same
+                    layer whose weights it may start pulling into L2 before this instruction's waits (-1: none)
   waits  [NW, 2]    (counter, value) pairs, all waits of each instruction (the first is also inline)
   sigs   [NS, 2]    (counter, add) pairs, likewise
   qoff   [W + 1]    worker offsets into `ins`
@@ -27,9 +29,12 @@ from validator.schedule import Schedule
 
 #: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
 OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
-ROW = 16  # fields per instruction row (64 bytes)
+ROW = 18  # fields per instruction row
 F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
-F_C0, F_V0, F_SC0, F_SA0, F_IDX = 11, 12, 13, 14, 15
+F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU = 11, 12, 13, 14, 15, 16, 17
+#: The ops whose weights a worker warms into L2 while its layer's attention runs (their stream is the next thing the
+#: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
+WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
 MAX_ARGS = 4
 
 for _name, _spec in OPS.items():
@@ -103,12 +108,32 @@ def pack_program(prog: Program) -> Packed:
         qoff[w + 1] = qoff[w] + len(q)
     qitems = np.array([i for q in prog.queues for i in q] or [0], dtype=np.int32)
     ins = np.ascontiguousarray(rows[qitems]) if n else rows
+    warm_hints(prog, qoff, ins)
     return Packed(
         ins=ins, waits=np.array(waits or [(0, 0)], dtype=np.int32).reshape(-1, 2),
         sigs=np.array(sigs or [(0, 0)], dtype=np.int32).reshape(-1, 2), qoff=qoff, qitems=qitems,
         workers=len(prog.queues), counters=prog.counters, max_splits=max_splits, ids=list(prog.ids),
         labels=[prog.label(i) for i in range(n)], ops=list(prog.op), layers=list(prog.layer),
         worker_of=list(prog.worker), expected_counters=expected[:prog.counters].astype(np.int32))
+
+
+def warm_hints(prog: Program, qoff: np.ndarray, ins: np.ndarray) -> None:
+    """Fill the L2 warm-up fields of `ins` (queue order) in place: on each worker, the first instruction of each
+    layer points at that worker's first instruction of each `WARM_OPS` op in the same layer (when it is a later
+    one). The hints are prefetches only: they change no result and no ordering, so the validator never sees them."""
+    ins[:, F_WARM_O] = -1
+    ins[:, F_WARM_GU] = -1
+    for w, queue in enumerate(prog.queues):
+        first: dict[int, int] = {}
+        for pos, i in enumerate(queue):
+            layer = prog.layer[i]
+            if layer is None:
+                continue
+            trigger = first.setdefault(layer, pos)
+            for fld, op in WARM_OPS.items():
+                row = ins[qoff[w] + trigger]
+                if prog.op[i] == op and pos != trigger and row[fld] < 0:
+                    row[fld] = qoff[w] + pos
 
 
 def pack(schedule: Schedule) -> Packed:
