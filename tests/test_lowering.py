@@ -69,6 +69,7 @@ def test_lower_with_strategy_is_accepted(tmp_path, no_races: None, model: str, w
     assert result.exit_code == 0, result.output
     doc = json.loads(open(out, encoding="utf-8").read())
     assert doc["target"]["workers"] == workers and len(doc["queues"]) == workers
+    assert doc["meta"]["proposer"] == "manual"  # a schedule from a strategy file is not the naive baseline
     assert sorted(i for q in doc["queues"] for i in q) == list(range(len(doc["instructions"])))
     if "attn_splits" in strategy:
         splits = {ins["args"]["splits"] for ins in doc["instructions"] if ins["op"] == "attn_partial"}

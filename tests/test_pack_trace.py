@@ -53,6 +53,31 @@ def test_pack_tables_decode_back_to_the_schedule(schedule) -> None:
     assert packed.expected_counters.tolist() == totals.tolist()
 
 
+def test_warm_hints_point_at_the_same_workers_later_ops_of_the_layer(schedule) -> None:
+    packed = P.pack(schedule)
+    by_id = schedule.by_id()
+    hinted = 0
+    for w, queue in enumerate(schedule.queues):
+        lo = int(packed.qoff[w])
+        seen: set[int] = set()
+        for pos, iid in enumerate(queue):
+            ins, row = by_id[iid], packed.ins[lo + pos]
+            first_of_layer = ins.layer is not None and ins.layer not in seen
+            if ins.layer is not None:
+                seen.add(ins.layer)
+            for fld, op in P.WARM_OPS.items():
+                later = [lo + p for p, j in enumerate(queue) if p > pos and by_id[j].op == op
+                         and by_id[j].layer == ins.layer]
+                want = later[0] if first_of_layer and later else -1  # only a layer's first instruction hints
+                assert int(row[fld]) == want, (w, pos, ins.op, fld)
+                if want >= 0:
+                    hinted += 1
+                    target = packed.ins[want]
+                    assert int(target[P.F_OP]) == P.OPCODES[op] and int(target[P.F_LAYER]) == ins.layer
+                    assert lo <= want < int(packed.qoff[w + 1])  # the same worker's queue
+    assert hinted > 0
+
+
 def test_pack_refuses_ops_it_cannot_execute() -> None:
     doc = {"format": "megakernel-schedule/1", "target": {"workers": 1}, "buffers": {"a": 4}, "counters": 0,
            "instructions": [{"id": 0, "op": "my_op", "writes": [{"buffer": "a", "range": [0, 4]}]}], "queues": [[0]]}
