@@ -31,39 +31,11 @@ except ImportError:  # pragma: no cover - older Triton
 
 
 @triton.jit
-def _stream_ldg(wg_ptr, wu_ptr, x_ptr, out_ptr, L, ROWS_PER_LAYER: tl.constexpr, H: tl.constexpr,
-                RPP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """Each program: for every layer, rows [pid*RPP, (pid+1)*RPP) of both matrices against x (the gate/up loop)."""
-    NKB: tl.constexpr = H // BK
-    NRB: tl.constexpr = RPP // BR
-    pid = tl.program_id(0)
-    rb = tl.arange(0, BR)
-    ks = tl.arange(0, BK)
-    for layer in range(0, L):
-        off = layer.to(tl.int64) * ROWS_PER_LAYER * H
-        acc1 = tl.zeros((BR, BK), tl.float32)
-        acc2 = tl.zeros((BR, BK), tl.float32)
-        for it in tl.range(0, NRB * NKB, num_stages=NS):
-            kb = it % NKB
-            rows = pid * RPP + (it // NKB) * BR + rb
-            kk = kb * BK + ks
-            v = tl.load(x_ptr + kk, cache_modifier=".cg")
-            wrow = rows[:, None].to(tl.int64) * H + kk[None, :]
-            w1 = tl.load(wg_ptr + off + wrow)
-            w2 = tl.load(wu_ptr + off + wrow)
-            keep = (kb != 0).to(tl.float32)
-            acc1 = acc1 * keep + w1.to(tl.float32) * v[None, :]
-            acc2 = acc2 * keep + w2.to(tl.float32) * v[None, :]
-            if kb == NKB - 1:
-                g = tl.sum(acc1, 1)
-                u = tl.sum(acc2, 1)
-                tl.store(out_ptr + rows, g / (1.0 + tl.exp(-g)) * u)
-
-
-@triton.jit
-def _stream_tma(wg_desc, wu_desc, x_ptr, out_ptr, L, ROWS_PER_LAYER: tl.constexpr, H: tl.constexpr,
-                RPP: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """`_stream_ldg` with the weight tiles fetched by the TMA engine (2-D descriptors over [L * rows, H])."""
+def _stream(wg, wu, x_ptr, out_ptr, L, ROWS_PER_LAYER: tl.constexpr, H: tl.constexpr, RPP: tl.constexpr,
+            BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr):
+    """Each program: for every layer, rows [pid*RPP, (pid+1)*RPP) of both matrices against x (the megakernel's
+    gate/up loop). wg/wu are pointers (`tl.load` through the cp.async pipeline) or, with TMA, 2-D tensor
+    descriptors over [L * rows, H] whose tiles the TMA engine fetches."""
     NKB: tl.constexpr = H // BK
     NRB: tl.constexpr = RPP // BR
     pid = tl.program_id(0)
@@ -74,18 +46,23 @@ def _stream_tma(wg_desc, wu_desc, x_ptr, out_ptr, L, ROWS_PER_LAYER: tl.constexp
         acc2 = tl.zeros((BR, BK), tl.float32)
         for it in tl.range(0, NRB * NKB, num_stages=NS):
             kb = it % NKB
-            r0 = layer * ROWS_PER_LAYER + pid * RPP + (it // NKB) * BR
+            r0 = pid * RPP + (it // NKB) * BR
             kk = kb * BK + ks
             v = tl.load(x_ptr + kk, cache_modifier=".cg")
-            w1 = wg_desc.load([r0, kb * BK])
-            w2 = wu_desc.load([r0, kb * BK])
+            if TMA:
+                w1 = wg.load([layer * ROWS_PER_LAYER + r0, kb * BK])
+                w2 = wu.load([layer * ROWS_PER_LAYER + r0, kb * BK])
+            else:
+                wrow = layer.to(tl.int64) * ROWS_PER_LAYER * H + (r0 + rb)[:, None].to(tl.int64) * H + kk[None, :]
+                w1 = tl.load(wg + wrow)
+                w2 = tl.load(wu + wrow)
             keep = (kb != 0).to(tl.float32)
             acc1 = acc1 * keep + w1.to(tl.float32) * v[None, :]
             acc2 = acc2 * keep + w2.to(tl.float32) * v[None, :]
             if kb == NKB - 1:
                 g = tl.sum(acc1, 1)
                 u = tl.sum(acc2, 1)
-                tl.store(out_ptr + r0 - layer * ROWS_PER_LAYER + rb, g / (1.0 + tl.exp(-g)) * u)
+                tl.store(out_ptr + r0 + rb, g / (1.0 + tl.exp(-g)) * u)
 
 
 def copy_bandwidth(nbytes: int = 1 << 31) -> float:
@@ -131,13 +108,11 @@ def main() -> int:
             if kind == "tma":
                 if TensorDescriptor is None:
                     raise RuntimeError("this Triton has no host tensor descriptors")
-                dg = TensorDescriptor.from_tensor(wg, [br, bk])
-                du = TensorDescriptor.from_tensor(wu, [br, bk])
-                launch = lambda: _stream_tma[(progs,)](dg, du, x, outv, L, IS, H, rpp, br, bk, ns,  # noqa: E731
-                                                       num_warps=warps)
+                a, b = TensorDescriptor.from_tensor(wg, [br, bk]), TensorDescriptor.from_tensor(wu, [br, bk])
             else:
-                launch = lambda: _stream_ldg[(progs,)](wg, wu, x, outv, L, IS, H, rpp, br, bk, ns,  # noqa: E731
-                                                       num_warps=warps)
+                a, b = wg, wu
+            launch = lambda: _stream[(progs,)](a, b, x, outv, L, IS, H, rpp, br, bk, ns, kind == "tma",  # noqa: E731
+                                               num_warps=warps)
             launch()
             torch.cuda.synchronize()
             if ref is None:  # last layer's act, from torch
