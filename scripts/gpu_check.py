@@ -279,6 +279,8 @@ def main() -> int:
         "wo_ns4": KernelConfig(warm_o=True, num_stages=4),
         "wo_ns5": KernelConfig(warm_o=True, num_stages=5),
         "wo_ns4_a4": KernelConfig(warm_o=True, num_stages=4, ns_attn=4),
+        "a1": KernelConfig(ns_attn=1),  # no K/V pipelining in attention (16 splits: one block per split at ctx 1024)
+        "a2": KernelConfig(ns_attn=2),
     }
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}
@@ -299,6 +301,7 @@ def main() -> int:
         "gu128": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 128}, attn_splits=4),
         "best": lambda: strat(tiles=best, attn_splits=16),  # bench/best_schedule_llama1b_h200.json since v8
         "best_s8": lambda: strat(tiles=best, attn_splits=8),  # the best schedule up to v7
+        "best_lm972": lambda: strat(tiles={**best, "final_norm_lm_head": 972}, attn_splits=16),  # one wave of 132
         "best_o32": lambda: strat(tiles={**best, "o_proj_residual": 32}, attn_splits=8),
         "best_d32k2": lambda: strat(tiles={**best, "down_proj_residual": 32}, attn_splits=8,
                                     k_splits={"o_proj_residual": 1, "down_proj_residual": 2}),
