@@ -45,6 +45,22 @@ class WatchdogError(RuntimeError):
 
 
 @triton.jit
+def _load_row(ins_ptr, q, q1, ROWW: tl.constexpr):
+    """The fields of queue row q (kernels/gpu/pack.py's layout); past the queue's end (q >= q1) opcode -1, no hints."""
+    valid = q < q1
+    row = ins_ptr + q * ROWW
+    return (tl.load(row, mask=valid, other=-1), tl.load(row + 1, mask=valid, other=0),
+            tl.load(row + 2, mask=valid, other=0), tl.load(row + 3, mask=valid, other=0),
+            tl.load(row + 4, mask=valid, other=0), tl.load(row + 5, mask=valid, other=0),
+            tl.load(row + 6, mask=valid, other=0), tl.load(row + 7, mask=valid, other=0),
+            tl.load(row + 8, mask=valid, other=0), tl.load(row + 9, mask=valid, other=0),
+            tl.load(row + 10, mask=valid, other=0), tl.load(row + 11, mask=valid, other=0),
+            tl.load(row + 12, mask=valid, other=0), tl.load(row + 13, mask=valid, other=0),
+            tl.load(row + 14, mask=valid, other=0), tl.load(row + 15, mask=valid, other=0),
+            tl.load(row + 16, mask=valid, other=-1), tl.load(row + 17, mask=valid, other=-1))
+
+
+@triton.jit
 def _megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, qitems_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr,
@@ -71,47 +87,11 @@ def _megakernel(
     ok = pid * 0 + 1
     # The current row's fields are loaded one instruction ahead (software-pipelined decode): rows are in queue order,
     # so the next row's address needs no load and its latency hides behind the current instruction.
-    valid = qi < q1
-    row = ins_ptr + qi * ROWW
-    op = tl.load(row, mask=valid, other=-1)
-    layer = tl.load(row + 1, mask=valid, other=0)
-    a0 = tl.load(row + 2, mask=valid, other=0)
-    a1 = tl.load(row + 3, mask=valid, other=0)
-    a2 = tl.load(row + 4, mask=valid, other=0)
-    a3 = tl.load(row + 5, mask=valid, other=0)
-    iid = tl.load(row + 6, mask=valid, other=0)
-    woff = tl.load(row + 7, mask=valid, other=0)
-    wn = tl.load(row + 8, mask=valid, other=0)
-    soff = tl.load(row + 9, mask=valid, other=0)
-    sn = tl.load(row + 10, mask=valid, other=0)
-    c0 = tl.load(row + 11, mask=valid, other=0)
-    v0 = tl.load(row + 12, mask=valid, other=0)
-    sc0 = tl.load(row + 13, mask=valid, other=0)
-    sa0 = tl.load(row + 14, mask=valid, other=0)
-    idx = tl.load(row + 15, mask=valid, other=0)
-    warm_o = tl.load(row + 16, mask=valid, other=-1)
-    warm_gu = tl.load(row + 17, mask=valid, other=-1)
+    (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, warm_o,
+     warm_gu) = _load_row(ins_ptr, qi, q1, ROWW)
     while (qi < q1) & (ok != 0):
-        nvalid = qi + 1 < q1
-        nrow = ins_ptr + (qi + 1) * ROWW
-        n_op = tl.load(nrow, mask=nvalid, other=-1)
-        n_layer = tl.load(nrow + 1, mask=nvalid, other=0)
-        n_a0 = tl.load(nrow + 2, mask=nvalid, other=0)
-        n_a1 = tl.load(nrow + 3, mask=nvalid, other=0)
-        n_a2 = tl.load(nrow + 4, mask=nvalid, other=0)
-        n_a3 = tl.load(nrow + 5, mask=nvalid, other=0)
-        n_iid = tl.load(nrow + 6, mask=nvalid, other=0)
-        n_woff = tl.load(nrow + 7, mask=nvalid, other=0)
-        n_wn = tl.load(nrow + 8, mask=nvalid, other=0)
-        n_soff = tl.load(nrow + 9, mask=nvalid, other=0)
-        n_sn = tl.load(nrow + 10, mask=nvalid, other=0)
-        n_c0 = tl.load(nrow + 11, mask=nvalid, other=0)
-        n_v0 = tl.load(nrow + 12, mask=nvalid, other=0)
-        n_sc0 = tl.load(nrow + 13, mask=nvalid, other=0)
-        n_sa0 = tl.load(nrow + 14, mask=nvalid, other=0)
-        n_idx = tl.load(nrow + 15, mask=nvalid, other=0)
-        n_warm_o = tl.load(nrow + 16, mask=nvalid, other=-1)
-        n_warm_gu = tl.load(nrow + 17, mask=nvalid, other=-1)
+        (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx,
+         n_warm_o, n_warm_gu) = _load_row(ins_ptr, qi + 1, q1, ROWW)
         if PREFETCH >= 1:  # weights never depend on a wait: start streaming (the head of) them into L2 now
             ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
                                      lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
@@ -226,24 +206,9 @@ def _megakernel(
                 tl.store(tr + 2, t_end)
                 tl.store(tr + 3, pid.to(tl.int64))
         qi += 1
-        op = n_op
-        layer = n_layer
-        a0 = n_a0
-        a1 = n_a1
-        a2 = n_a2
-        a3 = n_a3
-        iid = n_iid
-        woff = n_woff
-        wn = n_wn
-        soff = n_soff
-        sn = n_sn
-        c0 = n_c0
-        v0 = n_v0
-        sc0 = n_sc0
-        sa0 = n_sa0
-        idx = n_idx
-        warm_o = n_warm_o
-        warm_gu = n_warm_gu
+        (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, warm_o,
+         warm_gu) = (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0,
+                     n_sa0, n_idx, n_warm_o, n_warm_gu)
 
 
 def _pow2(n: int) -> int:

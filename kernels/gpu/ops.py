@@ -222,6 +222,16 @@ def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_p
 
 
 @triton.jit
+def _store_split(opart_ptr, lse_ptr, acc, m_i, l_i, empty, row, gm, d, HD: tl.constexpr):
+    """An attention split's epilogue: the normalised output and its log-sum-exp (an empty split: 0 and -inf)."""
+    safe_l = tl.where(l_i > 0, l_i, 1.0)
+    o = tl.where(empty, 0.0, acc / safe_l[:, None])
+    lse = tl.where(empty, float("-inf"), m_i + tl.log(safe_l))
+    tl.store(opart_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None])
+    tl.store(lse_ptr + row, lse, mask=gm)
+
+
+@triton.jit
 def op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos,
                     NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
                     GP: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr):
@@ -254,13 +264,7 @@ def op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, 
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m_i = m_new
-    empty = hi <= lo
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    o = tl.where(empty, 0.0, acc / safe_l[:, None])
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(safe_l))
-    row = split * NH + h0 + gi
-    tl.store(opart_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None])
-    tl.store(lse_ptr + row, lse, mask=gm)
+    _store_split(opart_ptr, lse_ptr, acc, m_i, l_i, hi <= lo, split * NH + h0 + gi, gm, d, HD)
 
 
 @triton.jit
@@ -382,13 +386,7 @@ def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, spl
         p_hi, p_lo = _split_bf16(p)
         acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m_i = m_new
-    empty = hi <= lo
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    o = tl.where(empty, 0.0, acc / safe_l[:, None])
-    lse = tl.where(empty, float("-inf"), m_i + tl.log(safe_l))
-    row = split * NH + h0 + gi
-    tl.store(opart_ptr + row[:, None] * HD + d[None, :], o, mask=gm[:, None])
-    tl.store(lse_ptr + row, lse, mask=gm)
+    _store_split(opart_ptr, lse_ptr, acc, m_i, l_i, hi <= lo, split * NH + h0 + gi, gm, d, HD)
 
 
 @triton.jit
