@@ -42,15 +42,8 @@ def _slice(prog: Program, wg: WaitGroups, live: list[bool], seeds: list[int]) ->
     seen = set(seeds)
     stack = list(seeds)
     while stack:
-        y = stack.pop()
-        nxt = []
-        if prog.qpos[y] > 0:
-            nxt.append(prog.queues[prog.worker[y]][prog.qpos[y] - 1])
-        for g in wg.of[y]:
-            if g >= 0:
-                nxt.extend(a for a, _ in wg.candidates[g])
-        for x in nxt:
-            if live[x] and x not in seen:
+        for x in _deps(prog, wg, live, stack.pop()):
+            if x not in seen:
                 seen.add(x)
                 stack.append(x)
     return sorted(seen)
