@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
+from kernels.gpu.stream import StreamConfig  # noqa: E402
 from kernels.gpu.timing import time_schedule  # noqa: E402
 from kernels.reference import decode_step  # noqa: E402
 from kernels.trace import format_summary, summarize, write_trace  # noqa: E402
@@ -78,10 +79,15 @@ def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
     return {"rel_l2": rel, "margin": margin, "same_token": same, "finite": bool(torch.isfinite(out).all())}
 
 
+#: The interpreters checked for correctness (--kernels): v10 (Gluon, TMA ring, warp-specialized) and v9 (Triton).
+KERNELS: dict[str, Any] = {"v10": StreamConfig(), "v9": KernelConfig()}
+
+
 def check_model(name: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], schedule: Any, label: str,
-                positions: list[int], history: int, max_seq_len: int, tol: float = 2e-2) -> bool:
+                positions: list[int], history: int, max_seq_len: int, tol: float = 2e-2, kernel: str = "v10") -> bool:
     """Decode `positions` with the megakernel and the reference from the same random KV history; record the check."""
-    mk = Megakernel(schedule, weights, max_seq_len=max_seq_len)
+    mk = Megakernel(schedule, weights, max_seq_len=max_seq_len, config=KERNELS[kernel])
+    label = f"{kernel} {label}"
     gen = torch.Generator(device="cuda").manual_seed(1234)
     if history:
         mk.k_cache[:, :, :history].copy_(torch.randn(mk.k_cache[:, :, :history].shape, generator=gen,
@@ -112,22 +118,23 @@ def check_model(name: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], s
     return ok
 
 
-def check_watchdog(cfg: ModelConfig, spec: Any, weights: dict[str, torch.Tensor]) -> None:
+def check_watchdog(cfg: ModelConfig, spec: Any, weights: dict[str, torch.Tensor], kernel: str = "v10") -> None:
     doc = lower(spec, 8, Strategy()).to_json()
     victim = doc["instructions"][len(doc["instructions"]) // 2]
     victim["waits"] = [{"counter": victim["waits"][0]["counter"], "value": 10_000}]
     sched = parse_schedule(doc)
-    mk = Megakernel(sched, weights, max_seq_len=spec.max_seq_len, timeout_s=0.5)
+    mk = Megakernel(sched, weights, max_seq_len=spec.max_seq_len, timeout_s=0.5, config=KERNELS[kernel])
     t = time.time()
     try:
         mk.step(1, 3)
-        RESULTS["checks"].append({"model": "tiny", "schedule": "watchdog", "ok": False, "msg": "no error raised"})
-        log("check watchdog FAIL: no error")
+        RESULTS["checks"].append({"model": "tiny", "schedule": f"{kernel} watchdog", "ok": False,
+                                  "msg": "no error raised"})
+        log(f"check {kernel} watchdog FAIL: no error")
     except WatchdogError as exc:
         dt = time.time() - t
-        RESULTS["checks"].append({"model": "tiny", "schedule": "watchdog", "ok": True, "msg": str(exc)[:400],
-                                  "seconds": dt})
-        log(f"check watchdog OK in {dt:.2f} s: {str(exc)[:200]}")
+        RESULTS["checks"].append({"model": "tiny", "schedule": f"{kernel} watchdog", "ok": True,
+                                  "msg": str(exc)[:400], "seconds": dt})
+        log(f"check {kernel} watchdog OK in {dt:.2f} s: {str(exc)[:200]}")
 
 
 def copy_bandwidth() -> float:
@@ -183,6 +190,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--trace", default="naive", help="lowerings to trace (at ctx 1024, last kernel variant)")
+    ap.add_argument("--kernels", default="v10,v9", help="interpreters whose correctness is checked")
+    ap.add_argument("--smoke", action="store_true", help="one tiny schedule per --kernels entry, then stop")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -198,33 +207,51 @@ def main() -> int:
     log(f"copy bandwidth {bw:.2f} TB/s (read + write)")
     sms = props.multi_processor_count
 
+    kernels = args.kernels.split(",")
+    if args.smoke:  # a first look at a new kernel, run under `timeout` before the rest
+        spec = get_model("tiny")
+        w = {k: v.to("cuda", torch.bfloat16) for k, v in random_weights(spec.config, seed=3).items()}
+        if spec.config.tie_word_embeddings:
+            w["lm_head"] = w["embed"]
+        for kern in kernels:
+            try:
+                check_model("tiny", spec.config, w, lower(spec, 8), "naive w=8", [40, 41, 42], 40, spec.max_seq_len,
+                            kernel=kern)
+            except Exception as exc:
+                RESULTS["errors"].append(f"smoke {kern}: {exc!r}\n{traceback.format_exc()}")
+                log(f"ERROR smoke {kern}: {exc!r}")
+                traceback.print_exc()
+        (out / "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        return 0 if not RESULTS["errors"] and all(c["ok"] for c in RESULTS["checks"]) else 1
+
     if not args.skip_correctness:
-        for name in ("tiny", "tiny-gqa4"):
+        for name in ("tiny", "tiny-mha", "tiny-gqa4"):
             spec = get_model(name)
             cfg = spec.config
             w = {k: v.to("cuda", torch.bfloat16) for k, v in random_weights(cfg, seed=3).items()}
             if cfg.tie_word_embeddings:
                 w["lm_head"] = w["embed"]
-            try:
-                hist = spec.max_seq_len - 12
-                check_model(name, cfg, w, lower(spec, 8), "naive w=8", list(range(hist, hist + 8)), hist,
-                            spec.max_seq_len)
-                alt = variant_schedule(spec, 5, Strategy(attn_splits=3, k_splits={"o_proj_residual": 2,
-                                                                                  "down_proj_residual": 2},
-                                                         tiles={"attn_norm_qkv_rope": 32, "o_proj_residual": 8,
-                                                                "mlp_norm_gate_up": 24, "down_proj_residual": 8,
-                                                                "final_norm_lm_head": 40}),
-                                       reverse=True, shuffle_counters=7)
-                check_model(name, cfg, w, alt, "rev w=5 splits3 k2 perm", list(range(hist, hist + 8)), hist,
-                            spec.max_seq_len)
-                check_model(name, cfg, w, lower(spec, sms), f"naive w={sms} from pos 0", list(range(0, 6)), 0,
-                            spec.max_seq_len)
-                if name == "tiny":
-                    check_watchdog(cfg, spec, w)
-            except Exception as exc:  # keep going: every other check still runs
-                RESULTS["errors"].append(f"{name}: {exc!r}\n{traceback.format_exc()}")
-                log(f"ERROR {name}: {exc!r}")
-                traceback.print_exc()
+            for kern in kernels:
+                try:
+                    hist = spec.max_seq_len - 12
+                    check_model(name, cfg, w, lower(spec, 8), "naive w=8", list(range(hist, hist + 8)), hist,
+                                spec.max_seq_len, kernel=kern)
+                    alt = variant_schedule(spec, 5, Strategy(attn_splits=3, k_splits={"o_proj_residual": 2,
+                                                                                      "down_proj_residual": 2},
+                                                             tiles={"attn_norm_qkv_rope": 32, "o_proj_residual": 8,
+                                                                    "mlp_norm_gate_up": 24, "down_proj_residual": 8,
+                                                                    "final_norm_lm_head": 40}),
+                                           reverse=True, shuffle_counters=7)
+                    check_model(name, cfg, w, alt, "rev w=5 splits3 k2 perm", list(range(hist, hist + 8)), hist,
+                                spec.max_seq_len, kernel=kern)
+                    check_model(name, cfg, w, lower(spec, sms), f"naive w={sms} from pos 0", list(range(0, 6)), 0,
+                                spec.max_seq_len, kernel=kern)
+                    if name == "tiny":
+                        check_watchdog(cfg, spec, w, kernel=kern)
+                except Exception as exc:  # keep going: every other check still runs
+                    RESULTS["errors"].append(f"{name} {kern}: {exc!r}\n{traceback.format_exc()}")
+                    log(f"ERROR {name} {kern}: {exc!r}")
+                    traceback.print_exc()
 
     spec = get_model("llama-1b")
     cfg = spec.config
@@ -235,13 +262,14 @@ def main() -> int:
     if not args.skip_correctness:
         try:
             n = 4 if args.quick else 8
-            check_model("llama-1b", cfg, w, lower(spec, sms), f"naive w={sms}", list(range(2048, 2048 + n)), 2048,
-                        spec.max_seq_len)
-            alt = variant_schedule(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2,
-                                                                                "down_proj_residual": 2}),
-                                   reverse=True, shuffle_counters=3)
-            check_model("llama-1b", cfg, w, alt, "rev splits4 k2 perm", list(range(3000, 3000 + n // 2)), 3000,
-                        spec.max_seq_len)
+            for kern in kernels:
+                check_model("llama-1b", cfg, w, lower(spec, sms), f"naive w={sms}", list(range(2048, 2048 + n)),
+                            2048, spec.max_seq_len, kernel=kern)
+                alt = variant_schedule(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2,
+                                                                                    "down_proj_residual": 2}),
+                                       reverse=True, shuffle_counters=3)
+                check_model("llama-1b", cfg, w, alt, "rev splits4 k2 perm", list(range(3000, 3000 + n // 2)), 3000,
+                            spec.max_seq_len, kernel=kern)
         except Exception as exc:
             RESULTS["errors"].append(f"llama-1b: {exc!r}\n{traceback.format_exc()}")
             log(f"ERROR llama-1b: {exc!r}")
@@ -250,6 +278,10 @@ def main() -> int:
     variants = {
         "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # fp32 broadcast attention (the first version)
         "base": KernelConfig(),
+        "v9": KernelConfig(),  # = base: interpreter v9 as committed
+        "v10": StreamConfig(),  # interpreter v10: TMA ring fed by a loader warp that runs ahead of the waits
+        "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
+        "v10s8": StreamConfig(slots=8),
         "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
         "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
         "pfall": KernelConfig(prefetch=1),

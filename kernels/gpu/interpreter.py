@@ -244,6 +244,16 @@ class KernelConfig:
     warm_gu: int = 0  # rows of a worker's gate/up tile warmed into L2 at the start of its layer (0: none)
 
 
+def default_config(device: torch.device) -> Any:
+    """Interpreter v10 (`kernels.gpu.stream.StreamConfig`: TMA, warp specialization) on Hopper and newer GPUs;
+    interpreter v9 (`KernelConfig`) elsewhere, Triton's CPU interpreter included (it cannot run Gluon)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        from kernels.gpu.stream import StreamConfig
+
+        return StreamConfig()
+    return KernelConfig()
+
+
 def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Catalogue weights -> per-kind stacks across layers (one base pointer + layer offset): matrices bf16, norms
     fp32; a tied LM head shares the embedding's storage."""
@@ -298,7 +308,7 @@ class Megakernel:
 
     def __init__(self, schedule: Schedule, weights: dict[str, torch.Tensor], *, max_seq_len: int | None = None,
                  trace: bool = False, device: str | torch.device = "cuda", timeout_s: float = 2.0,
-                 config: KernelConfig | None = None) -> None:
+                 config: Any = None) -> None:
         if schedule.model is None:
             raise ScheduleError("the GPU interpreter needs a schedule with `model`", "$.model")
         self.cfg = ModelConfig.from_hf(schedule.model.config)
@@ -306,12 +316,18 @@ class Megakernel:
         self.max_seq_len = int(max_seq_len or schedule.model.max_seq_len)
         self.trace = trace
         self.timeout_ns = int(timeout_s * 1e9)
-        self.kcfg = config or KernelConfig()
+        self.kcfg = config or default_config(self.device)
+        self.v10 = not isinstance(self.kcfg, KernelConfig)  # a kernels.gpu.stream.StreamConfig
         c = self.cfg
         # On the CPU (Triton's interpreter, TRITON_INTERPRET=1) programs run one after another: one worker only.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.w = stack_weights(c, weights, self.device)
+        self.descs: list[Any] = []
+        if self.v10:
+            from kernels.gpu.stream import stream_geometry, weight_descriptors
+
+            self.descs = weight_descriptors(c, self.w, stream_geometry(c, self.kcfg)["BK"])
         shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_seq_len, c.hd)
         self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
@@ -365,14 +381,22 @@ class Megakernel:
 
     # -- launching ---------------------------------------------------------------------------------------------
 
-    def _args(self, p: Packed, trace: bool) -> tuple[list[Any], dict[str, Any]]:
+    def _args(self, p: Packed, trace: bool) -> tuple[Any, list[Any], dict[str, Any]]:
+        """The kernel to launch (v9 or v10), its runtime arguments and its compile-time parameters."""
         d, w, c, k = p.device, self.w, self.cfg, self.kcfg
+        if self.v10:
+            from kernels.gpu.stream import stream_constexprs, stream_megakernel
+
+            args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
+                    self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *self.descs, self.x,
+                    self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits,
+                    self.cos, self.sin, self.timeout_ns]
+            return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], self.x, self.q, self.k_cache, self.v_cache,
                 d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.timeout_ns]
-        consts = kernel_constexprs(c, self.max_seq_len, k, trace)
-        return args, consts
+        return _megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace)
 
     def _check_residency(self, p: Packed, trace: bool) -> None:
         """Compile (once per trace flag) and refuse a grid whose programs cannot all be resident at once."""
@@ -380,13 +404,13 @@ class Megakernel:
         if self.device.type != "cuda":
             return
         if key not in self.occupancy:
-            args, consts = self._args(p, trace)
-            kern = _megakernel.warmup(*args, grid=(1,), **consts)
+            fn, args, consts = self._args(p, trace)
+            kern = fn.warmup(*args, grid=(1,), **consts)
             if hasattr(kern, "_init_handles"):
                 kern._init_handles()
             regs = int(getattr(kern, "n_regs", 0))
             smem = int(getattr(kern.metadata, "shared", 0))
-            threads = 32 * self.kcfg.num_warps
+            threads = 32 * self.kcfg.num_warps + (128 if self.v10 else 0)  # v10: + the loader's warpgroup
             props = torch.cuda.get_device_properties(self.device)
             regs_per_sm = int(getattr(props, "regs_per_multiprocessor", 65536))
             smem_per_sm = int(getattr(props, "shared_memory_per_multiprocessor", 233472))
@@ -424,8 +448,8 @@ class Megakernel:
             self.set_position(token, pos)
         if reset and p.counters > 0:  # (a schedule without counters, e.g. one stage of the ablation, needs none)
             p.device["counters"].zero_()
-        args, consts = self._args(p, trace)
-        _megakernel[(p.workers,)](*args, **consts)
+        fn, args, consts = self._args(p, trace)
+        fn[(p.workers,)](*args, **consts)
 
     def check(self, packed: Packed | None = None) -> None:
         """Raise `WatchdogError` naming every stuck worker, instruction and counter of the last run (syncs)."""

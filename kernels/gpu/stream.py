@@ -1,0 +1,678 @@
+"""Interpreter v10: a warp-specialized persistent megakernel whose weight stream never stops (Gluon, sm_90).
+
+Each program (one per SM) runs two partitions over the same queue of packed instruction rows (kernels/gpu/pack.py):
+
+- the *loader* (one warp) walks the queue ahead of the compute warps and streams every weight tile the queue will
+  need into a ring of shared-memory slots with TMA (`cp.async.bulk.tensor`), each slot completing on its own
+  mbarrier. Weights are never written during a step, so the loader never waits on a counter: it runs ahead across
+  instruction boundaries and while the compute warps spin, bounded only by the ring's size;
+- the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads with the
+  `%globaltimer` watchdog), stages the activation vector it needs into shared memory, consumes the ring's slots in
+  the loader's order (wait `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA barrier,
+  then a release add from one thread). Attention, the split reduction and the embedding read no weights and run
+  straight from global memory.
+
+A slot holds two [16, BK] boxes. Gate/up and QKV pair them by row (gate with up, a RoPE pair's first half with its
+second half: both multiply the same activation chunk), the other matrix-vector ops pair them by K (the same 16 rows,
+two consecutive K chunks). Both partitions derive the slot sequence from the same rows with the same helpers
+(`_qkv_group`, `_kpairs`), so they agree by construction.
+
+After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
+whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
+drains, so the kernel always ends. The host then raises `WatchdogError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from kernels.gpu.pack import OPCODES, ROW
+from validator.model import ModelConfig
+
+OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
+OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
+OP_PARTIAL: gl.constexpr = gl.constexpr(OPCODES["attn_partial"])
+OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
+OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
+OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
+OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
+OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
+BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
+ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
+
+
+# -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
+
+
+@gluon.jit
+def _globaltimer():
+    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _load_acquire(ptr):
+    """Acquire load at GPU scope (every thread of the partition polls; later loads see what the signaller released)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _signal_release(ptr, add):
+    """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
+        "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _report_stuck(err_ptr, pid, iid, counter, cur, need):
+    e = err_ptr + pid * 8
+    gl.store(e + 1, pid)
+    gl.store(e + 2, iid)
+    gl.store(e + 3, counter)
+    gl.store(e + 4, cur)
+    gl.store(e + 5, need)
+    gl.store(e + 6, _smid())
+    gl.store(e, 1)
+    gl.atomic_xchg(err_ptr + ABORT, 1, sem="relaxed", scope="gpu")
+
+
+# -- the slot sequence (shared by both partitions) ----------------------------------------------------------------
+
+
+@gluon.jit
+def _qkv_group(p, pend, HALF: gl.constexpr):
+    """The next RoPE-pair group of a QKV tile: pairs [p, p + n) of one head, n <= 16 (rows are in pair order)."""
+    head = p // HALF
+    j = p - head * HALF
+    n = gl.minimum(gl.minimum(HALF - j, pend - p), BR)
+    return head, j, n
+
+
+@gluon.jit
+def _kpairs(k0, k1, BK: gl.constexpr):
+    """Slots per 16-row group of a K-paired op: two BK chunks of [k0, k1) per slot."""
+    nkb = (k1 - k0 + BK - 1) // BK
+    return nkb, (nkb + 1) // 2
+
+
+@gluon.jit
+def _k_range(op, a2, a3, H: gl.constexpr):
+    """The K range [k0, k1) a matrix-vector op reads (o_proj/down: their K split; LM head: all of x)."""
+    k0 = a2
+    k1 = a3
+    if op == OP_LM_HEAD:
+        k0 = a2 * 0
+        k1 = a2 * 0 + H
+    return k0, k1
+
+
+# -- loader partition ------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _issue(da, db, ra, ca, rb, cb, has_b, t, ring, ready, empty, NS: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Fill slot t % NS with box a (and box b when has_b) once the compute warps have released it."""
+    s = t % NS
+    two = has_b != 0
+    mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), 2 * BOX_BYTES, pred=two)
+    mbarrier.expect(ready.index(s), BOX_BYTES, pred=has_b == 0)
+    tma.async_copy_global_to_shared(da, [ra, ca], ready.index(s), ring.index(2 * s))
+    tma.async_copy_global_to_shared(db, [rb, cb], ready.index(s), ring.index(2 * s + 1), pred=two)
+    return t + 1
+
+
+@gluon.jit
+def _load_kpaired(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, BK: gl.constexpr,
+                  BOX_BYTES: gl.constexpr):
+    nkb, nsl = _kpairs(k0, k1, BK)
+    for r in range(a0, a1, BR):
+        for i in range(nsl):
+            c = k0 + 2 * i * BK
+            t = _issue(desc, desc, base + r, c, base + r, c + BK, (2 * i + 1 < nkb).to(gl.int32), t, ring, ready,
+                       empty, NS, BOX_BYTES)
+    return t
+
+
+@gluon.jit
+def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty,
+            H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+            ROWW: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr):
+    """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters."""
+    BOX_BYTES: gl.constexpr = BR * BK * 2
+    HALF: gl.constexpr = HD // 2
+    QKV: gl.constexpr = NH * HD + 2 * NKV * HD
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    pid = gl.program_id(0)
+    qi = gl.load(qoff_ptr + pid)
+    q1 = gl.load(qoff_ptr + pid + 1)
+    t = qi * 0
+    while qi < q1:
+        row = ins_ptr + qi * ROWW
+        op = gl.load(row)
+        layer = gl.load(row + 1)
+        a0 = gl.load(row + 2)
+        a1 = gl.load(row + 3)
+        a2 = gl.load(row + 4)
+        a3 = gl.load(row + 5)
+        if op == OP_QKV:
+            base = layer * QKV
+            p = a0 // 2
+            pend = a1 // 2
+            while p < pend:
+                head, j, n = _qkv_group(p, pend, HALF)
+                ra = base + head * HD + j
+                for kb in range(NKH):
+                    t = _issue(d_qkv, d_qkv, ra, kb * BK, ra + HALF, kb * BK, 1, t, ring, ready, empty, NS,
+                               BOX_BYTES)
+                p += n
+        elif op == OP_GATE_UP:
+            base = layer * IS
+            for r in range(a0, a1, BR):
+                for kb in range(NKH):
+                    t = _issue(d_g, d_u, base + r, kb * BK, base + r, kb * BK, 1, t, ring, ready, empty, NS,
+                               BOX_BYTES)
+        elif op == OP_OPROJ:
+            t = _load_kpaired(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, BK, BOX_BYTES)
+        elif op == OP_DOWN:
+            t = _load_kpaired(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, BK, BOX_BYTES)
+        elif op == OP_LM_HEAD:
+            t = _load_kpaired(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, BK,
+                              BOX_BYTES)
+        qi += 1
+
+
+# -- compute partition -------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _take(t, ring, ready, empty, blk: gl.constexpr, NS: gl.constexpr):
+    """Wait for slot t % NS, read both boxes into registers and hand the slot back to the loader."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    wa = ring.index(2 * s).load(blk)
+    wb = ring.index(2 * s + 1).load(blk)
+    fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(s))
+    return wa.to(gl.float32), wb.to(gl.float32), t + 1
+
+
+@gluon.jit
+def _vchunk(vbuf, i, blk: gl.constexpr):
+    """Chunk i (BK fp32) of the staged activation vector, laid out to broadcast over a box's rows."""
+    return vbuf.index(i).load(gl.SliceLayout(0, blk))
+
+
+@gluon.jit
+def _stage(vbuf, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr):
+    """vbuf <- src[k0:k1] (times the norm weight when NORM), zero-padded; returns the sum of squares of src[k0:k1]
+    (the RMS norm's, when NORM: its rstd is applied to the dot products at the end). The NCH chunks are unrolled and
+    loaded unconditionally (masked-off ones move no bytes), so their loads are in flight together."""
+    L1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    cc = gl.arange(0, BK, layout=L1)
+    klen = k1 - k0
+    ss = gl.sum(gl.zeros([BK], gl.float32, L1), axis=0)
+    for c in gl.static_range(NCH):
+        idx = cc + c * BK
+        m = idx < klen
+        v = gl.load(src_ptr + k0 + idx, mask=m, other=0.0, cache_modifier=".cg")
+        if NORM:
+            ss += gl.sum(v * v, axis=0)
+            v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
+        vbuf.index(c).store(v)
+    gl.thread_barrier()
+    return ss
+
+
+@gluon.jit
+def _op_qkv(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
+            pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+            EPS: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr):
+    """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
+    pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
+    HALF: gl.constexpr = HD // 2
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    ss = _stage(vbuf, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, (H + BK - 1) // BK, BK)
+    rstd = 1.0 / gl.sqrt(ss / H + EPS)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    p = a0 // 2
+    pend = a1 // 2
+    while p < pend:
+        head, j, n = _qkv_group(p, pend, HALF)
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(NKH):
+            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
+            v = gl.expand_dims(_vchunk(vbuf, kb, blk), 0)
+            acc1 += wa * v
+            acc2 += wb * v
+        y1 = gl.sum(acc1, axis=1) * rstd
+        y2 = gl.sum(acc2, axis=1) * rstd
+        jj = j + i16
+        m = i16 < n
+        if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
+            cs = gl.load(cos_ptr + pos * HALF + jj, mask=m, other=0.0)
+            sn = gl.load(sin_ptr + pos * HALF + jj, mask=m, other=0.0)
+            o1 = y1 * cs - y2 * sn
+            o2 = y2 * cs + y1 * sn
+            if head < NH:
+                gl.store(q_ptr + head * HD + jj, o1, mask=m)
+                gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+            else:
+                cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
+                gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
+                gl.store(kc_ptr + cb + HALF + jj, o2.to(gl.bfloat16), mask=m)
+        else:
+            cb = ((layer * NKV + head - NH - NKV).to(gl.int64) * S + pos) * HD
+            gl.store(vc_ptr + cb + jj, y1.to(gl.bfloat16), mask=m)
+            gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
+        p += n
+    return t
+
+
+@gluon.jit
+def _op_gate_up(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
+                EPS: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr):
+    """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    ss = _stage(vbuf, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, (H + BK - 1) // BK, BK)
+    rstd = 1.0 / gl.sqrt(ss / H + EPS)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    for r in range(a0, a1, BR):
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(NKH):
+            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
+            v = gl.expand_dims(_vchunk(vbuf, kb, blk), 0)
+            acc1 += wa * v
+            acc2 += wb * v
+        g = gl.sum(acc1, axis=1) * rstd
+        u = gl.sum(acc2, axis=1) * rstd
+        rows = r + i16
+        gl.store(act_ptr + rows, g / (1.0 + gl.exp(-g)) * u, mask=rows < a1)
+    return t
+
+
+@gluon.jit
+def _op_kpaired(ring, ready, empty, vbuf, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
+                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHK: gl.constexpr,
+                BK: gl.constexpr, blk: gl.constexpr):
+    """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
+    (v = rmsnorm(x) * final_norm, plain stores); each slot holds two consecutive K chunks of the same 16 rows."""
+    ss = _stage(vbuf, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK)
+    scale = 1.0
+    if NORM:
+        scale = 1.0 / gl.sqrt(ss / H + EPS)
+    nkb, nsl = _kpairs(k0, k1, BK)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    for r in range(a0, a1, BR):
+        acc = gl.zeros([BR, BK], gl.float32, blk)
+        for i in range(nsl):
+            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
+            acc += wa * gl.expand_dims(_vchunk(vbuf, 2 * i, blk), 0)
+            if 2 * i + 1 < nkb:  # box b was loaded (its slot half is stale otherwise: never touch it)
+                acc += wb * gl.expand_dims(_vchunk(vbuf, 2 * i + 1, blk), 0)
+        y = gl.sum(acc, axis=1) * scale
+        rows = r + i16
+        if RESIDUAL:
+            gl.atomic_add(out_ptr + rows, y, mask=rows < a1, sem="relaxed", scope="gpu")
+        else:
+            gl.store(out_ptr + rows, y, mask=rows < a1)
+    return t
+
+
+@gluon.jit
+def _op_embed(embed_ptr, x_ptr, token, start, end, H: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
+    """x[start:end] = embed[token, start:end]."""
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    offs0 = gl.arange(0, BE, layout=lay)
+    for e in range(start, end, BE):
+        offs = e + offs0
+        m = offs < end
+        v = gl.load(embed_ptr + token.to(gl.int64) * H + offs, mask=m, other=0.0)
+        gl.store(x_ptr + offs, v.to(gl.float32), mask=m)
+
+
+@gluon.jit
+def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, NH: gl.constexpr,
+                     NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
+                     SCALE: gl.constexpr, num_warps: gl.constexpr):
+    """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
+
+    On the CUDA cores, fp32. Each of the BT position lanes of a block (BT = 32 / lanes along the head dim, times
+    num_warps) keeps its own online softmax (max, denominator, weighted sum): the loop needs no cross-thread
+    reduction but the dot product's, and the lanes are merged once at the end. The next block's K/V loads are issued
+    before the current block is computed."""
+    LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
+    BT: gl.constexpr = (32 // LD) * num_warps
+    L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
+    LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
+    LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
+    T = pos + 1
+    lo = split * T // splits
+    hi = (split + 1) * T // splits
+    h0 = g * G
+    gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
+    qmask = gl.expand_dims(gq < G, 1)
+    qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
+    q = gl.load(q_ptr + qoffs, mask=qmask, other=0.0, cache_modifier=".cg") * SCALE
+    q3 = gl.expand_dims(q, 1)
+    tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
+    dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
+    ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
+    base = (layer * NKV + g).to(gl.int64) * S * HD
+    kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
+    m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
+    l_i = gl.zeros([GP, BT], gl.float32, LS)
+    acc = gl.zeros([GP, BT, HD], gl.float32, L3)
+    km = gl.expand_dims(lo + tk < hi, 1)
+    kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+    vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+    for t0 in range(lo, hi, BT):
+        k = kn.to(gl.float32)
+        v = vn.to(gl.float32)
+        km = gl.expand_dims(t0 + BT + tk < hi, 1)
+        kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        s = gl.sum(q3 * gl.expand_dims(k, 0), axis=2)  # [GP, BT]
+        s = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), s, float("-inf"))
+        m_new = gl.maximum(m_i, s)
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(s - m_new)
+        l_i = l_i * alpha + p
+        acc = acc * gl.expand_dims(alpha, 2) + gl.expand_dims(p, 2) * gl.expand_dims(v, 0)
+        m_i = m_new
+    mx = gl.max(m_i, axis=1)  # [GP]
+    w = gl.exp(m_i - gl.expand_dims(mx, 1))
+    den = gl.sum(l_i * w, axis=1)
+    o = gl.sum(acc * gl.expand_dims(w, 2), axis=1)  # [GP, HD] in LQ
+    empty = hi <= lo
+    safe = gl.where(den > 0, den, 1.0)
+    lse = gl.where(empty, float("-inf"), mx + gl.log(safe))
+    o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LQ)), 1)
+    o = gl.where(empty, 0.0, o)
+    rows = split * NH + h0 + gq
+    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(dq, 0), o, mask=qmask)
+    gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
+    gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+
+
+@gluon.jit
+def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.constexpr, HD: gl.constexpr,
+                    HB: gl.constexpr, SP: gl.constexpr, num_warps: gl.constexpr):
+    """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end); the first SP
+    splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v8+."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
+    hb = gl.arange(0, HB, layout=gl.SliceLayout(1, L2))
+    for hc in range(start, end, HB):
+        hs = hc + hb
+        hm = hs < end
+        mx = gl.full([HB], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
+        den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
+        acc = gl.zeros([HB, HD], gl.float32, L2)
+        for s in gl.static_range(SP):
+            ok = hm & (s < splits)
+            ls = gl.load(lse_ptr + s * NH + hs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0),
+                        mask=gl.expand_dims(ok, 1), other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(mx, ls)
+            alpha = gl.exp(mx - m_new)
+            wgt = gl.exp(ls - m_new)
+            den = den * alpha + wgt
+            acc = acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
+            mx = m_new
+        for s in range(SP, splits):
+            ls = gl.load(lse_ptr + s * NH + hs, mask=hm, other=float("-inf"), cache_modifier=".cg")
+            o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0),
+                        mask=gl.expand_dims(hm, 1), other=0.0, cache_modifier=".cg")
+            m_new = gl.maximum(mx, ls)
+            alpha = gl.exp(mx - m_new)
+            wgt = gl.exp(ls - m_new)
+            den = den * alpha + wgt
+            acc = acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
+            mx = m_new
+        den = gl.where(den > 0, den, 1.0)
+        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), acc / gl.expand_dims(den, 1),
+                 mask=gl.expand_dims(hm, 1))
+
+
+@gluon.jit
+def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
+          num_warps: gl.constexpr):
+    """Spin until every wait of the instruction holds; on a timeout (or another worker's abort) report and return 0,
+    after which the worker no longer waits."""
+    if ok != 0:
+        if wn == 1:
+            cur = _load_acquire(counters_ptr + c0)
+            if cur < v0:
+                t0 = _globaltimer()
+                elapsed = t0 - t0
+                abort = pid * 0
+                while (cur < v0) & (elapsed < timeout_ns) & (abort == 0):
+                    cur = _load_acquire(counters_ptr + c0)
+                    abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
+                    elapsed = _globaltimer() - t0
+                if cur < v0:
+                    _report_stuck(err_ptr, pid, iid, c0, cur, v0)
+                    ok = pid * 0
+        elif wn > 1:
+            lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            wb = woff * 0
+            while (wb < wn) & (ok != 0):
+                lanes = wb + gl.arange(0, WB, layout=lay)
+                lm = lanes < wn
+                cs = gl.load(waits_ptr + 2 * (woff + lanes), mask=lm, other=0)
+                nd = gl.load(waits_ptr + 2 * (woff + lanes) + 1, mask=lm, other=0)
+                curs = _load_acquire(counters_ptr + cs)
+                short = gl.sum((curs < nd).to(gl.int32), axis=0)
+                if short > 0:
+                    t0 = _globaltimer()
+                    elapsed = t0 - t0
+                    abort = pid * 0
+                    while (short > 0) & (elapsed < timeout_ns) & (abort == 0):
+                        curs = _load_acquire(counters_ptr + cs)
+                        short = gl.sum((curs < nd).to(gl.int32), axis=0)
+                        abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
+                        elapsed = _globaltimer() - t0
+                    if short > 0:
+                        bad = gl.min(gl.where(curs < nd, lanes, wn), axis=0)
+                        sel = lanes == bad
+                        _report_stuck(err_ptr, pid, iid, gl.sum(gl.where(sel, cs, 0), axis=0),
+                                      gl.sum(gl.where(sel, curs, 0), axis=0), gl.sum(gl.where(sel, nd, 0), axis=0))
+                        ok = pid * 0
+                wb += WB
+            gl.thread_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
+    return ok
+
+
+@gluon.jit
+def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+             embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+             timeout_ns, ring, ready, empty, vbuf,
+             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+             S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
+             NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
+             WB: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
+    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    pid = gl.program_id(0)
+    gl.store(smid_ptr + pid, _smid())
+    qi = gl.load(qoff_ptr + pid)
+    q1 = gl.load(qoff_ptr + pid + 1)
+    token = gl.load(rt_ptr)
+    pos = gl.load(rt_ptr + 1)
+    ok = pid * 0 + 1
+    t = pid * 0
+    while qi < q1:
+        row = ins_ptr + qi * ROWW
+        op = gl.load(row)
+        layer = gl.load(row + 1)
+        a0 = gl.load(row + 2)
+        a1 = gl.load(row + 3)
+        a2 = gl.load(row + 4)
+        a3 = gl.load(row + 5)
+        iid = gl.load(row + 6)
+        woff = gl.load(row + 7)
+        wn = gl.load(row + 8)
+        soff = gl.load(row + 9)
+        sn = gl.load(row + 10)
+        c0 = gl.load(row + 11)
+        v0 = gl.load(row + 12)
+        sc0 = gl.load(row + 13)
+        sa0 = gl.load(row + 14)
+        idx = gl.load(row + 15)
+        if TRACE:
+            t_wait = _globaltimer()
+        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
+        if TRACE:
+            t_start = _globaltimer()
+        if op == OP_EMBED:
+            _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
+        elif op == OP_QKV:
+            t = _op_qkv(ring, ready, empty, vbuf, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
+                        layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, NCH, BK, blk)
+        elif op == OP_PARTIAL:
+            _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, NH, NKV, HD, S, G,
+                             GP, SCALE, num_warps)
+        elif op == OP_REDUCE:
+            _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
+        elif op == OP_OPROJ:
+            t = _op_kpaired(ring, ready, empty, vbuf, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False, True, H,
+                            EPS, NS, (NH * HD + BK - 1) // BK, BK, blk)
+        elif op == OP_GATE_UP:
+            t = _op_gate_up(ring, ready, empty, vbuf, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS, NS,
+                            NCH, BK, blk)
+        elif op == OP_DOWN:
+            t = _op_kpaired(ring, ready, empty, vbuf, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False, True, H,
+                            EPS, NS, (IS + BK - 1) // BK, BK, blk)
+        elif op == OP_LM_HEAD:
+            t = _op_kpaired(ring, ready, empty, vbuf, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
+                            a0 * 0 + H, True, False, H, EPS, NS, (H + BK - 1) // BK, BK, blk)
+        gl.thread_barrier()
+        si = soff * 0
+        while si < sn:
+            sc = sc0
+            sa = sa0
+            if si > 0:
+                sc = gl.load(sigs_ptr + 2 * (soff + si))
+                sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
+            _signal_release(counters_ptr + sc, sa)
+            si += 1
+        if TRACE:
+            t_end = _globaltimer()
+            tr = trace_ptr + idx.to(gl.int64) * 4
+            gl.store(tr, t_wait)
+            gl.store(tr + 1, t_start)
+            gl.store(tr + 2, t_end)
+            gl.store(tr + 3, pid.to(gl.int64))
+        qi += 1
+
+
+@gluon.jit
+def stream_megakernel(
+    ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
+    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+    timeout_ns,
+    H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
+    NCH: gl.constexpr, BK: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
+    SP: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    ring = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BR, BK], d_qkv.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    # The staged activation vector, as NCH chunks of BK fp32.
+    vbuf = gl.allocate_shared_memory(gl.float32, [NCH, BK],
+                                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+                    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+                    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
+                    NCH, BK, TRACE, ROWW, WB, SP, BE, num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty, H, IS, NH, NKV, HD,
+                   ROWW, NS, BK)),
+    ], [1], [LOADER_REGS])
+
+
+# -- host side ---------------------------------------------------------------------------------------------------
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+SMEM_RESERVE = 12 * 1024  # mbarriers and the compiler's scratch (reductions, layout conversions in attention)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Compile-time shape of interpreter v10 (none of it depends on the schedule). `slots` = 0 sizes the ring to fill
+    the shared memory the staged activation vector leaves."""
+
+    num_warps: int = 8  # compute partition
+    loader_regs: int = 32  # registers per thread of the loader warp (scalar code)
+    bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
+    slots: int = 0  # ring slots (two boxes each); 0: as many as fit
+    reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
+    be: int = 1024  # embedding copy block
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
+    """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
+    bk = min(sc.bk, 256, _pow2_floor(c.hidden_size))
+    nch = -(-max(c.hidden_size, c.q_size, c.intermediate_size) // bk)
+    slot_bytes = 2 * 16 * bk * 2
+    fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
+    slots = sc.slots or fit
+    if slots < 2 or slots > fit:
+        raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
+                         f"staging buffer (at most {fit})")
+    return {"BK": bk, "NCH": nch, "NS": slots, "ring_bytes": slots * slot_bytes, "stage_bytes": nch * bk * 4}
+
+
+def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
+    """The compile-time parameters of interpreter v10 for one model config (launch options included)."""
+    geo = stream_geometry(c, sc)
+    return dict(
+        H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
+        S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
+        GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"], NCH=geo["NCH"], BK=geo["BK"], TRACE=trace,
+        ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
+        LOADER_REGS=sc.loader_regs, num_warps=sc.num_warps)
+
+
+def weight_descriptors(c: ModelConfig, w: dict[str, Any], bk: int) -> list[Any]:
+    """TMA descriptors of the six weight matrices the loader streams, each viewed 2-D ([layers * rows, K]) with a
+    [16, bk] box: wqkv, wo, w_gate, w_up, w_down, lm_head (in the kernel's argument order)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    out = []
+    for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
+        t = w[name]
+        t2 = t.reshape(-1, t.shape[-1])
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [16, bk], layout))
+    return out
