@@ -79,14 +79,58 @@ def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, Any]:
     return {"rel_l2": rel, "margin": margin, "same_token": same, "finite": bool(torch.isfinite(out).all())}
 
 
-#: The interpreters checked for correctness (--kernels): v10 (Gluon, TMA ring, warp-specialized) and v9 (Triton).
-KERNELS: dict[str, Any] = {"v10": StreamConfig(), "v9": KernelConfig()}
+#: Interpreter variants: --kernels (correctness) and --variants (timing) name them.
+VARIANTS: dict[str, Any] = {
+    "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # fp32 broadcast attention (the first version)
+    "base": KernelConfig(),
+    "v9": KernelConfig(),  # = base: interpreter v9 as committed
+    "v10": StreamConfig(),  # interpreter v10: TMA ring fed by a loader warp that runs ahead of the waits
+    "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
+    "v10s8": StreamConfig(slots=8),
+    "v10b4": StreamConfig(boxes=4),  # 4 boxes (32 KB) per slot: half the handshakes per byte
+    "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
+    "v10i2": StreamConfig(inflight=2),
+    "v10i3": StreamConfig(inflight=3),
+    "v10i6": StreamConfig(inflight=6),
+    "v10i8": StreamConfig(inflight=8),
+    "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
+    "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
+    "pfall": KernelConfig(prefetch=1),
+    "ns1": KernelConfig(num_stages=1),
+    "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
+    "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
+    "bt128": KernelConfig(bt=128),
+    "w4": KernelConfig(num_warps=4),
+    "noflat": KernelConfig(flat=False),
+    "gubr32": KernelConfig(br_gu=32, bk_gu=256),
+    "lmbr64": KernelConfig(br_lm=64, bk_lm=256),
+    "flatns4": KernelConfig(num_stages=4),
+    "bd1024": KernelConfig(bk_d=1024),
+    "qkv512": KernelConfig(bk_qkv=512),
+    "gu1632": KernelConfig(br_gu=16, bk_gu=512),  # the gate/up tile before v5
+    "sp8": KernelConfig(reduce_splits=8),  # v8: attn_reduce unrolled over 8 splits (default 16)
+    "sp1": KernelConfig(reduce_splits=1),  # v8 with one unrolled split: close to the v6 loop
+    # v9: L2 warm-up of o_proj / the first rows of gate/up at the start of each layer
+    "wo": KernelConfig(warm_o=True),
+    "wg16": KernelConfig(warm_gu=16),
+    "wg32": KernelConfig(warm_gu=32),
+    "wg64": KernelConfig(warm_gu=64),
+    "wo_g16": KernelConfig(warm_o=True, warm_gu=16),
+    "wo_g32": KernelConfig(warm_o=True, warm_gu=32),
+    "ns4": KernelConfig(num_stages=4),  # the default since v9
+    "ns3": KernelConfig(num_stages=3),  # the default up to v8
+    "wo_ns4": KernelConfig(warm_o=True, num_stages=4),
+    "wo_ns5": KernelConfig(warm_o=True, num_stages=5),
+    "wo_ns4_a4": KernelConfig(warm_o=True, num_stages=4, ns_attn=4),
+    "a1": KernelConfig(ns_attn=1),  # no K/V pipelining in attention (16 splits: one block per split at ctx 1024)
+    "a2": KernelConfig(ns_attn=2),
+}
 
 
 def check_model(name: str, cfg: ModelConfig, weights: dict[str, torch.Tensor], schedule: Any, label: str,
                 positions: list[int], history: int, max_seq_len: int, tol: float = 2e-2, kernel: str = "v10") -> bool:
     """Decode `positions` with the megakernel and the reference from the same random KV history; record the check."""
-    mk = Megakernel(schedule, weights, max_seq_len=max_seq_len, config=KERNELS[kernel])
+    mk = Megakernel(schedule, weights, max_seq_len=max_seq_len, config=VARIANTS[kernel])
     label = f"{kernel} {label}"
     gen = torch.Generator(device="cuda").manual_seed(1234)
     if history:
@@ -123,7 +167,7 @@ def check_watchdog(cfg: ModelConfig, spec: Any, weights: dict[str, torch.Tensor]
     victim = doc["instructions"][len(doc["instructions"]) // 2]
     victim["waits"] = [{"counter": victim["waits"][0]["counter"], "value": 10_000}]
     sched = parse_schedule(doc)
-    mk = Megakernel(sched, weights, max_seq_len=spec.max_seq_len, timeout_s=0.5, config=KERNELS[kernel])
+    mk = Megakernel(sched, weights, max_seq_len=spec.max_seq_len, timeout_s=0.5, config=VARIANTS[kernel])
     t = time.time()
     try:
         mk.step(1, 3)
@@ -275,45 +319,7 @@ def main() -> int:
             log(f"ERROR llama-1b: {exc!r}")
             traceback.print_exc()
 
-    variants = {
-        "v0": KernelConfig(attn_mma=False, prefetch=0, bt=32),  # fp32 broadcast attention (the first version)
-        "base": KernelConfig(),
-        "v9": KernelConfig(),  # = base: interpreter v9 as committed
-        "v10": StreamConfig(),  # interpreter v10: TMA ring fed by a loader warp that runs ahead of the waits
-        "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
-        "v10s8": StreamConfig(slots=8),
-        "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
-        "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
-        "pfall": KernelConfig(prefetch=1),
-        "ns1": KernelConfig(num_stages=1),
-        "bk1024": KernelConfig(bk_o=1024, bk_gu=1024, bk_d=1024, bk_lm=1024, bk_qkv=512),
-        "bk256": KernelConfig(bk_o=256, bk_gu=256, bk_d=256, bk_lm=256, bk_qkv=256),
-        "bt128": KernelConfig(bt=128),
-        "w4": KernelConfig(num_warps=4),
-        "noflat": KernelConfig(flat=False),
-        "gubr32": KernelConfig(br_gu=32, bk_gu=256),
-        "lmbr64": KernelConfig(br_lm=64, bk_lm=256),
-        "flatns4": KernelConfig(num_stages=4),
-        "bd1024": KernelConfig(bk_d=1024),
-        "qkv512": KernelConfig(bk_qkv=512),
-        "gu1632": KernelConfig(br_gu=16, bk_gu=512),  # the gate/up tile before v5
-        "sp8": KernelConfig(reduce_splits=8),  # v8: attn_reduce unrolled over 8 splits (default 16)
-        "sp1": KernelConfig(reduce_splits=1),  # v8 with one unrolled split: close to the v6 loop
-        # v9: L2 warm-up of o_proj / the first rows of gate/up at the start of each layer
-        "wo": KernelConfig(warm_o=True),
-        "wg16": KernelConfig(warm_gu=16),
-        "wg32": KernelConfig(warm_gu=32),
-        "wg64": KernelConfig(warm_gu=64),
-        "wo_g16": KernelConfig(warm_o=True, warm_gu=16),
-        "wo_g32": KernelConfig(warm_o=True, warm_gu=32),
-        "ns4": KernelConfig(num_stages=4),  # the default since v9
-        "ns3": KernelConfig(num_stages=3),  # the default up to v8
-        "wo_ns4": KernelConfig(warm_o=True, num_stages=4),
-        "wo_ns5": KernelConfig(warm_o=True, num_stages=5),
-        "wo_ns4_a4": KernelConfig(warm_o=True, num_stages=4, ns_attn=4),
-        "a1": KernelConfig(ns_attn=1),  # no K/V pipelining in attention (16 splits: one block per split at ctx 1024)
-        "a2": KernelConfig(ns_attn=2),
-    }
+    variants = VARIANTS
     tiles = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
              "down_proj_residual": 16, "final_norm_lm_head": 256}
     gu32 = {**tiles, "mlp_norm_gate_up": 32}

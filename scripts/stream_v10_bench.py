@@ -38,6 +38,13 @@ VARIANTS: dict[str, Any] = {
     "v10s4": StreamConfig(slots=4),
     "v10s8": StreamConfig(slots=8),
     "v10w4": StreamConfig(num_warps=4),
+    "v10b4": StreamConfig(boxes=4),
+    "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
+    "v10i2": StreamConfig(inflight=2),
+    "v10i3": StreamConfig(inflight=3),
+    "v10i6": StreamConfig(inflight=6),
+    "v10i8": StreamConfig(inflight=8),
+    "v10b4s3": StreamConfig(boxes=4, slots=3),
 }
 TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 64,
          "down_proj_residual": 16, "final_norm_lm_head": 1024}

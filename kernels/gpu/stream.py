@@ -25,6 +25,7 @@ drains, so the kernel always ends. The host then raises `WatchdogError`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
+#: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
+#: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector.
+DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -101,57 +105,89 @@ def _qkv_group(p, pend, HALF: gl.constexpr):
     return head, j, n
 
 
-@gluon.jit
-def _kpairs(k0, k1, BK: gl.constexpr):
-    """Slots per 16-row group of a K-paired op: two BK chunks of [k0, k1) per slot."""
-    nkb = (k1 - k0 + BK - 1) // BK
-    return nkb, (nkb + 1) // 2
-
-
-@gluon.jit
-def _k_range(op, a2, a3, H: gl.constexpr):
-    """The K range [k0, k1) a matrix-vector op reads (o_proj/down: their K split; LM head: all of x)."""
-    k0 = a2
-    k1 = a3
-    if op == OP_LM_HEAD:
-        k0 = a2 * 0
-        k1 = a2 * 0 + H
-    return k0, k1
-
-
 # -- loader partition ------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _issue(da, db, ra, ca, rb, cb, has_b, t, ring, ready, empty, NS: gl.constexpr, BOX_BYTES: gl.constexpr):
-    """Fill slot t % NS with box a (and box b when has_b) once the compute warps have released it."""
+def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Arm `bar` for nboxes boxes (1..SB): expect-tx takes a constant byte count, so one predicated arm per count."""
+    for m in gl.static_range(1, SB + 1):
+        mbarrier.expect(bar, m * BOX_BYTES, pred=nboxes == m)
+
+
+@gluon.jit
+def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
+    """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
+    earlier fills are still in flight. Every load the compute warps make (counters, activations) queues behind the
+    weight tiles in flight, so an unbounded backlog would delay each instruction's start by the whole ring and leave
+    the stream idle meanwhile; a bounded one keeps HBM busy and that queue short."""
     s = t % NS
-    two = has_b != 0
+    if INFLIGHT < NS:
+        if t >= INFLIGHT:
+            u = t - INFLIGHT
+            mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
     mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
-    mbarrier.expect(ready.index(s), 2 * BOX_BYTES, pred=two)
-    mbarrier.expect(ready.index(s), BOX_BYTES, pred=has_b == 0)
-    tma.async_copy_global_to_shared(da, [ra, ca], ready.index(s), ring.index(2 * s))
-    tma.async_copy_global_to_shared(db, [rb, cb], ready.index(s), ring.index(2 * s + 1), pred=two)
+    return s
+
+
+@gluon.jit
+def _issue_pair(da, db, ra, rb, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- rows ra (of da) and rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    _expect(bar, 2 * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
+    for j in gl.static_range(SB // 2):
+        ok = kb + j < nkb
+        tma.async_copy_global_to_shared(da, [ra, (kb + j) * BK], bar, ring.index(SB * s + 2 * j), pred=ok)
+        tma.async_copy_global_to_shared(db, [rb, (kb + j) * BK], bar, ring.index(SB * s + 2 * j + 1), pred=ok)
     return t + 1
 
 
 @gluon.jit
-def _load_kpaired(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, BK: gl.constexpr,
-                  BOX_BYTES: gl.constexpr):
-    nkb, nsl = _kpairs(k0, k1, BK)
+def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+             BK: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    _expect(bar, gl.minimum((k1 - c + BK - 1) // BK, SB), SB, BOX_BYTES)
+    for j in gl.static_range(SB):
+        tma.async_copy_global_to_shared(d, [r, c + j * BK], bar, ring.index(SB * s + j), pred=c + j * BK < k1)
+    return t + 1
+
+
+@gluon.jit
+def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr):
     for r in range(a0, a1, BR):
-        for i in range(nsl):
-            c = k0 + 2 * i * BK
-            t = _issue(desc, desc, base + r, c, base + r, c + BK, (2 * i + 1 < nkb).to(gl.int32), t, ring, ready,
-                       empty, NS, BOX_BYTES)
+        for c in range(k0, k1, SB * BK):
+            t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
     return t
+
+
+@gluon.jit
+def _row6(ins_ptr, q, ROWW: gl.constexpr):
+    row = ins_ptr + q * ROWW
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
+            gl.load(row + 5))
+
+
+@gluon.jit
+def _row16(ins_ptr, q, ROWW: gl.constexpr):
+    """The fields of queue row q (kernels/gpu/pack.py's layout) the compute partition reads (callers clamp q into
+    the worker's queue, or to row 0 for an empty queue, whose fields are then never used)."""
+    row = ins_ptr + q * ROWW
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
+            gl.load(row + 6), gl.load(row + 7), gl.load(row + 8), gl.load(row + 9), gl.load(row + 10),
+            gl.load(row + 11), gl.load(row + 12), gl.load(row + 13), gl.load(row + 14), gl.load(row + 15))
 
 
 @gluon.jit
 def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-            ROWW: gl.constexpr, NS: gl.constexpr, BK: gl.constexpr):
-    """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters."""
+            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr):
+    """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
+    The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -160,14 +196,9 @@ def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, emp
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
     t = qi * 0
+    op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
-        row = ins_ptr + qi * ROWW
-        op = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
-        a2 = gl.load(row + 4)
-        a3 = gl.load(row + 5)
+        n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if op == OP_QKV:
             base = layer * QKV
             p = a0 // 2
@@ -175,40 +206,63 @@ def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, emp
             while p < pend:
                 head, j, n = _qkv_group(p, pend, HALF)
                 ra = base + head * HD + j
-                for kb in range(NKH):
-                    t = _issue(d_qkv, d_qkv, ra, kb * BK, ra + HALF, kb * BK, 1, t, ring, ready, empty, NS,
-                               BOX_BYTES)
+                for kb in range(0, NKH, SB // 2):
+                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, kb, NKH, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
+                                    BOX_BYTES)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
             for r in range(a0, a1, BR):
-                for kb in range(NKH):
-                    t = _issue(d_g, d_u, base + r, kb * BK, base + r, kb * BK, 1, t, ring, ready, empty, NS,
-                               BOX_BYTES)
+                for kb in range(0, NKH, SB // 2):
+                    t = _issue_pair(d_g, d_u, base + r, base + r, kb, NKH, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
+                                    BOX_BYTES)
         elif op == OP_OPROJ:
-            t = _load_kpaired(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, BK, BOX_BYTES)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
         elif op == OP_DOWN:
-            t = _load_kpaired(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, BK, BOX_BYTES)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
         elif op == OP_LM_HEAD:
-            t = _load_kpaired(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, BK,
-                              BOX_BYTES)
+            t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
+                        BOX_BYTES)
         qi += 1
+        op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
 
 
 # -- compute partition -------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _take(t, ring, ready, empty, blk: gl.constexpr, NS: gl.constexpr):
-    """Wait for slot t % NS, read both boxes into registers and hand the slot back to the loader."""
-    s = t % NS
-    mbarrier.wait(ready.index(s), (t // NS) & 1)
-    wa = ring.index(2 * s).load(blk)
-    wb = ring.index(2 * s + 1).load(blk)
+def _release(t, empty, NS: gl.constexpr):
+    """Hand slot t % NS back to the loader once every compute warp is done reading it."""
     fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
-    mbarrier.arrive(empty.index(s))
-    return wa.to(gl.float32), wb.to(gl.float32), t + 1
+    mbarrier.arrive(empty.index(t % NS))
+    return t + 1
+
+
+@gluon.jit
+def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, blk: gl.constexpr, NS: gl.constexpr,
+                  SB: gl.constexpr):
+    """acc1/acc2 += box a/b rows x v over the slot's K chunks kb .. kb + SB/2 - 1 (those below nkb)."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    for j in gl.static_range(SB // 2):
+        if (kb + j < nkb) & (DIAG != 1):
+            v = gl.expand_dims(_vchunk(vbuf, kb + j, blk), 0)
+            acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
+            acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
+    return _release(t, empty, NS), acc1, acc2
+
+
+@gluon.jit
+def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr):
+    """acc += the slot's 16 rows x v over K chunks ci .. ci + SB - 1 (those below nkb)."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    for j in gl.static_range(SB):
+        # a box past the K range was not loaded (its slot part is stale): never touch it
+        if (ci + j < nkb) & (DIAG != 1):
+            acc += ring.index(SB * s + j).load(blk).to(gl.float32) * gl.expand_dims(_vchunk(vbuf, ci + j, blk), 0)
+    return _release(t, empty, NS), acc
 
 
 @gluon.jit
@@ -218,35 +272,37 @@ def _vchunk(vbuf, i, blk: gl.constexpr):
 
 
 @gluon.jit
-def _stage(vbuf, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr):
-    """vbuf <- src[k0:k1] (times the norm weight when NORM), zero-padded; returns the sum of squares of src[k0:k1]
-    (the RMS norm's, when NORM: its rstd is applied to the dot products at the end). The NCH chunks are unrolled and
-    loaded unconditionally (masked-off ones move no bytes), so their loads are in flight together."""
-    L1: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    cc = gl.arange(0, BK, layout=L1)
-    klen = k1 - k0
-    ss = gl.sum(gl.zeros([BK], gl.float32, L1), axis=0)
-    for c in gl.static_range(NCH):
-        idx = cc + c * BK
-        m = idx < klen
-        v = gl.load(src_ptr + k0 + idx, mask=m, other=0.0, cache_modifier=".cg")
-        if NORM:
-            ss += gl.sum(v * v, axis=0)
-            v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
-        vbuf.index(c).store(v)
+def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
+           blk: gl.constexpr):
+    """vstage[:NCHK] <- src[k0:k1] as [NCHK, BK] chunks (times the norm weight when NORM), zero-padded; returns the
+    sum of squares of src[k0:k1] (the RMS norm's, when NORM: its rstd is applied to the dot products at the end).
+    One load of the whole vector (every chunk in flight at once) and one reduction: the stage costs one L2 round
+    trip, not one per chunk."""
+    rr = gl.arange(0, NCHK, layout=gl.SliceLayout(1, blk))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, blk))
+    idx = gl.expand_dims(rr, 1) * BK + gl.expand_dims(cc, 0)
+    m = idx < k1 - k0
+    v = gl.load(src_ptr + k0 + idx, mask=m, other=0.0, cache_modifier=".cg")
+    ss = 0.0
+    if NORM:
+        ss = gl.sum(gl.sum(v * v, axis=1), axis=0)
+        v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
+    if DIAG == 0:
+        vstage.slice(0, NCHK).store(v)
     gl.thread_barrier()
     return ss
 
 
 @gluon.jit
-def _op_qkv(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
+def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
             pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            EPS: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr):
+            EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+            blk: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vbuf, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, (H + BK - 1) // BK, BK)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     p = a0 // 2
@@ -255,11 +311,8 @@ def _op_qkv(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, c
         head, j, n = _qkv_group(p, pend, HALF)
         acc1 = gl.zeros([BR, BK], gl.float32, blk)
         acc2 = gl.zeros([BR, BK], gl.float32, blk)
-        for kb in range(NKH):
-            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
-            v = gl.expand_dims(_vchunk(vbuf, kb, blk), 0)
-            acc1 += wa * v
-            acc2 += wb * v
+        for kb in range(0, NKH, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, blk, NS, SB)
         y1 = gl.sum(acc1, axis=1) * rstd
         y2 = gl.sum(acc2, axis=1) * rstd
         jj = j + i16
@@ -285,21 +338,19 @@ def _op_qkv(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, c
 
 
 @gluon.jit
-def _op_gate_up(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
-                EPS: gl.constexpr, NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr):
+def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
+                EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+                blk: gl.constexpr):
     """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vbuf, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, (H + BK - 1) // BK, BK)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
         acc1 = gl.zeros([BR, BK], gl.float32, blk)
         acc2 = gl.zeros([BR, BK], gl.float32, blk)
-        for kb in range(NKH):
-            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
-            v = gl.expand_dims(_vchunk(vbuf, kb, blk), 0)
-            acc1 += wa * v
-            acc2 += wb * v
+        for kb in range(0, NKH, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, blk, NS, SB)
         g = gl.sum(acc1, axis=1) * rstd
         u = gl.sum(acc2, axis=1) * rstd
         rows = r + i16
@@ -308,24 +359,22 @@ def _op_gate_up(ring, ready, empty, vbuf, t, x_ptr, nw_ptr, act_ptr, layer, a0, 
 
 
 @gluon.jit
-def _op_kpaired(ring, ready, empty, vbuf, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
-                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHK: gl.constexpr,
+def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
+                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                NCHK: gl.constexpr,
                 BK: gl.constexpr, blk: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
     (v = rmsnorm(x) * final_norm, plain stores); each slot holds two consecutive K chunks of the same 16 rows."""
-    ss = _stage(vbuf, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK)
+    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk)
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
-    nkb, nsl = _kpairs(k0, k1, BK)
+    nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
         acc = gl.zeros([BR, BK], gl.float32, blk)
-        for i in range(nsl):
-            wa, wb, t = _take(t, ring, ready, empty, blk, NS)
-            acc += wa * gl.expand_dims(_vchunk(vbuf, 2 * i, blk), 0)
-            if 2 * i + 1 < nkb:  # box b was loaded (its slot half is stale otherwise: never touch it)
-                acc += wb * gl.expand_dims(_vchunk(vbuf, 2 * i + 1, blk), 0)
+        for ci in range(0, nkb, SB):
+            t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
         y = gl.sum(acc, axis=1) * scale
         rows = r + i16
         if RESIDUAL:
@@ -506,11 +555,12 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
              embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
              x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-             timeout_ns, ring, ready, empty, vbuf,
+             timeout_ns, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-             NS: gl.constexpr, NCH: gl.constexpr, BK: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
-             WB: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
+             NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
+             BK: gl.constexpr, TRACE: gl.constexpr,
+             ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
@@ -521,24 +571,12 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
     pos = gl.load(rt_ptr + 1)
     ok = pid * 0 + 1
     t = pid * 0
+    (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx) = _row16(
+        ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
-        row = ins_ptr + qi * ROWW
-        op = gl.load(row)
-        layer = gl.load(row + 1)
-        a0 = gl.load(row + 2)
-        a1 = gl.load(row + 3)
-        a2 = gl.load(row + 4)
-        a3 = gl.load(row + 5)
-        iid = gl.load(row + 6)
-        woff = gl.load(row + 7)
-        wn = gl.load(row + 8)
-        soff = gl.load(row + 9)
-        sn = gl.load(row + 10)
-        c0 = gl.load(row + 11)
-        v0 = gl.load(row + 12)
-        sc0 = gl.load(row + 13)
-        sa0 = gl.load(row + 14)
-        idx = gl.load(row + 15)
+        # the next row is read one instruction ahead: its latency hides behind this instruction
+        (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0,
+         n_idx) = _row16(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_wait = _globaltimer()
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
@@ -547,25 +585,25 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         if op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
-            t = _op_qkv(ring, ready, empty, vbuf, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr,
-                        layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, NCH, BK, blk)
+            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
+                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk)
         elif op == OP_PARTIAL:
             _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, NH, NKV, HD, S, G,
                              GP, SCALE, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
-            t = _op_kpaired(ring, ready, empty, vbuf, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False, True, H,
-                            EPS, NS, (NH * HD + BK - 1) // BK, BK, blk)
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
+                            True, H, EPS, NS, SB, NCHQ, BK, blk)
         elif op == OP_GATE_UP:
-            t = _op_gate_up(ring, ready, empty, vbuf, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS, NS,
-                            NCH, BK, blk)
+            t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
+                            NS, SB, NCHH, BK, blk)
         elif op == OP_DOWN:
-            t = _op_kpaired(ring, ready, empty, vbuf, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False, True, H,
-                            EPS, NS, (IS + BK - 1) // BK, BK, blk)
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
+                            True, H, EPS, NS, SB, NCHI, BK, blk)
         elif op == OP_LM_HEAD:
-            t = _op_kpaired(ring, ready, empty, vbuf, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, (H + BK - 1) // BK, BK, blk)
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk)
         gl.thread_barrier()
         si = soff * 0
         while si < sn:
@@ -584,6 +622,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             gl.store(tr + 2, t_end)
             gl.store(tr + 3, pid.to(gl.int64))
         qi += 1
+        (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx) = (
+            n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx)
 
 
 @gluon.jit
@@ -594,15 +634,20 @@ def stream_megakernel(
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
-    NCH: gl.constexpr, BK: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
+    INFLIGHT: gl.constexpr, SB: gl.constexpr,
+    NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
+    TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    ring = gl.allocate_shared_memory(gl.bfloat16, [2 * NS, BR, BK], d_qkv.layout)
+    ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    # The staged activation vector, as NCH chunks of BK fp32.
-    vbuf = gl.allocate_shared_memory(gl.float32, [NCH, BK],
-                                     gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
+    # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
+    vstage = gl.allocate_shared_memory(gl.float32, [NCH, BK],
+                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
+                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -610,10 +655,10 @@ def stream_megakernel(
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    NCH, BK, TRACE, ROWW, WB, SP, BE, num_warps)),
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
+                    SB, NCHH, NCHQ, NCHI, BK, TRACE, ROWW, WB, SP, BE, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty, H, IS, NH, NKV, HD,
-                   ROWW, NS, BK)),
+                   ROWW, NS, INFLIGHT, SB, BK)),
     ], [1], [LOADER_REGS])
 
 
@@ -631,7 +676,9 @@ class StreamConfig:
     num_warps: int = 8  # compute partition
     loader_regs: int = 32  # registers per thread of the loader warp (scalar code)
     bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
-    slots: int = 0  # ring slots (two boxes each); 0: as many as fit
+    boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
+    slots: int = 0  # ring slots; 0: as many as fit
+    inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     be: int = 1024  # embedding copy block
 
@@ -640,17 +687,26 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
 
 
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
 def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
     bk = min(sc.bk, 256, _pow2_floor(c.hidden_size))
-    nch = -(-max(c.hidden_size, c.q_size, c.intermediate_size) // bk)
-    slot_bytes = 2 * 16 * bk * 2
+    chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
+                                                       ("NCHI", c.intermediate_size))}
+    nch = max(chunks.values())
+    if sc.boxes not in (2, 4):
+        raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    slot_bytes = sc.boxes * 16 * bk * 2
     fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
                          f"staging buffer (at most {fit})")
-    return {"BK": bk, "NCH": nch, "NS": slots, "ring_bytes": slots * slot_bytes, "stage_bytes": nch * bk * 4}
+    return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
+            "stage_bytes": nch * bk * 4}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
@@ -659,8 +715,10 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
-        GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"], NCH=geo["NCH"], BK=geo["BK"], TRACE=trace,
-        ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
+        GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"],
+        INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
+        NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"],
+        TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=sc.loader_regs, num_warps=sc.num_warps)
 
 
