@@ -57,7 +57,7 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
     prev = 0
     for layer in range(c.num_hidden_layers):
         qkv = add("attn_norm_qkv_rope", layer, [{"start": s, "end": e} for s, e in
-                                               _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), c.hd)], [prev])
+                                               _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), 2)], [prev])
         part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits}
                                            for g in range(c.num_key_value_heads) for s in range(splits)], [qkv])
         red = add("attn_reduce", layer, [{"start": g * c.group_size, "end": (g + 1) * c.group_size, "splits": splits}

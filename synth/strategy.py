@@ -53,7 +53,7 @@ class Strategy(BaseModel):
     tiles: dict[str, Tile] = Field(default_factory=lambda: {
         "embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
         "down_proj_residual": 16, "final_norm_lm_head": 256},
-        description="output rows per instruction, per op (qkv rows are rounded to a multiple of head_dim)")
+        description="output rows per instruction, per op (qkv rows are rounded to an even count: RoPE pairs)")
     k_splits: dict[str, Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=lambda: {
         "o_proj_residual": 1, "down_proj_residual": 1},
         description="split of the input (K) dimension of o_proj/down_proj; partial sums are reduce-added into x")

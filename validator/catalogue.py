@@ -7,8 +7,9 @@ agent's briefing reads the argument schemas. This module imports no torch; `comp
 Buffers (element counts; fp32 activations, KV cache in the model dtype):
   x            [H]                 residual stream, updated in place (embed writes it, o_proj/down reduce into it)
   q            [nH*hd]             roped queries of the current layer
-  k_cache      [L, nKV, S, hd]     keys, roped; a KV head's cache over all positions is one contiguous range
-  v_cache      [L, nKV, S, hd]     values
+  k_cache      [L, nKV, hd, S]     keys, roped; a KV head's cache over all positions is one contiguous range, and so
+                                   is one of its columns (the footprint's order; the executors store [L, nKV, S, hd])
+  v_cache      [L, nKV, hd, S]     values
   attn_o_part  [P, nH, hd]         per-split normalised attention outputs (P = the schedule's largest split count)
   attn_lse     [P, nH]             per-split log-sum-exp
   attn         [nH*hd]             merged attention output of the current layer
@@ -65,6 +66,26 @@ class Geometry:
         c, s = self.cfg, self.max_seq_len
         base = layer * c.num_key_value_heads
         return ((base + g0) * s * c.hd, (base + g1) * s * c.hd)
+
+    def kv_column_range(self, layer: int, g: int, d0: int, d1: int) -> tuple[int, int]:
+        """Element range of head-dim columns [d0, d1) of KV head g of one layer, every position."""
+        lo, _ = self.kv_head_range(layer, g, g + 1)
+        return (lo + d0 * self.max_seq_len, lo + d1 * self.max_seq_len)
+
+
+def qkv_pair_pieces(cfg: ModelConfig, start: int, end: int) -> list[tuple[int, int, int]]:
+    """A QKV tile's rows [start, end), numbered in RoPE-pair order (rows h*hd + 2j and h*hd + 2j + 1 are head h's
+    rows j and j + hd/2), as (head, j0, j1): the pairs [j0, j1) of each fused head it covers. A tile of whole heads
+    covers the same rows in either numbering."""
+    half = cfg.hd // 2
+    out = []
+    p, pend = start // 2, end // 2
+    while p < pend:
+        head, j = divmod(p, half)
+        n = min(half - j, pend - p)
+        out.append((head, j, j + n))
+        p += n
+    return out
 
 
 # An access: (kind, buffer, start, end) with kind in {"read", "write", "reduce"}.
@@ -145,14 +166,16 @@ def _fp_embed(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
 
 def _fp_qkv(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
     out: list[Access] = [("read", "x", 0, c.hidden_size)]
-    s, e = a["start"], a["end"]
-    if s < c.q_size:
-        out.append(("write", "q", s, min(e, c.q_size)))
-    for base, buf in ((c.q_size, "k_cache"), (c.q_size + c.kv_size, "v_cache")):
-        lo, hi = max(s, base), min(e, base + c.kv_size)
-        if lo < hi:
-            out.append(("write", buf, *geo.kv_head_range(layer, (lo - base) // c.hd, (hi - base) // c.hd)))
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        cols = [(j0, j1)] if (j0, j1) == (0, half) else [(j0, j1), (half + j0, half + j1)]
+        whole = [(0, c.hd)] if (j0, j1) == (0, half) else cols
+        if head < nh:
+            out.extend(("write", "q", head * c.hd + d0, head * c.hd + d1) for d0, d1 in whole)
+        else:
+            buf, g = ("k_cache", head - nh) if head < nh + nkv else ("v_cache", head - nh - nkv)
+            out.extend(("write", buf, *geo.kv_column_range(layer, g, d0, d1)) for d0, d1 in whole)
     return out
 
 
@@ -290,33 +313,30 @@ def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
     return xf * (xf.pow(2).mean() + eps).rsqrt() * weight.float()
 
 
-def _rope(v: Any, cos: Any, sin: Any) -> Any:
-    """Rotate each head of v ([heads, hd]) by the HF convention (pairs i and i + hd/2)."""
-    half = v.shape[-1] // 2
-    rot = v.new_empty(v.shape)
-    rot[..., :half] = -v[..., half:]
-    rot[..., half:] = v[..., :half]
-    return v * cos + rot * sin
-
-
 def _c_embed(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     ws["x"][a["start"]:a["end"]] = w["embed"][rt["token"], a["start"]:a["end"]].float()
 
 
 def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
     xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
-    s, e = a["start"], a["end"]
-    y = (w[f"layers.{layer}.wqkv"][s:e].float() @ xn).view(-1, c.hd)
-    row = s
-    for head in y:
-        if row < c.q_size:
-            ws["q"][row:row + c.hd] = _rope(head, rt["cos"], rt["sin"])
-        elif row < c.q_size + c.kv_size:
-            ws["k_cache"][layer, (row - c.q_size) // c.hd, rt["pos"]] = _rope(head, rt["cos"], rt["sin"])
+    wqkv = w[f"layers.{layer}.wqkv"]
+    cos, sin = rt["cos"], rt["sin"]  # [hd]: the first and second halves repeat the pair frequencies
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        r = head * c.hd
+        y1 = wqkv[r + j0:r + j1].float() @ xn  # the pairs' first-half rows
+        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn  # and their partners
+        if head < nh + nkv:  # RoPE (HF convention): (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin)
+            cs, sn = cos[j0:j1], sin[j0:j1]
+            y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
+        if head < nh:
+            dst = ws["q"][r:r + c.hd]
         else:
-            ws["v_cache"][layer, (row - c.q_size - c.kv_size) // c.hd, rt["pos"]] = head
-        row += c.hd
+            buf, g = ("k_cache", head - nh) if head < nh + nkv else ("v_cache", head - nh - nkv)
+            dst = ws[buf][layer, g, rt["pos"]]
+        dst[j0:j1] = y1
+        dst[half + j0:half + j1] = y2
 
 
 def split_range(seq: int, split: int, splits: int) -> tuple[int, int]:
@@ -397,8 +417,10 @@ OPS: dict[str, OpSpec] = {
                _tile_rows("embed", lambda c: c.hidden_size), _cost_embed, _c_embed),
         OpSpec("attn_norm_qkv_rope",
                "rows [start,end) of wqkv @ rmsnorm(x); RoPE on q/k heads; q to `q`, k/v appended to the cache at pos",
-               True, {"start": "first fused-QKV row, a multiple of head_dim", "end": "end row, a multiple of head_dim"},
-               _check_rows(lambda c: c.qkv_size, lambda c: c.hd), _fp_qkv,
+               True, {"start": "first fused-QKV row, even (rows in RoPE-pair order: a head's rows 2j, 2j+1 are its "
+                               "rows j, j+hd/2; whole heads are the same rows in either order)",
+                      "end": "end row, even"},
+               _check_rows(lambda c: c.qkv_size, lambda c: 2), _fp_qkv,
                _tile_rows("attn_norm_qkv_rope", lambda c: c.qkv_size),
                _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_qkv),
         OpSpec("attn_partial",

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import ops
-from kernels.gpu.pack import OPCODES, ROW, Packed, pack
+from kernels.gpu.pack import F_A0, F_OP, OPCODES, ROW, Packed, pack
 from validator.catalogue import rope_inv_freq
 from validator.errors import ScheduleError
 from validator.model import ModelConfig
@@ -355,6 +355,15 @@ class Megakernel:
         if schedule.model is None or ModelConfig.from_hf(schedule.model.config) != self.cfg:
             raise ScheduleError("the schedule's model config differs from this Megakernel's", "$.model.config")
         p = pack(schedule)
+        if not self.v10:  # interpreter v9 computes QKV a whole head at a time
+            hd, qkv = OPCODES["attn_norm_qkv_rope"], self.cfg.hd
+            bad = (p.ins[:, F_OP] == hd) & (((p.ins[:, F_A0] % qkv) != 0) | ((p.ins[:, F_A0 + 1] % qkv) != 0))
+            if bad.any():
+                k = int(p.qitems[int(np.argmax(bad))])
+                at = next(j for j, ins in enumerate(schedule.instructions) if ins.id == p.ids[k])
+                raise ScheduleError(f"interpreter v9 needs QKV tiles of whole heads (multiples of head_dim {qkv}); "
+                                    f"{p.labels[k]} is not one: run it on interpreter v10 (StreamConfig)",
+                                    f"$.instructions[{at}].args")
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
                                 "than the machine deadlocks", "$.queues")
