@@ -88,6 +88,7 @@ VARIANTS: dict[str, Any] = {
     "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
     "v10s8": StreamConfig(slots=8),
     "v10b4": StreamConfig(boxes=4),  # 4 boxes (32 KB) per slot: half the handshakes per byte
+    "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself (v10 up to run 18)
     "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
     "v10i2": StreamConfig(inflight=2),
     "v10i3": StreamConfig(inflight=3),
@@ -290,6 +291,11 @@ def main() -> int:
                                 spec.max_seq_len, kernel=kern)
                     check_model(name, cfg, w, lower(spec, sms), f"naive w={sms} from pos 0", list(range(0, 6)), 0,
                                 spec.max_seq_len, kernel=kern)
+                    if not isinstance(VARIANTS[kern], KernelConfig):  # v9 computes whole QKV heads only
+                        pairs = lower(spec, 7, Strategy(attn_splits=2, tiles={"attn_norm_qkv_rope": 10},
+                                                        default_granularity="head"))
+                        check_model(name, cfg, w, pairs, "qkv pair tiles 10 w=7 head", list(range(hist, hist + 4)),
+                                    hist, spec.max_seq_len, kernel=kern)
                     if name == "tiny":
                         check_watchdog(cfg, spec, w, kernel=kern)
                 except Exception as exc:  # keep going: every other check still runs
@@ -340,6 +346,9 @@ def main() -> int:
         "best": lambda: strat(tiles=best, attn_splits=16),  # bench/best_schedule_llama1b_h200.json since v8
         "best_s8": lambda: strat(tiles=best, attn_splits=8),  # the best schedule up to v7
         "best_lm972": lambda: strat(tiles={**best, "final_norm_lm_head": 972}, attn_splits=16),  # one wave of 132
+        # QKV tiles of RoPE pairs (v10): 96 / 128 instructions per layer instead of 48 whole heads
+        "best_q32": lambda: strat(tiles={**best, "attn_norm_qkv_rope": 32}, attn_splits=16),
+        "best_q24": lambda: strat(tiles={**best, "attn_norm_qkv_rope": 24}, attn_splits=16),
         "best_o32": lambda: strat(tiles={**best, "o_proj_residual": 32}, attn_splits=8),
         "best_d32k2": lambda: strat(tiles={**best, "down_proj_residual": 32}, attn_splits=8,
                                     k_splits={"o_proj_residual": 1, "down_proj_residual": 2}),

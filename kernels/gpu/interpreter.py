@@ -323,11 +323,6 @@ class Megakernel:
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.w = stack_weights(c, weights, self.device)
-        self.descs: list[Any] = []
-        if self.v10:
-            from kernels.gpu.stream import stream_geometry, weight_descriptors
-
-            self.descs = weight_descriptors(c, self.w, stream_geometry(c, self.kcfg)["BK"])
         shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_seq_len, c.hd)
         self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
@@ -343,6 +338,11 @@ class Megakernel:
         self.rt = torch.zeros(2, dtype=torch.int32, device=self.device)
         self._rt_host = torch.zeros(2, dtype=torch.int32).pin_memory() if self.device.type == "cuda" else None
         self.smids = torch.zeros(self.num_sms, dtype=torch.int32, device=self.device)
+        self.descs: list[Any] = []  # v10: TMA descriptors of the weights and the KV cache (built once: they never move)
+        if self.v10:
+            from kernels.gpu.stream import stream_descriptors, stream_geometry
+
+            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, stream_geometry(c, self.kcfg))
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None

@@ -157,6 +157,21 @@ def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.
 
 
 @gluon.jit
+def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    mbarrier.expect(bar, 2 * BOX_BYTES)
+    tma.async_copy_global_to_shared(dk, [row, 0], bar, ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD],
+                                                                                       kv_layout))
+    tma.async_copy_global_to_shared(dv, [row, 0], bar, ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD],
+                                                                                           kv_layout))
+    return t + 1
+
+
+@gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr):
     for r in range(a0, a1, BR):
@@ -183,9 +198,10 @@ def _row16(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty,
-            H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr):
+def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
+            H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
+            BTK: gl.constexpr, KV_RING: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -196,6 +212,7 @@ def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, emp
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
     t = qi * 0
+    pos = gl.load(rt_ptr + 1)
     op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
@@ -220,6 +237,13 @@ def _loader(ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, emp
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
+        elif op == OP_PARTIAL:
+            if KV_RING:  # the split's K/V history: positions < pos are never written during a step
+                lo = a1 * (pos + 1) // a2
+                hi = (a1 + 1) * (pos + 1) // a2
+                row0 = (layer * NKV + a0) * S
+                for b0 in range(lo, hi, BTK):
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES)
@@ -397,15 +421,31 @@ def _op_embed(embed_ptr, x_ptr, token, start, end, H: gl.constexpr, BE: gl.const
 
 
 @gluon.jit
-def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, NH: gl.constexpr,
-                     NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-                     SCALE: gl.constexpr, num_warps: gl.constexpr):
+def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
+    """Fold positions t0 + [0, BT) (those below hi) into every position lane's online softmax."""
+    s = gl.sum(q3 * gl.expand_dims(k, 0), axis=2)  # [GP, BT]
+    s = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), s, float("-inf"))
+    m_new = gl.maximum(m_i, s)
+    alpha = gl.exp(m_i - m_new)
+    p = gl.exp(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * gl.expand_dims(alpha, 2) + gl.expand_dims(p, 2) * gl.expand_dims(v, 0)
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, t, ring, ready, empty,
+                     NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
+                     GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
+                     KV_RING: gl.constexpr, num_warps: gl.constexpr):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
     On the CUDA cores, fp32. Each of the BT position lanes of a block (BT = 32 / lanes along the head dim, times
     num_warps) keeps its own online softmax (max, denominator, weighted sum): the loop needs no cross-thread
-    reduction but the dot product's, and the lanes are merged once at the end. The next block's K/V loads are issued
-    before the current block is computed."""
+    reduction but the dot product's, and the lanes are merged once at the end. With KV_RING the loader has already
+    streamed the split's K/V history into the ring (BTK positions per slot: positions before pos are never written
+    during a step), so only q and the current position's row come from L2 after the wait; otherwise K/V are loaded
+    here, the next block's before the current one is computed."""
     LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
     BT: gl.constexpr = (32 // LD) * num_warps
     L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
@@ -426,40 +466,55 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
     ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
     base = (layer * NKV + g).to(gl.int64) * S * HD
-    kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
     m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
     l_i = gl.zeros([GP, BT], gl.float32, LS)
     acc = gl.zeros([GP, BT, HD], gl.float32, L3)
-    km = gl.expand_dims(lo + tk < hi, 1)
-    kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-    vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-    for t0 in range(lo, hi, BT):
-        k = kn.to(gl.float32)
-        v = vn.to(gl.float32)
-        km = gl.expand_dims(t0 + BT + tk < hi, 1)
-        kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-        vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-        s = gl.sum(q3 * gl.expand_dims(k, 0), axis=2)  # [GP, BT]
-        s = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), s, float("-inf"))
-        m_new = gl.maximum(m_i, s)
-        alpha = gl.exp(m_i - m_new)
-        p = gl.exp(s - m_new)
-        l_i = l_i * alpha + p
-        acc = acc * gl.expand_dims(alpha, 2) + gl.expand_dims(p, 2) * gl.expand_dims(v, 0)
-        m_i = m_new
+    if KV_RING:
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
+        cur = (pos >= lo) & (pos < hi)
+        cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
+        cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
+        cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
+        cur_v = gl.expand_dims(cur_v.to(gl.float32), 0)
+        for b0 in range(lo, hi, BTK):
+            s = t % NS
+            mbarrier.wait(ready.index(s), (t // NS) & 1)
+            kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            for hb in gl.static_range(BTK // BT):
+                t0 = b0 + hb * BT
+                now = gl.expand_dims(t0 + tk == pos, 1)
+                k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+            t = _release(t, empty, NS)
+    else:
+        kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
+        km = gl.expand_dims(lo + tk < hi, 1)
+        kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        for t0 in range(lo, hi, BT):
+            k = kn.to(gl.float32)
+            v = vn.to(gl.float32)
+            km = gl.expand_dims(t0 + BT + tk < hi, 1)
+            kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
     mx = gl.max(m_i, axis=1)  # [GP]
     w = gl.exp(m_i - gl.expand_dims(mx, 1))
     den = gl.sum(l_i * w, axis=1)
     o = gl.sum(acc * gl.expand_dims(w, 2), axis=1)  # [GP, HD] in LQ
-    empty = hi <= lo
+    empty_split = hi <= lo
     safe = gl.where(den > 0, den, 1.0)
-    lse = gl.where(empty, float("-inf"), mx + gl.log(safe))
+    lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
     o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LQ)), 1)
-    o = gl.where(empty, 0.0, o)
+    o = gl.where(empty_split, 0.0, o)
     rows = split * NH + h0 + gq
     gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(dq, 0), o, mask=qmask)
     gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
     gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+    return t
 
 
 @gluon.jit
@@ -559,7 +614,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
              NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
-             BK: gl.constexpr, TRACE: gl.constexpr,
+             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -588,8 +643,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
                         sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk)
         elif op == OP_PARTIAL:
-            _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, NH, NKV, HD, S, G,
-                             GP, SCALE, num_warps)
+            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
+                                 empty, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
@@ -629,14 +684,14 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 @gluon.jit
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
     INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
-    TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
+    BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
@@ -656,9 +711,9 @@ def stream_megakernel(
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, TRACE, ROWW, WB, SP, BE, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, ring, ready, empty, H, IS, NH, NKV, HD,
-                   ROWW, NS, INFLIGHT, SB, BK)),
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, BE, num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
+                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING)),
     ], [1], [LOADER_REGS])
 
 
@@ -679,6 +734,7 @@ class StreamConfig:
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
     inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
+    kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     be: int = 1024  # embedding copy block
 
@@ -705,8 +761,13 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
                          f"staging buffer (at most {fit})")
+    # K/V history blocks fill a slot's first two boxes: BTK positions of hd bf16 each, a multiple of attention's
+    # position lanes (32 / (hd / 8) lanes per warp along positions, times the compute warps)
+    btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
+    bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
+    kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
-            "stage_bytes": nch * bk * 4}
+            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
@@ -717,14 +778,16 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
-        NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"],
+        NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=sc.loader_regs, num_warps=sc.num_warps)
 
 
-def weight_descriptors(c: ModelConfig, w: dict[str, Any], bk: int) -> list[Any]:
-    """TMA descriptors of the six weight matrices the loader streams, each viewed 2-D ([layers * rows, K]) with a
-    [16, bk] box: wqkv, wo, w_gate, w_up, w_down, lm_head (in the kernel's argument order)."""
+def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
+                       ) -> list[Any]:
+    """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
+    wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with a [16, BK] box, then the K and V
+    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
@@ -732,5 +795,8 @@ def weight_descriptors(c: ModelConfig, w: dict[str, Any], bk: int) -> list[Any]:
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
         t = w[name]
         t2 = t.reshape(-1, t.shape[-1])
-        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [16, bk], layout))
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [16, geo["BK"]], layout))
+    for cache in (k_cache, v_cache):
+        t2 = cache.reshape(-1, c.hd)
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd], layout))
     return out
