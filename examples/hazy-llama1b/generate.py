@@ -250,7 +250,7 @@ def _merge(regions: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
 
 
 def _sum_signals(adds: list[int]) -> list[tuple[int, int]]:
-    """Per-block `+1`s on counters, as one signal per counter (see 'What the encoding simplifies' in the README)."""
+    """Per-block `+1`s on counters as one signal per counter, at the end (docs/examples.md, 'simplifies')."""
     total: dict[int, int] = {}
     for c in adds:
         total[c] = total.get(c, 0) + 1
