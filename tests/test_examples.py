@@ -258,7 +258,7 @@ def _real_output(command: str) -> list[str]:
     return lines[:head] if head is not None else lines
 
 
-@pytest.mark.parametrize("doc", ["docs/examples.md"])
+@pytest.mark.parametrize("doc", ["docs/examples.md", "README.md"])
 def test_outputs_shown_are_real(doc: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     runs = [run for block in _console_blocks((ROOT / doc).read_text()) for run in _shown_runs(block)]
