@@ -51,13 +51,13 @@ def _variant(spec, workers: int, strategy: Strategy, seed: int):
     return parse_schedule(doc)
 
 
-def _decode_and_compare(spec, schedule, weights, positions, history, mk=None):
+def _decode_and_compare(spec, schedule, weights, positions, history, mk=None, config=None):
     from kernels.gpu import Megakernel
     from kernels.reference import decode_step
 
     cfg = spec.config
     if mk is None:
-        mk = Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
+        mk = Megakernel(schedule, weights, max_seq_len=spec.max_seq_len, config=config)
     else:
         mk.set_schedule(schedule)
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -118,9 +118,10 @@ def test_tiny_configs(name):
 
 def _compiled_count() -> int | None:
     from kernels.gpu.interpreter import _megakernel
+    from kernels.gpu.stream import stream_megakernel
 
     try:
-        return sum(len(v[0]) for v in _megakernel.device_caches.values())
+        return sum(len(v[0]) for k in (_megakernel, stream_megakernel) for v in k.device_caches.values())
     except (AttributeError, TypeError, IndexError):  # another Triton version's cache layout
         return None
 
@@ -133,6 +134,35 @@ def test_new_schedule_needs_no_recompile():
     _decode_and_compare(spec, _variant(spec, 7, Strategy(attn_splits=2), seed=5), w, range(3), 0, mk=mk)
     if before is not None:
         assert _compiled_count() == before, "a new schedule triggered a recompile"
+
+
+def test_v10_is_the_default_and_v9_stays_selectable(llama):
+    """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
+    from kernels.gpu.interpreter import KernelConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mk = _decode_and_compare(spec, lower(spec, sms), w, range(1500, 1504), 1500)
+    assert mk.v10
+    mk9 = _decode_and_compare(spec, lower(spec, sms), w, range(1500, 1504), 1500, config=KernelConfig())
+    assert not mk9.v10
+
+
+@pytest.mark.parametrize("kv_ring", [True, False])
+def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring):
+    """The v10 best-schedule shape (QKV tiles of 16 RoPE pairs, down K-split 2) with and without the loader
+    streaming attention's K/V history; on a tiny config, pair tiles that straddle heads."""
+    from kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32, "final_norm_lm_head": 972}
+    strat = Strategy(tiles=tiles, attn_splits=16, k_splits={"down_proj_residual": 2})
+    cfg = StreamConfig(kv_ring=kv_ring)
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3008), 3000, config=cfg)
+    tiny = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, tiles={"attn_norm_qkv_rope": 10}, default_granularity="head")
+    _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60, config=cfg)
 
 
 def test_watchdog_turns_a_hang_into_an_error():
