@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from synth.models import ModelSpec, get_model
+from synth.lowering.models import ModelSpec, get_model
 from validator.catalogue import ACT_BYTES, OPS, W_BYTES
 from validator.model import ModelConfig
 
@@ -742,7 +742,7 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
     from validator.schedule import load_schedule
 
     if path is None:
-        from synth.lower import lower
+        from synth.lowering.lower import lower
 
         workers = 132
         with contextlib.suppress(Exception):
@@ -752,7 +752,8 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
                 workers = torch.cuda.get_device_properties(0).multi_processor_count
         schedule = lower(spec, workers)
         text = json.dumps(schedule.to_json(), sort_keys=True)
-        info: dict[str, Any] = {"path": None, "source": f"naive lowering (synth.lower.lower, {workers} workers)"}
+        info: dict[str, Any] = {"path": None,
+                                "source": f"naive lowering (synth.lowering.lower.lower, {workers} workers)"}
     else:
         schedule = load_schedule(path)
         from pathlib import Path

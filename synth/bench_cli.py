@@ -66,7 +66,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     from rich.console import Console
 
     from synth.bench import BenchError, BenchOptions, render, run_bench
-    from synth.models import get_model
+    from synth.lowering.models import get_model
     from validator.atomic import write_json_atomic
 
     console = Console(stderr=True)
@@ -128,7 +128,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     import torch
 
     from synth.bench import BenchError, load_bench_schedule
-    from synth.models import get_model
+    from synth.lowering.models import get_model
 
     try:
         spec = get_model(model_name)

@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from synth.costmodel import CostParams, OpParams, estimate, instruction_cost
+from synth.lowering.costmodel import CostParams, OpParams, estimate, instruction_cost
 from validator.program import resolve
 from validator.schedule import Schedule
 

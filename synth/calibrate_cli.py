@@ -29,7 +29,7 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
               allow_estimated: bool, fit_runs: tuple[str, ...], check_runs: tuple[str, ...]) -> None:
     """Fit per-op cost-model parameters from GPU traces (kernels/trace.py format) and their schedules."""
     from synth.calibrate import fit
-    from synth.costmodel import load_params
+    from synth.lowering.costmodel import load_params
     from validator.atomic import write_json_atomic
     from validator.schedule import load_schedule
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from synth.costmodel import CostParams, Estimate, estimate, load_params
-from synth.lower import lower
-from synth.models import get_model
-from synth.patches import apply_patches
+from synth.lowering.costmodel import CostParams, Estimate, estimate, load_params
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.patches import apply_patches
+from synth.lowering.strategy import Strategy, parse_strategy
 from synth.proposers.base import Proposal, Proposer, Result, SearchContext
 from synth.runs import BASELINE, RunDir, candidate_id, schedule_key
-from synth.strategy import Strategy, parse_strategy
 from validator.errors import ScheduleError
 from validator.schedule import Schedule, parse_schedule
 from validator.verify import Options, Report, verify

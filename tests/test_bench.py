@@ -21,8 +21,8 @@ from synth.bench import (
     summarize,
 )
 from synth.cli import main
-from synth.lower import lower
-from synth.models import get_model
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
 
 CUDA = torch.cuda.is_available()
 
@@ -319,7 +319,7 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
 
     import synth.bench as bench
     from kernels.reference import decode_step
-    from synth.strategy import Strategy
+    from synth.lowering.strategy import Strategy
 
     monkeypatch.setattr(bench, "_megakernel_api", lambda: SimpleNamespace(Megakernel=FakeMegakernel))
     monkeypatch.setattr(bench, "capture_graph", lambda fn: fn)

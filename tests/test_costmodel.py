@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from synth.calibrate import fit, measured_ms
-from synth.costmodel import CostParams, OpParams, estimate, load_params
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import Strategy
+from synth.lowering.costmodel import CostParams, OpParams, estimate, load_params
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 from validator.schedule import parse_schedule
 
 TINY = get_model("tiny")

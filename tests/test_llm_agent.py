@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from synth.briefing import build_briefing, compact_counterexample, count_tokens
-from synth.lower import lower
-from synth.models import get_model
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 from synth.proposers.base import Proposal, Result, SearchContext
 from synth.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
-from synth.strategy import Strategy
 
 # ---------------------------------------------------------------------------------------------------------------
 # A scripted OpenAI-compatible server
@@ -218,7 +218,7 @@ def test_briefing_estimates_the_profile_when_missing() -> None:
 
 
 def test_briefing_reads_a_trace_in_the_shared_format() -> None:
-    costmodel = pytest.importorskip("synth.costmodel")
+    costmodel = pytest.importorskip("synth.lowering.costmodel")
     pytest.importorskip("kernels.trace")
     schedule = lower(TINY, 8)
     est = costmodel.estimate(schedule, 64)
@@ -266,7 +266,7 @@ def test_out_of_range_and_unknown_keys_are_fed_back(tmp_path: Path) -> None:
 
 
 def test_bad_patches_are_fed_back_with_their_path(tmp_path: Path) -> None:
-    pytest.importorskip("synth.patches")
+    pytest.importorskip("synth.lowering.patches")
     script = [("ok", _answer(patches=[{"op": "remove_wait", "id": 99999, "counter": 0}])),
               ("ok", _answer(patches=[{"op": "add_wait", "id": 9, "counter": 5, "value": 1, "colour": "red"}])),
               ("ok", _answer(patches=[{"op": "move", "id": 9, "worker": 3, "position": 0}]))]
@@ -380,7 +380,7 @@ def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPa
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     search = pytest.importorskip("synth.search")
-    pytest.importorskip("synth.patches")
+    pytest.importorskip("synth.lowering.patches")
     naive = lower(TINY, 8)
     victim = next(i for i in naive.instructions if i.op == "o_proj_residual" and i.layer == 0)
     racy = _answer(patches=[{"op": "remove_wait", "id": victim.id, "counter": victim.waits[0].counter}],
@@ -439,7 +439,7 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
 
 
 def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("synth.costmodel")
+    pytest.importorskip("synth.lowering.costmodel")
     from synth.briefing import main
 
     assert main(["--model", "tiny", "--workers", "8", "--ctx", "64"]) == 0

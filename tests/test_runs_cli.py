@@ -13,8 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from synth.cli import main
-from synth.lower import lower
-from synth.models import get_model
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 from synth.report import (
     counterexample_events,
     focus_events,
@@ -27,7 +28,6 @@ from synth.report import (
     summarize,
 )
 from synth.runs_cli import serve_in_thread
-from synth.strategy import Strategy
 from validator.atomic import write_json_atomic
 from validator.verify import Options, verify
 

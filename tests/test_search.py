@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from synth.patches import PatchError, apply_patches
+from synth.lowering.patches import PatchError, apply_patches
+from synth.lowering.strategy import Strategy
 from synth.proposers.base import Proposal, Result, SearchContext
 from synth.runs import BASELINE, RunDir
 from synth.search import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
-from synth.strategy import Strategy
 from validator.schedule import load_schedule
 from validator.verify import Options, verify
 
@@ -104,8 +104,8 @@ def test_evolve_uses_accepted_parents() -> None:
 
 
 def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
-    from synth.lower import lower
-    from synth.models import get_model
+    from synth.lowering.lower import lower
+    from synth.lowering.models import get_model
 
     sched = lower(get_model("tiny"), 4)
     moved = apply_patches(sched, [{"op": "move", "id": 5, "worker": 3}])

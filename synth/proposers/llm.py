@@ -24,10 +24,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from synth.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
-from synth.lower import lower
-from synth.models import ModelSpec
+from synth.lowering.lower import lower
+from synth.lowering.models import ModelSpec
+from synth.lowering.strategy import Strategy
 from synth.proposers.base import Proposal, Result, SearchContext
-from synth.strategy import Strategy
 from validator.atomic import write_json_atomic
 from validator.errors import ScheduleError, json_path
 from validator.program import resolve
@@ -212,11 +212,11 @@ def _merge(base: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_patches(schedule: Schedule, patches: list[dict[str, Any]]) -> Schedule:
-    """Apply explicit patches through `synth.patches` (its errors name the patch index and field)."""
+    """Apply explicit patches through `synth.lowering.patches` (its errors name the patch index and field)."""
     if not patches:
         return schedule
     try:
-        from synth.patches import apply_patches
+        from synth.lowering.patches import apply_patches
     except ImportError:
         raise ProposalError("patches are not supported by this build; send \"patches\": []") from None
     return apply_patches(schedule, patches)
