@@ -194,7 +194,7 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
 
 def _measured(run_dirs: list[str]) -> list[tuple[str, Schedule, int, float]]:
     """(label, schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
-    from synth.runs import RunDir
+    from synth.runs.rundir import RunDir
 
     out = []
     for run in run_dirs:

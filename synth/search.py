@@ -28,7 +28,7 @@ from synth.lowering.models import get_model
 from synth.lowering.patches import apply_patches
 from synth.lowering.strategy import Strategy, parse_strategy
 from synth.proposers.base import Proposal, Proposer, Result, SearchContext
-from synth.runs import BASELINE, RunDir, candidate_id, schedule_key
+from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key
 from validator.errors import ScheduleError
 from validator.schedule import Schedule, parse_schedule
 from validator.verify import Options, Report, verify

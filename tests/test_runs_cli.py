@@ -16,7 +16,7 @@ from synth.cli import main
 from synth.lowering.lower import lower
 from synth.lowering.models import get_model
 from synth.lowering.strategy import Strategy
-from synth.report import (
+from synth.runs.report import (
     counterexample_events,
     focus_events,
     load_run,

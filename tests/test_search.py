@@ -14,7 +14,7 @@ import pytest
 from synth.lowering.patches import PatchError, apply_patches
 from synth.lowering.strategy import Strategy
 from synth.proposers.base import Proposal, Result, SearchContext
-from synth.runs import BASELINE, RunDir
+from synth.runs.rundir import BASELINE, RunDir
 from synth.search import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
 from validator.schedule import load_schedule
 from validator.verify import Options, verify
