@@ -57,7 +57,7 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from synth.lowering.costmodel import load_params
     from synth.lowering.models import get_model
-    from synth.search import SearchConfig, run_search
+    from synth.search.loop import SearchConfig, run_search
 
     try:
         get_model(model_name)

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from synth.briefing import build_briefing, compact_counterexample, count_tokens
 from synth.lowering.lower import lower
 from synth.lowering.models import get_model
 from synth.lowering.strategy import Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
+from synth.search.briefing import build_briefing, compact_counterexample, count_tokens
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
 
 # ---------------------------------------------------------------------------------------------------------------
 # A scripted OpenAI-compatible server
@@ -192,7 +192,7 @@ def test_briefing_contents_and_measured_budget() -> None:
 
 
 def test_critical_path_folds_repeated_layers() -> None:
-    from synth.briefing import _path_runs
+    from synth.search.briefing import _path_runs
 
     path = [{"id": 0, "op": "embed", "layer": None}]
     for layer in range(4):
@@ -362,7 +362,7 @@ def test_bad_key_stops_the_agent_and_usage_resumes(tmp_path: Path) -> None:
 
 
 def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("synth.search")
+    search = pytest.importorskip("synth.search.loop")
     for key in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
     notices: list[str] = []
@@ -379,7 +379,7 @@ def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPa
 
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("synth.search")
+    search = pytest.importorskip("synth.search.loop")
     pytest.importorskip("synth.lowering.patches")
     naive = lower(TINY, 8)
     victim = next(i for i in naive.instructions if i.op == "o_proj_residual" and i.layer == 0)
@@ -440,7 +440,7 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
 
 def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("synth.lowering.costmodel")
-    from synth.briefing import main
+    from synth.search.briefing import main
 
     assert main(["--model", "tiny", "--workers", "8", "--ctx", "64"]) == 0
     out, err = capsys.readouterr()

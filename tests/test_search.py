@@ -13,9 +13,9 @@ import pytest
 
 from synth.lowering.patches import PatchError, apply_patches
 from synth.lowering.strategy import Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
 from synth.runs.rundir import BASELINE, RunDir
-from synth.search import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
+from synth.search.loop import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
+from synth.search.proposers.base import Proposal, Result, SearchContext
 from validator.schedule import load_schedule
 from validator.verify import Options, verify
 
@@ -93,7 +93,7 @@ def test_auto_without_llm_is_heuristic_then_evolve(monkeypatch: pytest.MonkeyPat
 
 
 def test_evolve_uses_accepted_parents() -> None:
-    from synth.proposers.evolve import EvolveProposer
+    from synth.search.proposers.evolve import EvolveProposer
 
     ev = EvolveProposer(seed=1)
     parents = [Result(f"c000{k}", Proposal(Strategy(attn_splits=k + 1)), True, 1.0 + k, True,
@@ -126,7 +126,7 @@ def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
 _WORKER = """
 import sys
 from pathlib import Path
-from synth.search import SearchConfig, run_search
+from synth.search.loop import SearchConfig, run_search
 run_search(SearchConfig(model="tiny", workers=8, budget=int(sys.argv[3]), runs_dir=Path(sys.argv[1]), run="shared",
                         resume=sys.argv[2] == "resume", storage=None, interleavings=10, final_interleavings=20,
                         ctx=64, gpu=False, progress=False, proposer="evolve", seed=int(sys.argv[4]),
@@ -255,7 +255,7 @@ def test_gpu_path_checks_logits_and_keeps_failures(tmp_path: Path) -> None:
 
 
 def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import synth.search as search_mod
+    import synth.search.loop as search_mod
     from validator.program import Finding
 
     real = search_mod.verify
@@ -319,8 +319,8 @@ class _FakeAgent:
 
 
 def test_auto_falls_back_to_builtin_when_the_agent_is_exhausted() -> None:
-    from synth.proposers.heuristic import HeuristicProposer
-    from synth.search import FallbackProposer
+    from synth.search.loop import FallbackProposer
+    from synth.search.proposers.heuristic import HeuristicProposer
 
     notices: list[str] = []
     agent = _FakeAgent(left=2)

@@ -7,8 +7,8 @@ import random
 from typing import Any
 
 from synth.lowering.strategy import Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.heuristic import mutate, random_strategy, strategy_key
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.heuristic import mutate, random_strategy, strategy_key
 
 #: Knobs that change the instruction list (ids); patches only carry over when these agree.
 PLAN_KNOBS = ("tiles", "k_splits", "attn_splits")

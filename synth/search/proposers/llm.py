@@ -1,7 +1,7 @@
 """The LLM agent: a `Proposer` that asks any OpenAI-compatible endpoint for one schedule change per round.
 
-Each round: build the briefing (synth.briefing), call the chat-completions API with a JSON-schema response format
-(falling back to plain text + a JSON extractor for servers without structured output), check the answer (JSON,
+Each round: build the briefing (synth.search.briefing), call the chat-completions API with a JSON-schema response
+format (falling back to plain text + a JSON extractor for servers without structured output), check the answer (JSON,
 schema, strategy values, patch ids — by lowering and patching it), and feed every error back for a bounded number of
 retries. Transport failures (timeouts, 429, 5xx, refused connections) are retried with a capped backoff. When the
 round's attempts or the run's call budget are spent the proposer returns no proposals: it never raises into the search.
@@ -23,11 +23,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from synth.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
 from synth.lowering.lower import lower
 from synth.lowering.models import ModelSpec
 from synth.lowering.strategy import Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
+from synth.search.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
+from synth.search.proposers.base import Proposal, Result, SearchContext
 from validator.atomic import write_json_atomic
 from validator.errors import ScheduleError, json_path
 from validator.program import resolve

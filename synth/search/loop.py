@@ -27,8 +27,8 @@ from synth.lowering.lower import lower
 from synth.lowering.models import get_model
 from synth.lowering.patches import apply_patches
 from synth.lowering.strategy import Strategy, parse_strategy
-from synth.proposers.base import Proposal, Proposer, Result, SearchContext
 from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key
+from synth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 from validator.errors import ScheduleError
 from validator.schedule import Schedule, parse_schedule
 from validator.verify import Options, Report, verify
@@ -60,7 +60,7 @@ class SearchConfig:
     gpu: bool | None = None  # None: use the GPU when CUDA is present
     progress: bool = True
     cost_params: CostParams | None = None
-    llm: dict[str, Any] = field(default_factory=dict)  # the agent's --llm-* options (synth.proposers.llm.LLMOptions)
+    llm: dict[str, Any] = field(default_factory=dict)  # the agent's --llm-* options (proposers.llm.LLMOptions)
     notice: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
 
 
@@ -142,20 +142,20 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
                      notice: Callable[[str], None] | None = None, **llm_options: Any) -> Proposer:
     """Build the proposer named on the command line. `llm` needs an endpoint (OPENAI_API_KEY/OPENAI_BASE_URL);
     `auto` uses the LLM agent when one is configured, else heuristic then evolve (saying so in one line)."""
-    from synth.proposers.evolve import EvolveProposer
-    from synth.proposers.heuristic import SEEDS, HeuristicProposer
+    from synth.search.proposers.evolve import EvolveProposer
+    from synth.search.proposers.heuristic import SEEDS, HeuristicProposer
 
     if name == "heuristic":
         return HeuristicProposer(seed)
     if name == "evolve":
         return EvolveProposer(seed)
     if name == "tpe":
-        from synth.proposers.tpe import TPEProposer
+        from synth.search.proposers.tpe import TPEProposer
 
         return TPEProposer(seed)
     if name in ("llm", "auto"):
         try:
-            from synth.proposers import llm
+            from synth.search.proposers import llm
         except ImportError:  # pragma: no cover - the agent module is part of the package
             llm = None  # type: ignore[assignment]
         if llm is not None and llm.agent_configured():

@@ -17,7 +17,7 @@ from typing import Any
 
 from synth.lowering.models import ModelSpec
 from synth.lowering.strategy import Strategy
-from synth.proposers.base import Result, SearchContext
+from synth.search.proposers.base import Result, SearchContext
 from validator.catalogue import OP_ORDER, OPS, Geometry
 from validator.program import geometry_of
 from validator.schedule import Schedule
@@ -647,16 +647,16 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m synth.briefing --model llama-1b`: print the first round's briefing (naive baseline as the best,
+    """`python -m synth.search.briefing --model llama-1b`: print the first round's briefing (naive baseline as the best,
     estimated) and its measured size per section, to check that it fits a model's context before a run."""
     import argparse
     import sys
 
     from synth.lowering.lower import lower
     from synth.lowering.models import get_model
-    from synth.proposers.base import Proposal
+    from synth.search.proposers.base import Proposal
 
-    parser = argparse.ArgumentParser(prog="python -m synth.briefing", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m synth.search.briefing", description=main.__doc__)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--workers", type=int, default=132)
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET)

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.heuristic import (
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.heuristic import (
     ATTN_SPLIT_CHOICES,
     CHUNK_CHOICES,
     FINE_EDGES,

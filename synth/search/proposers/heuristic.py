@@ -8,7 +8,7 @@ import random
 from typing import Any
 
 from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
-from synth.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.base import Proposal, Result, SearchContext
 
 TILE_CHOICES: dict[str, list[int]] = {
     "attn_norm_qkv_rope": [64, 128, 192, 256],
