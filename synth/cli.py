@@ -74,9 +74,9 @@ def _register() -> None:
     that says which package is missing, so the other commands keep working."""
     import importlib
 
-    for module, name in [("synth.search_cli", "search"), ("synth.bench_cli", "bench"),
-                         ("synth.bench_cli", "generate"), ("synth.runs_cli", "runs"),
-                         ("synth.calibrate_cli", "calibrate"), ("synth.search_cli", "strategy_schema")]:
+    for module, name in [("synth.commands.search", "search"), ("synth.commands.bench", "bench"),
+                         ("synth.commands.bench", "generate"), ("synth.commands.runs", "runs"),
+                         ("synth.commands.calibrate", "calibrate"), ("synth.commands.search", "strategy_schema")]:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -122,7 +122,7 @@ def test_calibration_recovers_known_parameters() -> None:
 
 
 def test_calibrate_cli_writes_parameters(tmp_path: Path) -> None:
-    from synth.calibrate_cli import calibrate
+    from synth.commands.calibrate import calibrate
 
     pairs = _synthetic(3, CostParams(), noise=0.0, seed=3)
     traces = []

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from screenshot_report import CHROMIUM_ARGS  # noqa: E402
 from test_runs_cli import make_run, search_run  # noqa: E402
 
-from synth.runs_cli import serve_in_thread  # noqa: E402
+from synth.commands.runs import serve_in_thread  # noqa: E402
 from validator.atomic import write_json_atomic  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"

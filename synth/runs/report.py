@@ -532,9 +532,9 @@ def bench_rows(doc: Any, ctx: int | None = None) -> tuple[list[tuple[str, float]
 
 
 def _variant_label(name: str) -> str:
-    """The bench's own label of a variant (synth.bench owns them), or the name itself."""
+    """The bench's own label of a variant (synth.measure.bench owns them), or the name itself."""
     try:
-        from synth.bench import VARIANTS
+        from synth.measure.bench import VARIANTS
     except Exception:  # noqa: BLE001 - the labels are cosmetic; never fail a report over them
         return name
     v = VARIANTS.get(name)

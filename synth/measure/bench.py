@@ -687,7 +687,7 @@ def run_compile(opts: BenchOptions, log: Callable[[str], None]) -> dict[int, dic
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: `synth` must import there too
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    proc = subprocess.Popen([sys.executable, "-m", "synth.bench", "--compile-worker", payload],
+    proc = subprocess.Popen([sys.executable, "-m", "synth.measure.bench", "--compile-worker", payload],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
                             start_new_session=True)
     timed_out = False
@@ -939,9 +939,9 @@ def render(result: dict[str, Any]) -> list[Any]:
 
 
 def _worker_main(argv: list[str]) -> int:
-    """`python -m synth.bench --compile-worker JSON`: the child process of `run_compile`."""
+    """`python -m synth.measure.bench --compile-worker JSON`: the child process of `run_compile`."""
     if len(argv) != 2 or argv[0] != "--compile-worker":
-        print("usage: python -m synth.bench --compile-worker OPTIONS_JSON", file=sys.stderr)
+        print("usage: python -m synth.measure.bench --compile-worker OPTIONS_JSON", file=sys.stderr)
         return 2
     opts = BenchOptions(**json.loads(argv[1]))
     if opts.device == "cpu":  # the dry run's tiny ops: one thread avoids OpenMP spin contention
