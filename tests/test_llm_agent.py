@@ -362,19 +362,19 @@ def test_bad_key_stops_the_agent_and_usage_resumes(tmp_path: Path) -> None:
 
 
 def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("synth.search.loop")
+    proposers = pytest.importorskip("synth.search.proposers.auto")
     for key in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
     notices: list[str] = []
-    chain = search.resolve_proposer("auto", "tiny", 8, notice=notices.append)
+    chain = proposers.resolve_proposer("auto", "tiny", 8, notice=notices.append)
     assert not isinstance(chain, LLMProposer) and len(notices) == 1 and "no LLM agent" in notices[0]
     with pytest.raises(ValueError, match="OPENAI_API_KEY or OPENAI_BASE_URL"):
-        search.resolve_proposer("llm", "tiny", 8)
+        proposers.resolve_proposer("llm", "tiny", 8)
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
-    agent = search.resolve_proposer("llm", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    agent = proposers.resolve_proposer("llm", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
     assert isinstance(agent, LLMProposer) and agent.options.max_calls == 7 and agent.options.model == "m"
-    auto = search.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
-    assert isinstance(auto, search.FallbackProposer) and isinstance(auto.agent, LLMProposer)  # built-in after it
+    auto = proposers.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    assert isinstance(auto, proposers.FallbackProposer) and isinstance(auto.agent, LLMProposer)  # built-in after it
 
 
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
