@@ -1,19 +1,28 @@
 """Read a run folder of runs/ defensively and render it as self-contained HTML (a leaderboard and one report per run).
 
 Every input is optional: a missing or unreadable file drops its section and leaves a note, never a crash. The HTML
-needs no network when viewed (inline CSS and JS); the SM timeline is drawn on a <canvas> so that 10 000+
-instructions stay smooth. Numbers that came from the cost model rather than the GPU are labelled "estimated".
+needs no network when viewed (the CSS and JS of static/ are inlined); the SM timeline is drawn on a <canvas> so that
+10 000+ instructions stay smooth. Numbers that came from the cost model rather than the GPU are labelled "estimated".
+
+This module reads and computes (the `Run`, the trace summary, the geometry of the charts); the markup is in
+templates/ (Jinja2, autoescaped), one template per page and per chart.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import html
+import functools
 import json
 import math
+import re
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from jinja2 import Environment, PackageLoader, StrictUndefined
+from jinja2.ext import Extension
+from markupsafe import Markup
 
 from validator.atomic import write_text_atomic
 
@@ -295,122 +304,7 @@ def summarize(trace: Trace, schedule: Any = None) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Rendering helpers
-
-_PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-            "#bab0ac", "#86bcb6", "#d37295"]
-
-
-def op_colors(ops: list[str]) -> dict[str, str]:
-    """A stable colour per op: catalogue ops in decode order first, then the rest by name."""
-    from validator.catalogue import OP_ORDER
-
-    ordered = [o for o in OP_ORDER if o in ops] + sorted(o for o in set(ops) if o not in OP_ORDER)
-    return {o: _PALETTE[k % len(_PALETTE)] for k, o in enumerate(ordered)}
-
-
-def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
-
-
-def fmt_ms(ms: float | None, estimated: bool = False) -> str:
-    if ms is None:
-        return "—"
-    s = f"{ms:.3f} ms" if ms >= 0.01 else f"{ms * 1000:.2f} µs"
-    return s + (" (estimated)" if estimated else "")
-
-
-def _badge(estimated: bool) -> str:
-    return '<span class="est">estimated</span>' if estimated else '<span class="meas">measured</span>'
-
-
-def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", width: int = 720) -> str:
-    """Horizontal bars: (label, value, colour, estimated). Estimated bars are hatched and say so."""
-    if not rows:
-        return ""
-    label_w, bar_h, gap = 300, 22, 8
-    vmax = max(v for _, v, _, _ in rows) or 1.0
-    vmin = min((v for _, v, _, _ in rows if v > 0), default=vmax)
-    log = vmax / vmin > 30  # a 200x spread would squash the bars that matter into slivers
-    plot = width - label_w - 160
-
-    def length(v: float) -> float:
-        if not log:
-            return plot * v / vmax
-        lo = math.log10(vmin) - 0.3
-        return plot * (math.log10(max(v, vmin)) - lo) / (math.log10(vmax) - lo)
-
-    h = len(rows) * (bar_h + gap) + gap
-    parts = [f'<svg class="bars" width="{width}" height="{h}" viewBox="0 0 {width} {h}" role="img">',
-             '<defs><pattern id="hatch" width="6" height="6" patternUnits="userSpaceOnUse" '
-             'patternTransform="rotate(45)"><rect width="6" height="6" fill="#fff" fill-opacity="0.0"/>'
-             '<line x1="0" y1="0" x2="0" y2="6" stroke="#fff" stroke-width="2" stroke-opacity="0.55"/></pattern>'
-             '</defs>']
-    for k, (label, v, colour, est) in enumerate(rows):
-        y = gap + k * (bar_h + gap)
-        w = max(1.0, length(v))
-        parts.append(f'<text x="{label_w - 8}" y="{y + bar_h * 0.7:.1f}" text-anchor="end">{esc(label)}</text>')
-        parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="{colour}"/>')
-        if est:
-            parts.append(f'<rect x="{label_w}" y="{y}" width="{w:.1f}" height="{bar_h}" fill="url(#hatch)"/>')
-        val = (fmt_ms(v, est) if unit == "ms" else f"{v:.3f} {unit}" + (" (estimated)" if est else ""))
-        parts.append(f'<text x="{label_w + w + 6:.1f}" y="{y + bar_h * 0.7:.1f}">{esc(val)}</text>')
-    parts.append("</svg>")
-    if log:
-        parts.append("<p class='note'>Bar lengths on a log scale (the values span more than 30×).</p>")
-    return "".join(parts)
-
-
-def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
-    """A small sequence diagram of a counterexample interleaving: one lifeline per worker, events top to bottom,
-    numbered; instructions of the finding (the racing or stuck ones) in red; signal -> wait arrows dashed."""
-    evs = events[:MAX_SEQUENCE_EVENTS]
-    workers = sorted({e["worker"] for e in evs})
-    if not workers:
-        return ""
-    col_w, row_h, top, left = 200, 22, 34, 34
-    x_of = {w: left + col_w // 2 + k * col_w for k, w in enumerate(workers)}
-    width = left + col_w * len(workers) + 10
-    height = top + row_h * len(evs) + 16
-    p = [f'<svg class="seq" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img">',
-         '<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
-         '<path d="M0,0 L8,4 L0,8 z" fill="#777"/></marker></defs>']
-    for w in workers:
-        x = x_of[w]
-        p.append(f'<text x="{x}" y="18" text-anchor="middle" class="lh">worker {esc(w)}</text>')
-        p.append(f'<line x1="{x}" y1="{top - 8}" x2="{x}" y2="{height - 6}" stroke="#bbb" stroke-dasharray="3,3"/>')
-    n_head = len(p)
-    last_end: dict[int, tuple[int, int]] = {}  # counter -> (row, x) of the latest end that signalled it
-    arrows: set[tuple[int, int, int, int]] = set()
-    for k, e in enumerate(evs):
-        y = top + k * row_h
-        x = x_of[e["worker"]]
-        red = e.get("instruction") in highlight
-        fill = "#fde0e0" if red else ("#e8f0fb" if e["kind"] == "start" else "#eef6ea")
-        stroke = "#d62728" if red else "#888"
-        label = f'{e["kind"]} #{e.get("instruction")}' + (f' {e["op"]}' if e.get("op") else "")
-        if e.get("layer") is not None:
-            label += f' L{e["layer"]}'
-        p.append(f'<text x="6" y="{y + 14}" class="num">{esc(e.get("n") or k + 1)}</text>')
-        p.append(f'<rect x="{x - col_w // 2 + 6}" y="{y + 2}" width="{col_w - 12}" height="{row_h - 4}" rx="3" '
-                 f'fill="{fill}" stroke="{stroke}"/>')
-        p.append(f'<text x="{x}" y="{y + 15}" text-anchor="middle" class="ev">{esc(label[:34])}'
-                 f'<title>{esc(e.get("text") or label)}</title></text>')
-        if e["kind"] == "start":
-            for c in e.get("waits_on", []):
-                if c in last_end and last_end[c][1] != x:  # box edge to box edge
-                    r0, x0 = last_end[c]
-                    right = x0 < x
-                    arrows.add((x0 + (col_w // 2 - 6 if right else 6 - col_w // 2), top + r0 * row_h + row_h // 2,
-                                x - col_w // 2 + 6 if right else x + col_w // 2 - 6, y + row_h // 2))
-        else:
-            for c in e.get("signals", []):
-                last_end[c] = (k, x)
-    lines = [f'<line x1="{x0}" y1="{y0}" x2="{x1}" y2="{y1}" stroke="#777" stroke-dasharray="4,2" '
-             'marker-end="url(#arr)"/>' for x0, y0, x1, y1 in sorted(arrows)]
-    p[n_head:n_head] = lines  # under the boxes
-    p.append("</svg>")
-    return "".join(p)
+# Counterexamples (a validator finding's interleaving, normalised for the sequence diagram)
 
 
 def counterexample_events(finding: Any) -> list[dict[str, Any]]:
@@ -583,143 +477,122 @@ def estimated_floor_ms(schedule: dict[str, Any] | None, ctx: int | None) -> floa
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Pages
+# Templates (synth/runs/templates/*.j2) and the static CSS and JS (synth/runs/static/), shipped as package data
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:0;color:#1d1d1f;background:#fafafa}
-header{background:#1f2937;color:#fff;padding:14px 24px}header h1{margin:0;font-size:20px}
-header .sub{color:#cbd5e1;font-size:13px;margin-top:4px}main{padding:12px 24px 40px;max-width:1500px}
-section{background:#fff;border:1px solid #e5e7eb;border-radius:8px;padding:12px 16px;margin:14px 0}
-h2{font-size:16px;margin:2px 0 10px}table{border-collapse:collapse;font-size:13px}
-td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
-th{background:#f3f4f6;font-weight:600}td.r,th.r{text-align:right;font-variant-numeric:tabular-nums}
-.est{background:#fff4d6;color:#8a5a00;border:1px solid #f0c36d;border-radius:4px;padding:0 5px;font-size:12px}
-.meas{background:#e4f6e8;color:#1e6b34;border:1px solid #9bd3a9;border-radius:4px;padding:0 5px;font-size:12px}
-.note{color:#6b7280;font-size:13px}.bad{color:#b91c1c;font-weight:600}.good{color:#15803d;font-weight:600}
-.cards{display:flex;gap:12px;flex-wrap:wrap}.card{border:1px solid #e5e7eb;border-radius:8px;padding:8px 14px;
-min-width:150px;background:#fcfcfd}.card .v{font-size:20px;font-weight:600}.card .k{color:#6b7280;font-size:12px}
-#tl-wrap{position:relative;width:100%;overflow:hidden;border:1px solid #e5e7eb;border-radius:4px}
-#timeline{display:block;cursor:crosshair}
-#tip{position:fixed;pointer-events:none;background:#111827;color:#fff;font-size:12px;padding:5px 8px;border-radius:4px;
-display:none;white-space:pre;z-index:10}
-.legend span{display:inline-block;margin-right:12px;font-size:12px}.legend i{display:inline-block;width:11px;
-height:11px;margin-right:4px;vertical-align:-1px;border-radius:2px}
-.opbar{display:inline-block;height:11px;border-radius:2px}svg text{font-size:12px;fill:#1d1d1f}
-svg.seq text.ev{font-size:11px}svg.seq text.num{fill:#6b7280;font-size:11px}svg.seq text.lh{font-weight:600}
-pre{background:#f6f8fa;padding:8px;border-radius:4px;overflow:auto;font-size:12px;max-height:360px}
-a{color:#1d4ed8}code{background:#f3f4f6;padding:0 3px;border-radius:3px}
-"""
+_PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+            "#bab0ac", "#86bcb6", "#d37295"]
 
-_TIMELINE_JS = r"""
-(function(){
-const D = JSON.parse(document.getElementById('tl-data').textContent);
-const cv = document.getElementById('timeline'), wrap = document.getElementById('tl-wrap');
-const tip = document.getElementById('tip'), ctx = cv.getContext('2d');
-const N = D.id.length, LEFT = 58, TOP = 22;
-const laneH = Math.max(4, Math.min(18, Math.floor(640 / Math.max(1, D.lanes))));
-const H = TOP + D.lanes * laneH + 4;
-let W = 800, t0 = 0, t1 = D.span > 0 ? D.span : 1, showCrit = true;
-const laneStart = new Int32Array(D.lanes + 1);  // events are sorted by (lane, ts)
-for (let i = 0, l = 0; l <= D.lanes; l++) { while (i < N && D.lane[i] < l) i++; laneStart[l] = i; }
-const byOp = D.ops.map(() => []);
-for (let i = 0; i < N; i++) byOp[D.op[i]].push(i);
-const idx = new Map(); for (let i = 0; i < N; i++) idx.set(D.id[i], i);
-const crit = D.crit.map(id => idx.get(id)).filter(i => i !== undefined);
-function size(){ W = Math.max(300, wrap.clientWidth); const r = window.devicePixelRatio || 1;
-  cv.width = W * r; cv.height = H * r; cv.style.width = W + 'px'; cv.style.height = H + 'px';
-  ctx.setTransform(r, 0, 0, r, 0, 0); }
-function sx(t){ return LEFT + (t - t0) * (W - LEFT - 8) / (t1 - t0); }
-function draw(){
-  ctx.clearRect(0, 0, W, H); ctx.font = '11px system-ui,sans-serif';
-  ctx.fillStyle = '#f6f7f9';
-  for (let l = 1; l < D.lanes; l += 2) ctx.fillRect(LEFT, TOP + l * laneH, W, laneH);
-  const y0 = TOP, h = Math.max(1, laneH - 1);
-  ctx.fillStyle = '#d8dbe0';  // waiting on counters before a start
-  ctx.beginPath();
-  for (let i = 0; i < N; i++) { const w = D.wait[i]; if (w <= 0) continue;
-    const a = sx(D.ts[i] - w), b = sx(D.ts[i]); if (b < LEFT || a > W) continue;
-    ctx.rect(Math.max(a, LEFT), y0 + D.lane[i] * laneH + h * 0.35, Math.max(b - Math.max(a, LEFT), 0.5), h * 0.3); }
-  ctx.fill();
-  for (let k = 0; k < byOp.length; k++) { const ev = byOp[k]; ctx.fillStyle = D.colors[k]; ctx.beginPath();
-    for (let j = 0; j < ev.length; j++) { const i = ev[j]; const a = sx(D.ts[i]), b = sx(D.ts[i] + D.dur[i]);
-      if (b < LEFT || a > W) continue; const x = Math.max(a, LEFT);
-      ctx.rect(x, y0 + D.lane[i] * laneH, Math.max(b - x, 0.6), h); }
-    ctx.fill(); }
-  if (showCrit && crit.length) { ctx.strokeStyle = '#000'; ctx.lineWidth = 1.5; ctx.beginPath();
-    for (const i of crit) { const a = sx(D.ts[i]), b = sx(D.ts[i] + D.dur[i]); if (b < LEFT || a > W) continue;
-      ctx.rect(Math.max(a, LEFT), y0 + D.lane[i] * laneH, Math.max(b - Math.max(a, LEFT), 1), h); }
-    ctx.stroke(); }
-  ctx.fillStyle = '#fff'; ctx.fillRect(0, 0, LEFT, H); ctx.fillRect(0, 0, W, TOP);
-  ctx.fillStyle = '#374151'; const every = Math.ceil(12 / laneH);
-  for (let l = 0; l < D.lanes; l += every) ctx.fillText(D.laneNames[l], 4, TOP + l * laneH + Math.min(laneH, 12) - 1);
-  const span = t1 - t0, step = Math.pow(10, Math.floor(Math.log10(span / 6)));
-  const st = span / step > 30 ? step * 5 : span / step > 12 ? step * 2 : step;
-  ctx.strokeStyle = '#e5e7eb'; ctx.lineWidth = 1; ctx.beginPath();
-  for (let t = Math.ceil(t0 / st) * st; t <= t1; t += st) { const x = sx(t); ctx.moveTo(x, TOP - 4); ctx.lineTo(x, H);
-    ctx.fillText((t >= 1000 ? (t / 1000).toFixed(st >= 1000 ? 0 : 2) + ' ms' : +t.toFixed(3) + ' µs'), x + 2, 12); }
-  ctx.stroke();
-}
-let frame = 0; function redraw(){ if (!frame) frame = requestAnimationFrame(() => { frame = 0; draw(); }); }
-function hit(mx, my){
-  const l = Math.floor((my - TOP) / laneH); if (l < 0 || l >= D.lanes || mx < LEFT) return -1;
-  const t = t0 + (mx - LEFT) * (t1 - t0) / (W - LEFT - 8), tol = 2 * (t1 - t0) / (W - LEFT - 8);
-  let lo = laneStart[l], hi = laneStart[l + 1] - 1, k = -1;
-  while (lo <= hi) { const m = (lo + hi) >> 1; if (D.ts[m] <= t + tol) { k = m; lo = m + 1; } else hi = m - 1; }
-  if (k >= 0 && t <= D.ts[k] + D.dur[k] + tol) return k; return -1;
-}
-function describe(i){
-  const lay = D.layer[i] >= 0 ? ' L' + D.layer[i] : '';
-  return '#' + D.id[i] + ' ' + D.ops[D.op[i]] + lay + '\n' + D.laneNames[D.lane[i]] + '  start ' +
-    D.ts[i].toFixed(2) + ' µs  dur ' + D.dur[i].toFixed(2) + ' µs\nwaited ' + D.wait[i].toFixed(2) + ' µs' +
-    (D.estimated ? '  (estimated)' : '');
-}
-cv.addEventListener('mousemove', ev => { const r = cv.getBoundingClientRect();
-  if (drag) { const dt = (drag.x - ev.clientX) * (t1 - t0) / (W - LEFT - 8); t0 = drag.t0 + dt; t1 = drag.t1 + dt;
-    redraw(); return; }
-  const i = hit(ev.clientX - r.left, ev.clientY - r.top);
-  if (i < 0) { tip.style.display = 'none'; return; }
-  tip.textContent = describe(i); tip.dataset.id = D.id[i]; tip.style.display = 'block';
-  const tw = tip.offsetWidth, th = tip.offsetHeight;  // keep the tooltip inside the window
-  tip.style.left = (ev.clientX + 14 + tw > window.innerWidth ? ev.clientX - tw - 10 : ev.clientX + 14) + 'px';
-  tip.style.top = (ev.clientY + 12 + th > window.innerHeight ? ev.clientY - th - 8 : ev.clientY + 12) + 'px'; });
-cv.addEventListener('mouseleave', () => { tip.style.display = 'none'; });
-cv.addEventListener('wheel', ev => { ev.preventDefault(); const r = cv.getBoundingClientRect();
-  const f = Math.exp(ev.deltaY * 0.0015), mx = ev.clientX - r.left;
-  const t = t0 + Math.max(0, mx - LEFT) * (t1 - t0) / (W - LEFT - 8);
-  t0 = t - (t - t0) * f; t1 = t + (t1 - t) * f; if (t1 - t0 < 1e-3) t1 = t0 + 1e-3; redraw(); }, {passive: false});
-let drag = null;
-cv.addEventListener('mousedown', ev => { drag = {x: ev.clientX, t0, t1}; });
-window.addEventListener('mouseup', () => { drag = null; });
-cv.addEventListener('dblclick', () => { t0 = 0; t1 = D.span > 0 ? D.span : 1; redraw(); });
-const cb = document.getElementById('crit-toggle');
-if (cb) cb.addEventListener('change', () => { showCrit = cb.checked; redraw(); });
-window.addEventListener('resize', () => { size(); draw(); });
-size(); draw();
-cv.dataset.lanes = D.lanes; cv.dataset.instructions = N;
-window.__timeline = {
-  lanes: D.lanes, instructions: N,
-  positionOf(id){ const i = idx.get(id); if (i === undefined) return null; const r = cv.getBoundingClientRect();
-    const a = Math.max(sx(D.ts[i]), LEFT), b = sx(D.ts[i] + D.dur[i]);
-    return {x: r.left + (a + Math.max(b, a + 0.6)) / 2, y: r.top + TOP + D.lane[i] * laneH + laneH / 2}; },
-  longest(){ let k = 0; for (let i = 1; i < N; i++) if (D.dur[i] > D.dur[k]) k = i; return D.id[k]; },
-  benchmark(frames){ const s = performance.now(); for (let f = 0; f < frames; f++) { t1 = t1 * 0.999; draw(); }
-    t0 = 0; t1 = D.span > 0 ? D.span : 1; draw(); return (performance.now() - s) / frames; },
-};
-})();
-"""
+# A line break (with the indentation around it) next to a tag or a template tag is layout, not content.
+_LAYOUT_BREAK = re.compile(r"(?<=[>}])[ \t]*\n\s*|[ \t]*\n\s*(?=[<{])")
 
 
-def _page(title: str, body: str, script: str = "") -> str:
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width,initial-scale=1\">"
-            "<link rel=\"icon\" href=\"data:,\">"
-            f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>{body}"
-            + (f"<script>{script}</script>" if script else "") + "</body></html>\n")
+class _Compact(Extension):
+    """Drops layout line breaks when a template is loaded: the templates are written one element per line, and the
+    pages come out as compact as the strings they replaced. A break inside running text stays (it renders as a
+    space)."""
+
+    def preprocess(self, source: str, name: str | None, filename: str | None = None) -> str:
+        # Each break becomes an empty template comment holding the same newlines: line numbers in errors stay right.
+        return _LAYOUT_BREAK.sub(lambda m: "{#" + "\n" * m.group().count("\n") + "#}", source)
 
 
-def _json_script(ident: str, data: Any) -> str:
-    text = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
-    return f'<script id="{ident}" type="application/json">{text}</script>'
+_ENV = Environment(loader=PackageLoader("synth.runs", "templates"), autoescape=True, extensions=[_Compact],
+                   undefined=StrictUndefined)
+
+
+def _render(template: str, **context: Any) -> Markup:
+    """One template rendered (autoescaped: every value from a run folder is text, never markup)."""
+    return Markup(_ENV.get_template(template).render(**context))
+
+
+@functools.cache
+def _static(name: str) -> str:
+    """A file of synth/runs/static/, inlined into the pages so that they need no network."""
+    return (resources.files("synth.runs") / "static" / name).read_text(encoding="utf-8")
+
+
+def op_colors(ops: list[str]) -> dict[str, str]:
+    """A stable colour per op: catalogue ops in decode order first, then the rest by name."""
+    from validator.catalogue import OP_ORDER
+
+    ordered = [o for o in OP_ORDER if o in ops] + sorted(o for o in set(ops) if o not in OP_ORDER)
+    return {o: _PALETTE[k % len(_PALETTE)] for k, o in enumerate(ordered)}
+
+
+def fmt_ms(ms: float | None, estimated: bool = False) -> str:
+    """Milliseconds as the pages and `synth runs` print them (µs below 0.01 ms), labelled when estimated."""
+    if ms is None:
+        return "—"
+    s = f"{ms:.3f} ms" if ms >= 0.01 else f"{ms * 1000:.2f} µs"
+    return s + (" (estimated)" if estimated else "")
+
+
+def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", width: int = 720) -> str:
+    """Horizontal bars: (label, value, colour, estimated). Estimated bars are hatched and say so."""
+    if not rows:
+        return ""
+    label_w, bar_h, gap = 300, 22, 8
+    vmax = max(v for _, v, _, _ in rows) or 1.0
+    vmin = min((v for _, v, _, _ in rows if v > 0), default=vmax)
+    log = vmax / vmin > 30  # a 200x spread would squash the bars that matter into slivers
+    plot = width - label_w - 160
+
+    def length(v: float) -> float:
+        if not log:
+            return plot * v / vmax
+        lo = math.log10(vmin) - 0.3
+        return plot * (math.log10(max(v, vmin)) - lo) / (math.log10(vmax) - lo)
+
+    bars = []
+    for k, (label, v, colour, est) in enumerate(rows):
+        y = gap + k * (bar_h + gap)
+        w = max(1.0, length(v))
+        val = (fmt_ms(v, est) if unit == "ms" else f"{v:.3f} {unit}" + (" (estimated)" if est else ""))
+        bars.append({"label": label, "y": y, "text_y": f"{y + bar_h * 0.7:.1f}", "w": f"{w:.1f}", "colour": colour,
+                     "estimated": est, "value": val, "value_x": f"{label_w + w + 6:.1f}"})
+    return _render("bars.svg.j2", width=width, height=len(rows) * (bar_h + gap) + gap, bars=bars,
+                   label_x=label_w - 8, x=label_w, bar_h=bar_h, log=log)
+
+
+def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
+    """A small sequence diagram of a counterexample interleaving: one lifeline per worker, events top to bottom,
+    numbered; instructions of the finding (the racing or stuck ones) in red; signal -> wait arrows dashed."""
+    evs = events[:MAX_SEQUENCE_EVENTS]
+    workers = sorted({e["worker"] for e in evs})
+    if not workers:
+        return ""
+    col_w, row_h, top, left = 200, 22, 34, 34
+    x_of = {w: left + col_w // 2 + k * col_w for k, w in enumerate(workers)}
+    last_end: dict[int, tuple[int, int]] = {}  # counter -> (row, x) of the latest end that signalled it
+    arrows: set[tuple[int, int, int, int]] = set()
+    boxes = []
+    for k, e in enumerate(evs):
+        y = top + k * row_h
+        x = x_of[e["worker"]]
+        red = e.get("instruction") in highlight
+        label = f'{e["kind"]} #{e.get("instruction")}' + (f' {e["op"]}' if e.get("op") else "")
+        if e.get("layer") is not None:
+            label += f' L{e["layer"]}'
+        boxes.append({"x": x, "y": y, "n": e.get("n") or k + 1, "label": label[:34], "title": e.get("text") or label,
+                      "fill": "#fde0e0" if red else ("#e8f0fb" if e["kind"] == "start" else "#eef6ea"),
+                      "stroke": "#d62728" if red else "#888"})
+        if e["kind"] == "start":
+            for c in e.get("waits_on", []):
+                if c in last_end and last_end[c][1] != x:  # box edge to box edge
+                    r0, x0 = last_end[c]
+                    right = x0 < x
+                    arrows.add((x0 + (col_w // 2 - 6 if right else 6 - col_w // 2), top + r0 * row_h + row_h // 2,
+                                x - col_w // 2 + 6 if right else x + col_w // 2 - 6, y + row_h // 2))
+        else:
+            for c in e.get("signals", []):
+                last_end[c] = (k, x)
+    return _render("sequence.svg.j2", width=left + col_w * len(workers) + 10, height=top + row_h * len(evs) + 16,
+                   top=top, lifelines=[(x_of[w], w) for w in workers], arrows=sorted(arrows), boxes=boxes,
+                   half=col_w // 2, col_w=col_w, row_h=row_h)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pages: each section's data as plain values, the markup in the templates
 
 
 def _timeline_data(trace: Trace, crit: list[dict[str, Any]]) -> dict[str, Any]:
@@ -736,57 +609,33 @@ def _timeline_data(trace: Trace, crit: list[dict[str, Any]]) -> dict[str, Any]:
             "wait": [round(e["wait"], 4) for e in ev], "crit": [e["id"] for e in crit]}
 
 
-def _table(head: list[str], rows: list[list[str]], right: set[int] | None = None) -> str:
-    right = right or set()
-    th = "".join(f'<th class="r">{h}</th>' if k in right else f"<th>{h}</th>" for k, h in enumerate(head))
-    body = "".join("<tr>" + "".join(f'<td class="r">{c}</td>' if k in right else f"<td>{c}</td>"
-                                    for k, c in enumerate(r)) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+def _json_for_script(data: Any) -> str:
+    """JSON that can sit inside a <script> element (no `</` to close it early)."""
+    return json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
 
 
-def _validation_section(val: Any, title: str) -> str:
+def _validation_view(val: Any, title: str) -> dict[str, Any]:
     if not isinstance(val, dict):
-        return f'<section id="validation"><h2>{esc(title)}</h2><p class="note">No validation.json: not shown.</p>' \
-               "</section>"
+        return {"title": title, "verdict": None}
     verdict = str(val.get("verdict", "?"))
-    cls = "good" if verdict == "accepted" else "bad"
     stats = val.get("stats") if isinstance(val.get("stats"), dict) else {}
     secs = val.get("seconds") if isinstance(val.get("seconds"), dict) else {}
-    rows = [[esc(k), esc(v)] for k, v in stats.items()]
-    srows = [[esc(k), f"{v:.3f} s" if _num(v) is not None else esc(v)] for k, v in secs.items()]
     findings = val.get("findings") if isinstance(val.get("findings"), list) else []
-    f_html = ""
-    if findings:
-        f_html = "<h3>Findings</h3><ul>" + "".join(
-            f"<li><b>{esc(f.get('category', '?'))}</b>: {esc(f.get('message', ''))}</li>"
-            for f in findings[:MAX_FINDINGS_SHOWN] if isinstance(f, dict)) + "</ul>"
-    return (f'<section id="validation"><h2>{esc(title)}</h2><p>Verdict: <span class="{cls}">{esc(verdict)}</span>'
-            " — every interleaving the schedule permits computes what ascending-id order computes"
-            f"{'' if verdict == 'accepted' else ' — NOT proven'}.</p><div class=\"cards\"><div>"
-            f"{_table(['statistic', 'value'], rows, {1})}</div><div>{_table(['phase', 'time'], srows, {1})}</div>"
-            f"</div>{f_html}</section>")
+    return {"title": title, "verdict": verdict, "accepted": verdict == "accepted",
+            "stats": [[k, v] for k, v in stats.items()],
+            "phases": [[k, f"{v:.3f} s" if _num(v) is not None else v] for k, v in secs.items()],
+            "findings": [(f.get("category", "?"), f.get("message", "")) for f in findings[:MAX_FINDINGS_SHOWN]
+                         if isinstance(f, dict)]}
 
 
-def _rejected_section(run: Run) -> str:
+def _rejected_view(run: Run) -> dict[str, Any]:
     d = run.path / "rejected"
     files = sorted(d.glob("*.json")) if d.is_dir() else []
-    if not files:
-        return ('<section id="rejected"><h2>Rejected candidates</h2><p class="note">None recorded in rejected/.</p>'
-                "</section>")
-    parts = [f'<section id="rejected"><h2>Rejected candidates ({len(files)})</h2><p class="note">Each was proven '
-             "unsafe (or could not be proven safe) by the validator; the counterexample is an interleaving the "
-             "schedule permits, drawn as a sequence diagram (red: the instructions of the finding; dashed arrows: "
-             "the signal a start waited for).</p>"]
+    items = []
     for p in files[:MAX_REJECTED_SHOWN]:
         doc = read_json(p, run.notes)
-        if not isinstance(doc, dict):
-            parts.append(f"<h3>{esc(p.stem)}</h3><p class='note'>unreadable</p>")
-            continue
-        parts.append(_one_rejected(p.stem, doc))
-    if len(files) > MAX_REJECTED_SHOWN:
-        parts.append(f"<p class='note'>… and {len(files) - MAX_REJECTED_SHOWN} more in rejected/.</p>")
-    parts.append("</section>")
-    return "".join(parts)
+        items.append(_one_rejected(p.stem, doc) if isinstance(doc, dict) else {"name": p.stem, "unreadable": True})
+    return {"shown": items, "total": len(files), "more": max(0, len(files) - MAX_REJECTED_SHOWN)}
 
 
 def _findings_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -801,23 +650,11 @@ def _findings_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [doc] if "category" in doc else []
 
 
-def _one_rejected(name: str, doc: dict[str, Any]) -> str:
-    findings = _findings_of(doc)
-    head = f"<h3>{esc(_first(doc, 'candidate', 'id') or name)}"
-    prop = _first(doc, "proposer")
-    if prop:
-        head += f" <span class='note'>({esc(prop)})</span>"
-    head += "</h3>"
-    why = _first(doc, "rationale")
-    out = [head] + ([f"<p class='note'>{esc(why)}</p>"] if why else [])
-    if _first(doc, "error"):
-        out.append(f"<p><b>{esc(_first(doc, 'reason') or 'error')}</b>: {esc(doc['error'])}</p>")
-    if not findings:
-        out.append("<p class='note'>No counterexample recorded.</p>")
+def _one_rejected(name: str, doc: dict[str, Any]) -> dict[str, Any]:
     schedule = doc.get("schedule") if isinstance(doc.get("schedule"), dict) else None
     by_id = {i.get("id"): i for i in (schedule or {}).get("instructions", []) if isinstance(i, dict)}
-    for f in findings[:3]:
-        out.append(f"<p><b>{esc(f.get('category', '?'))}</b>: {esc(f.get('message', ''))}</p>")
+    findings = []
+    for f in _findings_of(doc)[:3]:
         events = counterexample_events(f)
         for e in events:
             ins = by_id.get(e["instruction"])
@@ -828,42 +665,36 @@ def _one_rejected(name: str, doc: dict[str, Any]) -> str:
                 e["waits_on"] = e["waits_on"] or [w.get("counter") for w in ins.get("waits") or []]
         hl = {i for i in f.get("instructions", []) if isinstance(i, int)} if isinstance(f.get("instructions"),
                                                                                          list) else set()
-        if events:
-            shown = focus_events(events, hl)
-            out.append(sequence_svg(shown, hl))
-            if len(shown) < len(events):
-                out.append(f"<p class='note'>{len(shown)} of {len(events)} events shown: those of the racing "
-                           "instructions and the signals that released them (all are in the JSON).</p>")
+        shown = focus_events(events, hl) if events else []
         details = f.get("details") if isinstance(f.get("details"), dict) else {}
         stuck = details.get("stuck") if isinstance(details.get("stuck"), list) else []
-        if stuck:
-            rows = [[esc(s.get("worker")), f"#{esc(s.get('instruction'))}", esc(s.get("counter")),
-                     f"{esc(s.get('current'))} of {esc(s.get('needed'))}", esc(s.get("reachable", ""))]
-                    for s in stuck[:30] if isinstance(s, dict)]
-            out.append(_table(["stuck worker", "instruction", "waits on counter", "value", "reachable"], rows, {3, 4}))
-            cyc = details.get("cycle")
-            if isinstance(cyc, list) and cyc:
-                out.append("<p>wait-for cycle: " + " → ".join(f"#{esc(c)}" for c in cyc) + f" → #{esc(cyc[0])}</p>")
+        cycle = details.get("cycle")
         text = details.get("text")
-        if isinstance(text, list) and text:
-            out.append("<details><summary>as text</summary><pre>" + esc("\n".join(map(str, text))) + "</pre></details>")
-        elif not events:
-            out.append("<p class='note'>No event list in this finding.</p>")
-    return "".join(out)
+        findings.append({
+            "category": f.get("category", "?"), "message": f.get("message", ""),
+            "events": len(events), "shown": len(shown), "svg": sequence_svg(shown, hl) if events else "",
+            "stuck": [[s.get("worker"), f"#{s.get('instruction')}", s.get("counter"),
+                       f"{s.get('current')} of {s.get('needed')}", s.get("reachable", "")]
+                      for s in stuck[:30] if isinstance(s, dict)],
+            "cycle": cycle if isinstance(cycle, list) and cycle else None,
+            "text": "\n".join(map(str, text)) if isinstance(text, list) and text else None})
+    return {"name": _first(doc, "candidate", "id") or name, "unreadable": False, "proposer": _first(doc, "proposer"),
+            "rationale": _first(doc, "rationale"), "error": doc["error"] if _first(doc, "error") else None,
+            "reason": _first(doc, "reason") or "error", "findings": findings}
 
 
-def _agent_section(run: Run) -> str:
+def _agent_view(run: Run) -> dict[str, Any] | None:
     """The LLM agent's bookkeeping when it took part: agent_usage.json (calls, tokens, cost) and agent.jsonl."""
     usage = read_json(run.path / "agent_usage.json", run.notes)
     log = run.path / "agent.jsonl"
     if not isinstance(usage, dict) and not log.is_file():
-        return ""
+        return None
     rows = []
     if isinstance(usage, dict):
         for key in ("model", "base_url", "calls", "rounds", "proposals", "accepted", "rejected", "prompt_tokens",
                     "completion_tokens", "total_tokens", "cost_usd", "briefing_tokens_max", "errors"):
             if usage.get(key) not in (None, {}, ""):
-                rows.append([esc(key), esc(json.dumps(usage[key]) if isinstance(usage[key], dict) else usage[key])])
+                rows.append([key, json.dumps(usage[key]) if isinstance(usage[key], dict) else usage[key]])
     kinds: dict[str, int] = {}
     if log.is_file():
         try:
@@ -879,9 +710,43 @@ def _agent_section(run: Run) -> str:
                     kinds[t] = kinds.get(t, 0) + 1
         except OSError as exc:
             run.notes.append(f"agent.jsonl: cannot read ({exc.strerror or exc})")
-    lines = ", ".join(f"{n} {esc(t)}" for t, n in sorted(kinds.items()))
-    return ('<section id="agent"><h2>LLM agent</h2>' + (_table(["", ""], rows) if rows else "")
-            + (f'<p>Transcript <a href="agent.jsonl">agent.jsonl</a>: {lines}.</p>' if kinds else "") + "</section>")
+    return {"rows": rows, "kinds": sorted(kinds.items())}
+
+
+def _per_op_view(trace: Trace, summary: dict[str, Any]) -> dict[str, Any]:
+    per_op = summary.get("per_op", {})
+    colours = op_colors(list(per_op))
+    total = sum(d["total_us"] for d in per_op.values()) or 1.0
+    tmax = max((d["total_us"] for d in per_op.values()), default=1.0) or 1.0
+    rows = [{"op": op, "colour": colours[op], "count": d["count"], "total": f"{d['total_us']:.1f}",
+             "share": f"{100 * d['total_us'] / total:.1f}%", "mean": f"{d['mean_us']:.2f}",
+             "wait": f"{d['wait_us']:.1f}", "bar": max(1, int(240 * d["total_us"] / tmax))} for op, d in per_op.items()]
+    per_sm = summary.get("per_sm", {})
+    worst = sorted(per_sm, key=lambda w: -per_sm[w]["idle_us"])[:5]
+    return {"rows": rows, "busy": f"{100 * summary.get('busy_fraction', 0):.1f}",
+            "wait": f"{100 * summary.get('wait_fraction', 0):.1f}",
+            "idle": [(trace.lane_names[w] if 0 <= w < trace.lanes else w, f"{per_sm[w]['idle_us']:.1f}")
+                     for w in worst],
+            "critical": [(op, f"{us:.1f}") for op, us in summary.get("critical_path_by_op_us", {}).items()]}
+
+
+def _critical_view(trace: Trace, crit: list[dict[str, Any]]) -> dict[str, Any] | None:
+    if not crit:
+        return None
+    rows = [[str(k + 1), f"#{e['id']}", e["op"], "" if e["layer"] is None else str(e["layer"]),
+             trace.lane_names[e["tid"]], f"{e['ts']:.2f}", f"{e['dur']:.2f}", f"{e['wait_us']:.2f}"]
+            for k, e in enumerate(crit[:MAX_CRITICAL_ROWS])]
+    return {"count": len(crit), "busy": f"{sum(e['dur'] for e in crit):.1f}", "rows": rows,
+            "more": len(crit) > MAX_CRITICAL_ROWS}
+
+
+def _candidates_view(run: Run) -> list[dict[str, Any]]:
+    naive = run.naive()
+    order = sorted(run.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else math.inf))
+    return [{"id": e.candidate, "linked": (run.path / "candidates" / e.candidate).is_dir(), "proposer": e.proposer,
+             "accepted": e.accepted, "ms": fmt_ms(e.ms, e.estimated),
+             "speedup": f"{naive.ms / e.ms:.2f}×" if naive and naive.ms and e.ms else "", "note": e.note[:120]}
+            for e in order[:200]]
 
 
 def render_report(run: Run) -> str:
@@ -901,15 +766,7 @@ def render_report(run: Run) -> str:
     est_any = bool(best and best.estimated) or bool(trace and trace.estimated) or bool(_first(timing, "estimated"))
     ctx = _first(trace.metadata, "ctx") if trace else None
     ctx = ctx if isinstance(ctx, int) else _first(timing, "ctx") or _first(run.info, "ctx")
-
-    body = [f"<header><h1>Run {esc(run.name)}</h1><div class=\"sub\">model {esc(run.model)} · GPU {esc(run.gpu)} · "
-            f"{esc(run.date)} UTC · <a style='color:#93c5fd' href='../index.html'>all runs</a></div></header><main>"]
     cmd = _first(run.info, "command", "argv")
-    if cmd:
-        body.append(f"<p>Command: <code>{esc(' '.join(map(str, cmd)) if isinstance(cmd, list) else cmd)}</code></p>")
-    if est_any:
-        body.append('<p><span class="est">estimated</span> Numbers marked estimated come from the cost model '
-                    "(no GPU was used for them), not from a measurement.</p>")
 
     # summary cards
     floor_ms, floor_est, baselines, b_est, floor_note = None, False, [], False, ""
@@ -939,9 +796,6 @@ def render_report(run: Run) -> str:
              ("candidates", f"{run.accepted} accepted / {run.rejected} rejected")]
     if isinstance(ctx, int):
         cards.append(("context", str(ctx)))
-    body.append('<section id="summary"><h2>Summary</h2><div class="cards">' + "".join(
-        f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div></div>' for k, v in cards)
-        + "</div></section>")
 
     # chart: baselines, naive, best, floor
     bars: list[tuple[str, float, str, bool]] = [(n, ms, "#9ca3af", b_est) for n, ms in baselines]
@@ -952,103 +806,30 @@ def render_report(run: Run) -> str:
     if floor_ms:
         bars.append(("bandwidth floor" + (" (4.19 TB/s)" if floor_est else floor_note), floor_ms, "#59a14f",
                      floor_est))
-    chart_note = "" if baselines else ("<p class='note'>No bench JSON in this run (bench.json): baselines are not "
-                                       "shown; measure them on the GPU with <code>synth bench --json bench.json"
-                                       "</code>, then <code>synth runs report RUN --bench bench.json</code>.</p>")
-    body.append('<section id="chart"><h2>Milliseconds per token: baselines, naive, best, floor</h2>'
-                + (bar_chart_svg(bars) or "<p class='note'>No timings in this run.</p>") + chart_note
-                + ("<p class='note'>Hatched bars are estimates.</p>" if any(b[3] for b in bars) else "")
-                + "</section>")
 
-    # timeline
+    timeline = per_op = critical = None
     if trace is not None and trace.events:
         summary = summarize(trace, schedule)
         crit = summary["critical_path"]
         data = _timeline_data(trace, crit)
-        legend = "".join(f'<span><i style="background:{c}"></i>{esc(o)}</span>'
-                         for o, c in zip(data["ops"], data["colors"], strict=True))
-        body.append(
-            f'<section id="timeline-section"><h2>Timeline, one lane per SM {_badge(trace.estimated)}</h2>'
-            f'<p class="note">{len(trace.events)} instructions on {trace.lanes} workers, makespan '
-            f'{trace.makespan_us:.1f} µs{" (estimated by the cost model)" if trace.estimated else ""}. Grey: waiting '
-            "on counters. Black outline: the critical path. Wheel zooms, drag pans, double-click resets.</p>"
-            f'<div class="legend">{legend} <label><input type="checkbox" id="crit-toggle" checked> critical path'
-            f'</label></div><div id="tl-wrap"><canvas id="timeline"></canvas></div><div id="tip"></div>'
-            f'<p class="note">{esc(PERFETTO_HINT)} (<a href="best/trace.json">best/trace.json</a>)</p>'
-            + _json_script("tl-data", data) + "</section>")
-        body.append(_op_section(trace, summary))
-        body.append(_crit_section(trace, crit))
-    else:
-        body.append('<section id="timeline-section"><h2>Timeline</h2><p class="note">No best/trace.json: the '
-                    "timeline, time per op and critical path are not shown.</p></section>")
-    body.append(_validation_section(validation, "Validation of the best schedule"))
-    body.append(_leaderboard_section(run))
-    body.append(_rejected_section(run))
-    body.append(_agent_section(run))
-    if run.notes:
-        body.append('<section id="notes"><h2>Notes</h2><ul>' + "".join(f"<li>{esc(n)}</li>" for n in run.notes)
-                    + "</ul></section>")
-    if run.info:
-        body.append("<section><h2>run.json</h2><pre>" + esc(json.dumps(run.info, indent=1)[:20000])
-                    + "</pre></section>")
-    body.append("</main>")
-    has_tl = trace is not None and bool(trace.events)
-    return _page(f"megasynth run {run.name}", "".join(body), _TIMELINE_JS if has_tl else "")
-
-
-def _op_section(trace: Trace, summary: dict[str, Any]) -> str:
-    per_op = summary.get("per_op", {})
-    colours = op_colors(list(per_op))
-    total = sum(d["total_us"] for d in per_op.values()) or 1.0
-    tmax = max((d["total_us"] for d in per_op.values()), default=1.0) or 1.0
-    trs = [[f'<i class="opbar" style="background:{colours[op]};width:10px"></i> {esc(op)}', str(d["count"]),
-            f"{d['total_us']:.1f}", f"{100 * d['total_us'] / total:.1f}%", f"{d['mean_us']:.2f}",
-            f"{d['wait_us']:.1f}", f'<span class="opbar" style="background:{colours[op]};'
-            f'width:{max(1, int(240 * d["total_us"] / tmax))}px"></span>'] for op, d in per_op.items()]
-    per_sm = summary.get("per_sm", {})
-    worst = sorted(per_sm, key=lambda w: -per_sm[w]["idle_us"])[:5]
-    idle = ", ".join(f"{esc(trace.lane_names[w] if 0 <= w < trace.lanes else w)} {per_sm[w]['idle_us']:.1f} µs"
-                     for w in worst)
-    cp = summary.get("critical_path_by_op_us", {})
-    return (f'<section id="per-op"><h2>Time per op {_badge(trace.estimated)}</h2>'
-            + _table(["op", "instructions", "busy µs", "share", "µs each", "waited µs", ""], trs, {1, 2, 3, 4, 5})
-            + f"<p>SMs busy {100 * summary.get('busy_fraction', 0):.1f}% of the makespan, waiting on counters "
-            f"{100 * summary.get('wait_fraction', 0):.1f}%; the rest is idle. Most idle: {idle}.</p>"
-            + ("<p>On the critical path: " + ", ".join(f"{esc(op)} {us:.1f} µs" for op, us in cp.items()) + ".</p>"
-               if cp else "") + "</section>")
-
-
-def _crit_section(trace: Trace, crit: list[dict[str, Any]]) -> str:
-    if not crit:
-        return ""
-    busy = sum(e["dur"] for e in crit)
-    rows = [[str(k + 1), f"#{e['id']}", esc(e["op"]), "" if e["layer"] is None else str(e["layer"]),
-             esc(trace.lane_names[e["tid"]]), f"{e['ts']:.2f}", f"{e['dur']:.2f}", f"{e['wait_us']:.2f}"]
-            for k, e in enumerate(crit[:MAX_CRITICAL_ROWS])]
-    more = f"<p class='note'>first {MAX_CRITICAL_ROWS} of {len(crit)} steps shown</p>" if len(crit) > \
-        MAX_CRITICAL_ROWS else ""
-    return (f'<section id="critical-path"><h2>Critical path {_badge(trace.estimated)}</h2><p>{len(crit)} '
-            f"instructions, {busy:.1f} µs of work on a makespan of {trace.makespan_us:.1f} µs (the rest is "
-            "synchronisation and waiting).</p><details><summary>the chain, first to last</summary>"
-            + _table(["step", "id", "op", "layer", "SM", "start µs", "dur µs", "waited µs"], rows, {0, 5, 6, 7})
-            + more + "</details></section>")
-
-
-def _leaderboard_section(run: Run) -> str:
-    if not run.entries:
-        return '<section id="leaderboard"><h2>Candidates</h2><p class="note">No leaderboard.json.</p></section>'
-    naive = run.naive()
-    rows = []
-    order = sorted(run.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else math.inf))
-    for e in order[:200]:
-        sp = f"{naive.ms / e.ms:.2f}×" if naive and naive.ms and e.ms else ""
-        link = (f'<a href="candidates/{esc(e.candidate)}/schedule.json">{esc(e.candidate)}</a>'
-                if (run.path / "candidates" / e.candidate).is_dir() else esc(e.candidate))
-        rows.append([link, esc(e.proposer), '<span class="good">accepted</span>' if e.accepted
-                     else '<span class="bad">rejected</span>', fmt_ms(e.ms, e.estimated), sp, esc(e.note[:120])])
-    return ('<section id="leaderboard"><h2>Candidates</h2>'
-            + _table(["candidate", "proposer", "verdict", "ms per token", "vs naive", "note"], rows, {3, 4})
-            + "</section>")
+        timeline = {"estimated": trace.estimated, "instructions": len(trace.events), "lanes": trace.lanes,
+                    "makespan": f"{trace.makespan_us:.1f}", "legend": list(zip(data["ops"], data["colors"],
+                                                                                 strict=True)),
+                    "data_json": _json_for_script(data)}
+        per_op = _per_op_view(trace, summary)
+        critical = _critical_view(trace, crit)
+    page = {"command": (" ".join(map(str, cmd)) if isinstance(cmd, list) else cmd) if cmd else None,
+            "estimated": est_any, "cards": cards,
+            "chart": {"svg": bar_chart_svg(bars), "baselines": bool(baselines), "hatched": any(b[3] for b in bars)},
+            "timeline": timeline, "per_op": per_op, "critical_path": critical,
+            "validation": _validation_view(validation, "Validation of the best schedule"),
+            "candidates": _candidates_view(run) if run.entries else None,
+            "rejected": _rejected_view(run), "agent": _agent_view(run)}
+    page["notes"] = list(run.notes)  # last: the sections above add what they could not read
+    page["info_json"] = json.dumps(run.info, indent=1)[:20000] if run.info else None
+    return _render("report.html.j2", title=f"megasynth run {run.name}", css=_static("report.css"),
+                   script=_static("timeline.js") if timeline else "", perfetto_hint=PERFETTO_HINT, run=run,
+                   page=page)
 
 
 def render_index(runs: list[Run]) -> str:
@@ -1057,16 +838,11 @@ def render_index(runs: list[Run]) -> str:
     for r in runs:
         b = r.best()
         sp = r.speedup()
-        link = f'<a href="{esc(r.name)}/report.html">{esc(r.name)}</a>'
-        rows.append([link, esc(r.model), esc(r.gpu), fmt_ms(b.ms, b.estimated) if b else "—",
-                     f"{sp:.2f}×" if sp else "—", str(r.accepted), str(r.rejected), esc(r.date)])
-    table = _table(["run", "model", "GPU", "best ms per token", "speed-up vs naive", "accepted", "rejected",
-                    "date (UTC)"], rows, {3, 4, 5, 6}) if rows else "<p class='note'>No runs yet: run " \
-        "<code>synth search</code>.</p>"
-    body = ("<header><h1>megasynth runs</h1><div class=\"sub\">schedules proven safe, timed on the GPU or "
-            "estimated by the cost model</div></header><main><section id=\"runs\"><h2>Leaderboard</h2>"
-            f"{table}<p class='note'>“estimated” = cost model, no GPU. {esc(PERFETTO_HINT)}</p></section></main>")
-    return _page("megasynth runs", body)
+        rows.append({"name": r.name, "model": r.model, "gpu": r.gpu, "best": fmt_ms(b.ms, b.estimated) if b else "—",
+                     "speedup": f"{sp:.2f}×" if sp else "—", "accepted": r.accepted, "rejected": r.rejected,
+                     "date": r.date})
+    return _render("index.html.j2", title="megasynth runs", css=_static("report.css"), script="",
+                   perfetto_hint=PERFETTO_HINT, rows=rows)
 
 
 def write_report(run_dir: str | Path) -> Path:
