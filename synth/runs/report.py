@@ -591,6 +591,57 @@ def sequence_svg(events: list[dict[str, Any]], highlight: set[int]) -> str:
                    half=col_w // 2, col_w=col_w, row_h=row_h)
 
 
+def _candidate_number(candidate: str) -> int | None:
+    """The trial number in a candidate id (`c0007` -> 7), None for an id without one."""
+    digits = "".join(ch for ch in candidate if ch.isdigit())
+    return int(digits) if digits else None
+
+
+def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tuple[str, bool, bool] | None:
+    """The synthesis curve: every accepted candidate's time at its trial number, and per proposer the best time so
+    far (a step line carried to the last trial). Returns (svg, any estimated, estimated and measured mixed), or None
+    when no candidate has a time."""
+    timed = sorted(((n, e) for e in entries if e.accepted and e.ms is not None
+                    and (n := _candidate_number(e.candidate)) is not None), key=lambda ne: ne[0])
+    if not timed:
+        return None
+    numbers = [n for e in entries if (n := _candidate_number(e.candidate)) is not None]
+    n_max = max(max(numbers), 1)
+    lo, hi = min(e.ms for _, e in timed), max(e.ms for _, e in timed)  # type: ignore[type-var]
+    pad = (hi - lo) * 0.08 or lo * 0.05 or 1.0
+    lo, hi = lo - pad, hi + pad
+    x0, x1, y0, y1 = 64, width - 170, 12, height - 40
+
+    def sx(n: int) -> float:
+        return round(x0 + (x1 - x0) * n / n_max, 1)
+
+    def sy(ms: float) -> float:
+        return round(y1 - (y1 - y0) * (ms - lo) / (hi - lo), 1)
+
+    series: dict[str, dict[str, Any]] = {}
+    for n, e in timed:
+        name = e.proposer or "?"
+        s = series.setdefault(name, {"name": name, "colour": _PALETTE[len(series) % len(_PALETTE)], "points": [],
+                                     "best": [], "path": ""})
+        ms = float(e.ms)  # type: ignore[arg-type]
+        s["points"].append({"x": sx(n), "y": sy(ms), "candidate": e.candidate, "ms": ms,
+                            "label": fmt_ms(ms, e.estimated)})
+        best = min(ms, s["best"][-1]) if s["best"] else ms
+        s["path"] += f"M{sx(n)},{sy(best)}" if not s["best"] else f"H{sx(n)}V{sy(best)}"
+        s["best"].append(best)
+    for s in series.values():
+        s["path"] += f"H{sx(n_max)}"
+        s["best_label"] = fmt_ms(s["best"][-1])
+    ticks = 4
+    yticks = [{"y": sy(lo + (hi - lo) * k / ticks), "label": f"{lo + (hi - lo) * k / ticks:.3f}"}
+              for k in range(ticks + 1)]
+    xticks = [{"x": sx(n), "label": str(n)} for n in sorted({0, n_max // 2, n_max})]
+    estimated = {e.estimated for _, e in timed}
+    svg = _render("curve.svg.j2", width=width, height=height, x0=x0, x1=x1, y0=y0, y1=y1, yticks=yticks,
+                  xticks=xticks, series=list(series.values()))
+    return svg, True in estimated, len(estimated) > 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Pages: each section's data as plain values, the markup in the templates
 
@@ -806,6 +857,7 @@ def render_report(run: Run) -> str:
     if floor_ms:
         bars.append(("bandwidth floor" + (" (4.19 TB/s)" if floor_est else floor_note), floor_ms, "#59a14f",
                      floor_est))
+    curve = curve_svg(run.entries)
 
     timeline = per_op = critical = None
     if trace is not None and trace.events:
@@ -821,6 +873,7 @@ def render_report(run: Run) -> str:
     page = {"command": (" ".join(map(str, cmd)) if isinstance(cmd, list) else cmd) if cmd else None,
             "estimated": est_any, "cards": cards,
             "chart": {"svg": bar_chart_svg(bars), "baselines": bool(baselines), "hatched": any(b[3] for b in bars)},
+            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2]} if curve else None,
             "timeline": timeline, "per_op": per_op, "critical_path": critical,
             "validation": _validation_view(validation, "Validation of the best schedule"),
             "candidates": _candidates_view(run) if run.entries else None,
