@@ -484,6 +484,7 @@ _PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#
 
 # A line break (with the indentation around it) next to a tag or a template tag is layout, not content.
 _LAYOUT_BREAK = re.compile(r"(?<=[>}])[ \t]*\n\s*|[ \t]*\n\s*(?=[<{])")
+_COMMENT = re.compile(r"(\{#.*?#\})", re.S)
 
 
 class _Compact(Extension):
@@ -493,7 +494,10 @@ class _Compact(Extension):
 
     def preprocess(self, source: str, name: str | None, filename: str | None = None) -> str:
         # Each break becomes an empty template comment holding the same newlines: line numbers in errors stay right.
-        return _LAYOUT_BREAK.sub(lambda m: "{#" + "\n" * m.group().count("\n") + "#}", source)
+        # Template comments are left as they are (odd pieces of the split).
+        parts = _COMMENT.split(source)
+        return "".join(part if k % 2 else _LAYOUT_BREAK.sub(lambda m: "{#" + "\n" * m.group().count("\n") + "#}", part)
+                       for k, part in enumerate(parts))
 
 
 _ENV = Environment(loader=PackageLoader("synth.runs", "templates"), autoescape=True, extensions=[_Compact],
