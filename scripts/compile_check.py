@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kernels.gpu import interpreter as mk
-from synth.models import get_model
+from synth.lowering.models import get_model
 
 #: Types of the interpreter's runtime arguments (everything else is a constexpr from `kernel_constexprs`).
 ARG_TYPES = {

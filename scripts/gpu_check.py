@@ -31,9 +31,9 @@ from kernels.gpu.timing import time_schedule  # noqa: E402
 from kernels.reference import decode_step  # noqa: E402
 from kernels.trace import format_summary, summarize, write_trace  # noqa: E402
 from kernels.weights import random_weights  # noqa: E402
-from synth.lower import lower  # noqa: E402
-from synth.models import get_model  # noqa: E402
-from synth.strategy import Strategy  # noqa: E402
+from synth.lowering.lower import lower  # noqa: E402
+from synth.lowering.models import get_model  # noqa: E402
+from synth.lowering.strategy import Strategy  # noqa: E402
 from validator.model import ModelConfig  # noqa: E402
 from validator.schedule import parse_schedule  # noqa: E402
 

@@ -54,12 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs-dir", default="runs")
     ap.add_argument("--width", type=int, default=1400)
     ap.add_argument("--viewport-only", action="store_true", help="capture the window, not the whole page")
-    ap.add_argument("--section", help="capture one section only: summary, chart, timeline-section, per-op, "
+    ap.add_argument("--section", help="capture one section only: summary, chart, curve, timeline-section, per-op, "
                     "critical-path, validation, leaderboard, rejected")
     ap.add_argument("--chromium", default=CHROMIUM, help="path of the Chromium executable")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from synth.report import write_index, write_report
+    from synth.runs.report import write_index, write_report
 
     run = Path(a.run)
     if not run.is_dir():

@@ -26,9 +26,9 @@ from kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
 from kernels.gpu.stream import StreamConfig  # noqa: E402
 from kernels.gpu.timing import time_schedule  # noqa: E402
 from kernels.weights import random_weights  # noqa: E402
-from synth.lower import lower  # noqa: E402
-from synth.models import get_model  # noqa: E402
-from synth.strategy import Strategy  # noqa: E402
+from synth.lowering.lower import lower  # noqa: E402
+from synth.lowering.models import get_model  # noqa: E402
+from synth.lowering.strategy import Strategy  # noqa: E402
 from validator.catalogue import W_BYTES  # noqa: E402
 from validator.schedule import parse_schedule  # noqa: E402
 

@@ -20,7 +20,7 @@ def models_cmd() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     table = Table("name", "model", "hidden", "inter", "layers", "heads", "kv", "head_dim", "vocab", "max_seq_len")
     for spec in MODELS.values():
@@ -38,9 +38,9 @@ def models_cmd() -> None:
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
 def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str) -> None:
     """Lower a model into a complete schedule (default: the naive round-robin baseline)."""
-    from synth.lower import lower
-    from synth.models import get_model
-    from synth.strategy import load_strategy
+    from synth.lowering.lower import lower
+    from synth.lowering.models import get_model
+    from synth.lowering.strategy import load_strategy
     from validator.schedule import dump_schedule
 
     try:
@@ -74,9 +74,9 @@ def _register() -> None:
     that says which package is missing, so the other commands keep working."""
     import importlib
 
-    for module, name in [("synth.search_cli", "search"), ("synth.bench_cli", "bench"),
-                         ("synth.bench_cli", "generate"), ("synth.runs_cli", "runs"),
-                         ("synth.calibrate_cli", "calibrate"), ("synth.search_cli", "strategy_schema")]:
+    for module, name in [("synth.commands.search", "search"), ("synth.commands.bench", "bench"),
+                         ("synth.commands.bench", "generate"), ("synth.commands.runs", "runs"),
+                         ("synth.commands.calibrate", "calibrate"), ("synth.commands.search", "strategy_schema")]:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from synth.models import MODELS
+from synth.lowering.models import MODELS
 from validator.model import ModelConfig
 
 TINY = ["tiny", "tiny-mha", "tiny-gqa4"]

@@ -10,7 +10,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from synth.bench import (
+from synth.cli import main
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.measure.bench import (
     VARIANTS,
     BenchOptions,
     add_ratios,
@@ -20,9 +23,6 @@ from synth.bench import (
     stage_schedules,
     summarize,
 )
-from synth.cli import main
-from synth.lower import lower
-from synth.models import get_model
 
 CUDA = torch.cuda.is_available()
 
@@ -212,7 +212,7 @@ def test_generate_auto_without_cuda_says_so() -> None:
 def test_greedy_agreement_finds_clear_mismatches() -> None:
     from kernels.reference import decode_step, new_kv_cache
     from kernels.weights import random_weights
-    from synth.bench import greedy_agreement
+    from synth.measure.bench import greedy_agreement
 
     spec = get_model("tiny")
     cfg = spec.config
@@ -317,9 +317,9 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
     reference, stage launches share the attention scratch (attn_splits=3), step_call is timed."""
     from types import SimpleNamespace
 
-    import synth.bench as bench
+    import synth.measure.bench as bench
     from kernels.reference import decode_step
-    from synth.strategy import Strategy
+    from synth.lowering.strategy import Strategy
 
     monkeypatch.setattr(bench, "_megakernel_api", lambda: SimpleNamespace(Megakernel=FakeMegakernel))
     monkeypatch.setattr(bench, "capture_graph", lambda fn: fn)
@@ -349,7 +349,7 @@ def test_hf_baseline_is_the_same_model() -> None:
     pytest.importorskip("transformers")
     from kernels.reference import decode_step, new_kv_cache
     from kernels.weights import random_weights
-    from synth.bench import State, _v_hf_eager, compare, kv_history, prefill
+    from synth.measure.bench import State, _v_hf_eager, compare, kv_history, prefill
 
     spec = get_model("tiny-gqa4")
     cfg = spec.config
@@ -366,7 +366,7 @@ def test_bf16_baseline_matches_reference() -> None:
     """The bf16-native PyTorch step (the fair PyTorch line) computes the reference's logits to bf16 precision."""
     from kernels.reference import decode_step, new_kv_cache, rope_cos_sin
     from kernels.weights import random_weights
-    from synth.bench import bf16_decode_step, compare, kv_history, prefill
+    from synth.measure.bench import bf16_decode_step, compare, kv_history, prefill
 
     spec = get_model("tiny-gqa4")
     cfg = spec.config

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from synth.calibrate import fit, measured_ms
-from synth.costmodel import CostParams, OpParams, estimate, load_params
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import Strategy
+from synth.lowering.costmodel import CostParams, OpParams, estimate, load_params
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
+from synth.search.calibrate import fit, measured_ms
 from validator.schedule import parse_schedule
 
 TINY = get_model("tiny")
@@ -122,7 +122,7 @@ def test_calibration_recovers_known_parameters() -> None:
 
 
 def test_calibrate_cli_writes_parameters(tmp_path: Path) -> None:
-    from synth.calibrate_cli import calibrate
+    from synth.commands.calibrate import calibrate
 
     pairs = _synthetic(3, CostParams(), noise=0.0, seed=3)
     traces = []
@@ -147,7 +147,7 @@ def test_calibrate_cli_writes_parameters(tmp_path: Path) -> None:
 
 
 def test_held_out_check_on_a_measured_run(tmp_path: Path) -> None:
-    from synth.calibrate import check_runs
+    from synth.search.calibrate import check_runs
     from validator.schedule import dump_schedule
 
     (trace, sched), = _synthetic(1, CostParams(), noise=0.0, seed=5)

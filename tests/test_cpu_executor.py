@@ -8,9 +8,9 @@ import torch
 from kernels.cpu_executor import DeadlockError, ExecutorError, run_program, run_schedule
 from kernels.reference import decode_step, new_kv_cache
 from kernels.weights import random_weights
-from synth.lower import lower
-from synth.models import MODELS
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import MODELS
+from synth.lowering.strategy import Strategy
 from validator.program import resolve
 from validator.schedule import parse_schedule
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from synth.lower import lower
-from synth.models import get_model
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
 from validator.cli import main
 from validator.errors import ScheduleError
 from validator.schedule import MAX_INSTRUCTIONS, dump_schedule, load_schedule, parse_schedule

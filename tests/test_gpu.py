@@ -19,9 +19,9 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
 ]
 
-from synth.lower import lower  # noqa: E402
-from synth.models import get_model  # noqa: E402
-from synth.strategy import Strategy  # noqa: E402
+from synth.lowering.lower import lower  # noqa: E402
+from synth.lowering.models import get_model  # noqa: E402
+from synth.lowering.strategy import Strategy  # noqa: E402
 from validator.schedule import parse_schedule  # noqa: E402
 
 TOL = 2e-2  # relative L2 error of the logits

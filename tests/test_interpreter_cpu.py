@@ -35,9 +35,9 @@ import torch
 from kernels.gpu.interpreter import KernelConfig, Megakernel
 from kernels.reference import decode_step
 from kernels.weights import random_weights
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 
 case = json.loads(sys.argv[1])
 spec = get_model(case["model"])

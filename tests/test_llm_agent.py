@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from synth.briefing import build_briefing, compact_counterexample, count_tokens
-from synth.lower import lower
-from synth.models import get_model
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
+from synth.search.briefing import build_briefing, compact_counterexample, count_tokens
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.llm import LLMOptions, LLMProposer, agent_configured, extract_json, response_schema
 
 # ---------------------------------------------------------------------------------------------------------------
 # A scripted OpenAI-compatible server
@@ -192,7 +192,7 @@ def test_briefing_contents_and_measured_budget() -> None:
 
 
 def test_critical_path_folds_repeated_layers() -> None:
-    from synth.briefing import _path_runs
+    from synth.search.briefing import _path_runs
 
     path = [{"id": 0, "op": "embed", "layer": None}]
     for layer in range(4):
@@ -218,7 +218,7 @@ def test_briefing_estimates_the_profile_when_missing() -> None:
 
 
 def test_briefing_reads_a_trace_in_the_shared_format() -> None:
-    costmodel = pytest.importorskip("synth.costmodel")
+    costmodel = pytest.importorskip("synth.lowering.costmodel")
     pytest.importorskip("kernels.trace")
     schedule = lower(TINY, 8)
     est = costmodel.estimate(schedule, 64)
@@ -266,7 +266,7 @@ def test_out_of_range_and_unknown_keys_are_fed_back(tmp_path: Path) -> None:
 
 
 def test_bad_patches_are_fed_back_with_their_path(tmp_path: Path) -> None:
-    pytest.importorskip("synth.patches")
+    pytest.importorskip("synth.lowering.patches")
     script = [("ok", _answer(patches=[{"op": "remove_wait", "id": 99999, "counter": 0}])),
               ("ok", _answer(patches=[{"op": "add_wait", "id": 9, "counter": 5, "value": 1, "colour": "red"}])),
               ("ok", _answer(patches=[{"op": "move", "id": 9, "worker": 3, "position": 0}]))]
@@ -362,25 +362,25 @@ def test_bad_key_stops_the_agent_and_usage_resumes(tmp_path: Path) -> None:
 
 
 def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("synth.search")
+    proposers = pytest.importorskip("synth.search.proposers.auto")
     for key in ("OPENAI_API_KEY", "OPENAI_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
     notices: list[str] = []
-    chain = search.resolve_proposer("auto", "tiny", 8, notice=notices.append)
+    chain = proposers.resolve_proposer("auto", "tiny", 8, notice=notices.append)
     assert not isinstance(chain, LLMProposer) and len(notices) == 1 and "no LLM agent" in notices[0]
     with pytest.raises(ValueError, match="OPENAI_API_KEY or OPENAI_BASE_URL"):
-        search.resolve_proposer("llm", "tiny", 8)
+        proposers.resolve_proposer("llm", "tiny", 8)
     monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
-    agent = search.resolve_proposer("llm", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    agent = proposers.resolve_proposer("llm", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
     assert isinstance(agent, LLMProposer) and agent.options.max_calls == 7 and agent.options.model == "m"
-    auto = search.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
-    assert isinstance(auto, search.FallbackProposer) and isinstance(auto.agent, LLMProposer)  # built-in after it
+    auto = proposers.resolve_proposer("auto", "tiny", 8, run_dir=tmp_path, model="m", max_calls=7)
+    assert isinstance(auto, proposers.FallbackProposer) and isinstance(auto.agent, LLMProposer)  # built-in after it
 
 
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("synth.search")
-    pytest.importorskip("synth.patches")
+    search = pytest.importorskip("synth.search.loop")
+    pytest.importorskip("synth.lowering.patches")
     naive = lower(TINY, 8)
     victim = next(i for i in naive.instructions if i.op == "o_proj_residual" and i.layer == 0)
     racy = _answer(patches=[{"op": "remove_wait", "id": victim.id, "counter": victim.waits[0].counter}],
@@ -439,8 +439,8 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
 
 
 def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("synth.costmodel")
-    from synth.briefing import main
+    pytest.importorskip("synth.lowering.costmodel")
+    from synth.search.briefing import main
 
     assert main(["--model", "tiny", "--workers", "8", "--ctx", "64"]) == 0
     out, err = capsys.readouterr()

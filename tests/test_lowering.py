@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 import validator.cli
 from synth.cli import main as synth_main
-from synth.models import MODELS
+from synth.lowering.models import MODELS
 from validator.catalogue import OP_ORDER
 from validator.schedule import load_schedule
 from validator.verify import Options

@@ -9,9 +9,9 @@ import pytest
 
 from kernels.gpu import pack as P
 from kernels.trace import TraceError, check_trace, from_raw, make_trace, read_trace, summarize, write_trace
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 from validator.catalogue import OPS
 from validator.errors import ScheduleError
 from validator.schedule import parse_schedule

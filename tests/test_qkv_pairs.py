@@ -13,9 +13,9 @@ import torch
 from kernels.cpu_executor import run_program
 from kernels.reference import decode_step, new_kv_cache
 from kernels.weights import random_weights
-from synth.lower import lower
-from synth.models import MODELS
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import MODELS
+from synth.lowering.strategy import Strategy
 from validator.catalogue import OPS, ArgError, Geometry, check_instruction, qkv_pair_pieces
 from validator.program import resolve
 from validator.schedule import parse_schedule

@@ -61,7 +61,7 @@ def test_reference_matches_transformers(tiny: tuple[ModelConfig, int]) -> None:
 
 def test_reference_late_positions_rope_scaling() -> None:
     """tiny-gqa4 uses Llama-3 RoPE scaling with original_max_position_embeddings 16: go well past it."""
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     spec = MODELS["tiny-gqa4"]
     cfg = spec.config
@@ -89,7 +89,7 @@ def test_random_weights_are_seeded_and_tied(tiny: tuple[ModelConfig, int]) -> No
 
 def test_bf16_cache_close_to_fp32() -> None:
     """Weights and caches in bf16 still give logits near the fp32 ones (the scale of the init keeps them O(1))."""
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     spec = MODELS["tiny"]
     cfg = spec.config
@@ -142,7 +142,7 @@ def test_load_hf_checkpoint(tmp_path, tiny: tuple[ModelConfig, int], sharded: bo
 
 def test_config_transformers5_rope_parameters(tmp_path) -> None:
     """transformers 5 writes `rope_parameters` (theta inside) instead of rope_theta/rope_scaling."""
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     cfg = MODELS["tiny-gqa4"].config
     hf = {k: v for k, v in cfg.to_hf().items() if k not in ("rope_theta", "rope_scaling")}
@@ -152,7 +152,7 @@ def test_config_transformers5_rope_parameters(tmp_path) -> None:
 
 
 def test_load_errors_name_the_tensor(tmp_path) -> None:
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     cfg = MODELS["tiny-mha"].config
     weights = random_weights(cfg)
@@ -192,7 +192,7 @@ LLAMA_32_1B_CONFIG = {  # config.json of meta-llama/Llama-3.2-1B as published on
 
 
 def test_config_of_the_real_llama_1b(tmp_path) -> None:
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B_CONFIG))
     assert config_from_hf_dir(tmp_path) == MODELS["llama-1b"].config
@@ -202,7 +202,7 @@ def test_config_of_the_real_llama_1b(tmp_path) -> None:
 
 
 def test_bf16_checkpoint_loads_in_any_dtype(tmp_path) -> None:
-    from synth.models import MODELS
+    from synth.lowering.models import MODELS
 
     cfg = MODELS["tiny"].config
     weights = random_weights(cfg, dtype=torch.bfloat16)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 from screenshot_report import CHROMIUM_ARGS  # noqa: E402
 from test_runs_cli import make_run, search_run  # noqa: E402
 
-from synth.runs_cli import serve_in_thread  # noqa: E402
+from synth.commands.runs import serve_in_thread  # noqa: E402
 from validator.atomic import write_json_atomic  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -200,3 +200,50 @@ def test_screenshot_script(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(script), "nope", str(tmp_path / "x.png"), "--runs-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "run 'nope' not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_synthesis_curve_one_line_per_proposer(browser: Any, tmp_path: Path) -> None:
+    """The synthesis curve: one dot per accepted candidate at its trial number, and per proposer a step line of the
+    best time so far that ends at that proposer's best; rejected candidates get no dot."""
+    run = make_run(tmp_path, "20261130-curve", workers=6)
+    trials = [("c0000", "naive", 0.031), ("c0001", "heuristic", 0.027), ("c0002", "heuristic", 0.029),
+              ("c0003", "evolve", None), ("c0004", "evolve", 0.030), ("c0005", "heuristic", 0.024),
+              ("c0006", "evolve", 0.026), ("c0007", "evolve", 0.028), ("c0008", "llm", None)]
+    entries = [{"candidate": c, "proposer": p, "accepted": ms is not None, "ms": ms, "estimated": True}
+               for c, p, ms in trials]
+    write_json_atomic(run / "leaderboard.json", {"baseline": "c0000", "entries": entries})
+    server, thread = serve_in_thread(tmp_path, 0)
+    try:
+        page, errors = open_page(browser, f"http://127.0.0.1:{server.server_address[1]}/{run.name}/report.html")
+        section = page.locator("#curve")
+        section.scroll_into_view_if_needed()
+        assert section.is_visible() and "estimated" in section.inner_text()
+        lines = page.locator("#curve path.best")
+        assert lines.evaluate_all("els => els.map(e => e.closest('g').dataset.proposer)") == \
+            ["naive", "heuristic", "evolve"]  # in order of first appearance; llm has no accepted candidate
+        for proposer in ("naive", "heuristic", "evolve"):
+            times = [ms for _, p, ms in trials if p == proposer and ms is not None]
+            running = [min(times[:k + 1]) for k in range(len(times))]
+            group = page.locator(f'#curve g[data-proposer="{proposer}"]')
+            assert [float(v) for v in group.locator("path.best").get_attribute("data-best").split(",")] == running
+            dots = group.locator("circle.cand")
+            assert [float(v) for v in dots.evaluate_all("els => els.map(e => e.dataset.ms)")] == times
+            # drawn: the line has length, and it ends level with the proposer's best dot at the last trial's x
+            end = group.locator("path.best").evaluate(
+                "p => { const q = p.getPointAtLength(p.getTotalLength()); return [p.getTotalLength(), q.x, q.y]; }")
+            best_y = dots.evaluate_all(f"els => els.filter(e => +e.dataset.ms === {min(times)})"
+                                       ".map(e => +e.getAttribute('cy'))")[0]
+            assert (end[0] > 0 or len(times) == 1) and abs(end[2] - best_y) < 0.01
+        assert page.locator("#curve circle.cand").count() == sum(ms is not None for _, _, ms in trials)
+        assert page.locator('#curve circle[data-candidate="c0003"]').count() == 0  # rejected: no time, no dot
+        xs = page.locator("#curve path.best").evaluate_all(
+            "els => els.map(p => p.getPointAtLength(p.getTotalLength()).x)")
+        assert max(xs) - min(xs) < 0.01  # every line carried to the last trial
+        ARTIFACTS.mkdir(exist_ok=True)
+        section.screenshot(path=str(ARTIFACTS / "report-curve.png"))
+        assert errors == []
+        page.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

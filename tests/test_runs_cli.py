@@ -13,9 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from synth.cli import main
-from synth.lower import lower
-from synth.models import get_model
-from synth.report import (
+from synth.commands.runs import serve_in_thread
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
+from synth.runs.report import (
     counterexample_events,
     focus_events,
     load_run,
@@ -26,8 +28,6 @@ from synth.report import (
     sequence_svg,
     summarize,
 )
-from synth.runs_cli import serve_in_thread
-from synth.strategy import Strategy
 from validator.atomic import write_json_atomic
 from validator.verify import Options, verify
 
@@ -323,7 +323,7 @@ def test_report_charts_a_synth_bench_json(runs_dir: Path, tmp_path: Path) -> Non
 def search_run(root: Path) -> Path:
     """Run the real search on the tiny model into `root`; skip while `synth search` does not exist."""
     if "search" not in main.commands:
-        pytest.skip("synth search is not there yet (synth/search_cli.py)")
+        pytest.skip("synth search is not there yet (synth/commands/search.py)")
     r = CliRunner().invoke(main, ["search", "--model", "tiny", "--budget", "3", "--seed", "0", "--workers", "8",
                                   "--runs-dir", str(root)], catch_exceptions=False)
     assert r.exit_code == 0, r.output

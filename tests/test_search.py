@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from synth.patches import PatchError, apply_patches
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.runs import BASELINE, RunDir
-from synth.search import ChainProposer, Search, SearchConfig, resolve_proposer, run_search
-from synth.strategy import Strategy
+from synth.lowering.patches import PatchError, apply_patches
+from synth.lowering.strategy import Strategy
+from synth.runs.rundir import BASELINE, RunDir
+from synth.search.loop import Search, SearchConfig, run_search
+from synth.search.proposers.auto import ChainProposer, resolve_proposer
+from synth.search.proposers.base import Proposal, Result, SearchContext
 from validator.schedule import load_schedule
 from validator.verify import Options, verify
 
@@ -55,16 +56,16 @@ def test_rejected_candidates_keep_their_counterexample(tmp_path: Path) -> None:
     search = Search(_cfg(tmp_path))
     search.run.init({"model": "tiny"})
     # Remove the wait of an attention instruction on its QKV producers: a race the validator must find.
-    sched = search.build(Proposal(Strategy()))
+    sched = search.evaluator.build(Proposal(Strategy()))
     victim = next(i for i in sched.instructions if i.op == "attn_partial")
     patch = {"op": "remove_wait", "id": victim.id, "counter": victim.waits[0].counter}
-    res = search.evaluate("c0042", Proposal(Strategy(), [patch], "drop a wait", "test"))
+    res = search.evaluator.evaluate("c0042", Proposal(Strategy(), [patch], "drop a wait", "test"))
     assert not res.accepted and res.counterexample
     rec = json.loads((tmp_path / "r" / "rejected" / "c0042.json").read_text())
     assert rec["reason"] == "rejected" and rec["patches"] == [patch]
     assert any(f["category"] == "race" for f in rec["findings"])
     # A malformed patch is rejected with its index and field, not a traceback.
-    res = search.evaluate("c0043", Proposal(Strategy(), [{"op": "move", "id": 10**6, "worker": 0}]))
+    res = search.evaluator.evaluate("c0043", Proposal(Strategy(), [{"op": "move", "id": 10**6, "worker": 0}]))
     assert not res.accepted and "$.patches[0].id" in (res.error or "")
 
 
@@ -93,7 +94,7 @@ def test_auto_without_llm_is_heuristic_then_evolve(monkeypatch: pytest.MonkeyPat
 
 
 def test_evolve_uses_accepted_parents() -> None:
-    from synth.proposers.evolve import EvolveProposer
+    from synth.search.proposers.evolve import EvolveProposer
 
     ev = EvolveProposer(seed=1)
     parents = [Result(f"c000{k}", Proposal(Strategy(attn_splits=k + 1)), True, 1.0 + k, True,
@@ -104,8 +105,8 @@ def test_evolve_uses_accepted_parents() -> None:
 
 
 def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
-    from synth.lower import lower
-    from synth.models import get_model
+    from synth.lowering.lower import lower
+    from synth.lowering.models import get_model
 
     sched = lower(get_model("tiny"), 4)
     moved = apply_patches(sched, [{"op": "move", "id": 5, "worker": 3}])
@@ -126,7 +127,7 @@ def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
 _WORKER = """
 import sys
 from pathlib import Path
-from synth.search import SearchConfig, run_search
+from synth.search.loop import SearchConfig, run_search
 run_search(SearchConfig(model="tiny", workers=8, budget=int(sys.argv[3]), runs_dir=Path(sys.argv[1]), run="shared",
                         resume=sys.argv[2] == "resume", storage=None, interleavings=10, final_interleavings=20,
                         ctx=64, gpu=False, progress=False, proposer="evolve", seed=int(sys.argv[4]),
@@ -239,23 +240,23 @@ class _FakeTimer:
 def test_gpu_path_checks_logits_and_keeps_failures(tmp_path: Path) -> None:
     search = Search(_cfg(tmp_path, gpu=True))
     search.run.init({"model": "tiny"})
-    search.timer = _FakeTimer()
-    res = search.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
+    search.evaluator.timer = _FakeTimer()
+    res = search.evaluator.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
     assert res.accepted and res.ms == 0.5 and res.estimated is False
     timing = json.loads((tmp_path / "r" / "candidates" / "c0001" / "timing.json").read_text())
     assert timing["estimated"] is False and timing["check_rel_l2"] == 0.0 and "estimate_ms" in timing
-    search.timer = _FakeTimer(err=0.5)
-    res = search.evaluate("c0002", Proposal(Strategy(attn_splits=3), proposer="test"))
+    search.evaluator.timer = _FakeTimer(err=0.5)
+    res = search.evaluator.evaluate("c0002", Proposal(Strategy(attn_splits=3), proposer="test"))
     rec = json.loads((tmp_path / "r" / "rejected" / "c0002.json").read_text())
     assert not res.accepted and rec["reason"] == "gpu_mismatch"
-    search.timer = _FakeTimer(fail=True)
-    res = search.evaluate("c0003", Proposal(Strategy(attn_splits=4), proposer="test"))
+    search.evaluator.timer = _FakeTimer(fail=True)
+    res = search.evaluator.evaluate("c0003", Proposal(Strategy(attn_splits=4), proposer="test"))
     rec = json.loads((tmp_path / "r" / "rejected" / "c0003.json").read_text())
     assert not res.accepted and rec["reason"] == "gpu_error" and "watchdog" in rec["error"]
 
 
 def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import synth.search as search_mod
+    import synth.search.evaluate as search_mod
     from validator.program import Finding
 
     real = search_mod.verify
@@ -269,7 +270,7 @@ def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatc
     monkeypatch.setattr(search_mod, "verify", picky)
     search = Search(_cfg(tmp_path, final_interleavings=50))
     search.run.init({"model": "tiny"})
-    res = search.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
+    res = search.evaluator.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test"))
     assert not res.accepted
     assert not (tmp_path / "r" / "candidates" / "c0001").exists()
     rec = json.loads((tmp_path / "r" / "rejected" / "c0001.json").read_text())
@@ -319,8 +320,8 @@ class _FakeAgent:
 
 
 def test_auto_falls_back_to_builtin_when_the_agent_is_exhausted() -> None:
-    from synth.proposers.heuristic import HeuristicProposer
-    from synth.search import FallbackProposer
+    from synth.search.proposers.auto import FallbackProposer
+    from synth.search.proposers.heuristic import HeuristicProposer
 
     notices: list[str] = []
     agent = _FakeAgent(left=2)

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import Strategy
 from validator.schedule import parse_schedule
 from validator.verify import Options, Report, verify
 

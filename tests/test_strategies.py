@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from synth.lower import lower
-from synth.models import get_model
-from synth.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy, parse_strategy, strategy_schema
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
+from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy, parse_strategy, strategy_schema
 from validator.errors import ScheduleError
 from validator.verify import Options, verify
 

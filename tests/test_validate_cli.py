@@ -13,8 +13,8 @@ import jsonschema
 import pytest
 from click.testing import CliRunner
 
-from synth.lower import lower
-from synth.models import get_model
+from synth.lowering.lower import lower
+from synth.lowering.models import get_model
 from validator.cli import main
 
 SCHEMA = json.loads((Path(__file__).parent / "data" / "sarif-schema-2.1.0.json").read_text())

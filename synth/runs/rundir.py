@@ -141,10 +141,10 @@ class RunDir:
         where = str(path.with_name("timing.json"))
         if not isinstance(timing, dict) or "strategy" not in timing:
             raise ScheduleError("no schedule.json and no strategy in timing.json to rebuild it from", "$", where)
-        from synth.lower import lower
-        from synth.models import get_model
-        from synth.patches import apply_patches
-        from synth.strategy import parse_strategy
+        from synth.lowering.lower import lower
+        from synth.lowering.models import get_model
+        from synth.lowering.patches import apply_patches
+        from synth.lowering.strategy import parse_strategy
 
         model = self.info.get("model") or "llama-1b"
         schedule = lower(get_model(model), int(timing.get("workers") or self.info.get("workers") or 132),

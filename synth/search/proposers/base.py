@@ -1,7 +1,7 @@
 """The proposer plug-in point: the search loop asks a proposer for candidates and tells it how each one fared.
 
-A proposal is a strategy (see `synth.strategy`) plus optional explicit patches applied to the lowered schedule
-(see `synth.patches`). The loop lowers, patches, validates (proof + interleavings), then times on the GPU or
+A proposal is a strategy (see `synth.lowering.strategy`) plus optional explicit patches applied to the lowered schedule
+(see `synth.lowering.patches`). The loop lowers, patches, validates (proof + interleavings), then times on the GPU or
 estimates with the cost model, and reports back a `Result`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from synth.strategy import Strategy
+from synth.lowering.strategy import Strategy
 
 
 @dataclass

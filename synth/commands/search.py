@@ -55,9 +55,9 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
            llm_timeout: float | None) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
-    from synth.costmodel import load_params
-    from synth.models import get_model
-    from synth.search import SearchConfig, run_search
+    from synth.lowering.costmodel import load_params
+    from synth.lowering.models import get_model
+    from synth.search.loop import SearchConfig, run_search
 
     try:
         get_model(model_name)
@@ -101,10 +101,10 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
 def strategy_schema(patches: bool) -> None:
     """Print the JSON Schema of a strategy (what `synth lower --strategy` takes) or of a patch."""
     if patches:
-        from synth.patches import patch_schema
+        from synth.lowering.patches import patch_schema
 
         click.echo(json.dumps(patch_schema(), indent=1))
     else:
-        from synth.strategy import strategy_schema as schema
+        from synth.lowering.strategy import strategy_schema as schema
 
         click.echo(json.dumps(schema(), indent=1))

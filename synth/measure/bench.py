@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from synth.models import ModelSpec, get_model
+from synth.lowering.models import ModelSpec, get_model
 from validator.catalogue import ACT_BYTES, OPS, W_BYTES
 from validator.model import ModelConfig
 
@@ -687,7 +687,7 @@ def run_compile(opts: BenchOptions, log: Callable[[str], None]) -> dict[int, dic
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo: `synth` must import there too
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
-    proc = subprocess.Popen([sys.executable, "-m", "synth.bench", "--compile-worker", payload],
+    proc = subprocess.Popen([sys.executable, "-m", "synth.measure.bench", "--compile-worker", payload],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root,
                             start_new_session=True)
     timed_out = False
@@ -742,7 +742,7 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
     from validator.schedule import load_schedule
 
     if path is None:
-        from synth.lower import lower
+        from synth.lowering.lower import lower
 
         workers = 132
         with contextlib.suppress(Exception):
@@ -752,7 +752,8 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
                 workers = torch.cuda.get_device_properties(0).multi_processor_count
         schedule = lower(spec, workers)
         text = json.dumps(schedule.to_json(), sort_keys=True)
-        info: dict[str, Any] = {"path": None, "source": f"naive lowering (synth.lower.lower, {workers} workers)"}
+        info: dict[str, Any] = {"path": None,
+                                "source": f"naive lowering (synth.lowering.lower.lower, {workers} workers)"}
     else:
         schedule = load_schedule(path)
         from pathlib import Path
@@ -938,9 +939,9 @@ def render(result: dict[str, Any]) -> list[Any]:
 
 
 def _worker_main(argv: list[str]) -> int:
-    """`python -m synth.bench --compile-worker JSON`: the child process of `run_compile`."""
+    """`python -m synth.measure.bench --compile-worker JSON`: the child process of `run_compile`."""
     if len(argv) != 2 or argv[0] != "--compile-worker":
-        print("usage: python -m synth.bench --compile-worker OPTIONS_JSON", file=sys.stderr)
+        print("usage: python -m synth.measure.bench --compile-worker OPTIONS_JSON", file=sys.stderr)
         return 2
     opts = BenchOptions(**json.loads(argv[1]))
     if opts.device == "cpu":  # the dry run's tiny ops: one thread avoids OpenMP spin contention

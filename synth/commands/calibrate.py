@@ -28,8 +28,8 @@ from validator.errors import ScheduleError
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
               allow_estimated: bool, fit_runs: tuple[str, ...], check_runs: tuple[str, ...]) -> None:
     """Fit per-op cost-model parameters from GPU traces (kernels/trace.py format) and their schedules."""
-    from synth.calibrate import fit
-    from synth.costmodel import load_params
+    from synth.lowering.costmodel import load_params
+    from synth.search.calibrate import fit
     from validator.atomic import write_json_atomic
     from validator.schedule import load_schedule
 
@@ -58,7 +58,7 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         except ScheduleError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
-    from synth.calibrate import PEAK_GRID, measured_steps
+    from synth.search.calibrate import PEAK_GRID, measured_steps
 
     measured = measured_steps(list(fit_runs)) if fit_runs else None
     try:
@@ -79,7 +79,7 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     if check_runs:
         import statistics
 
-        from synth.calibrate import check_runs as check
+        from synth.search.calibrate import check_runs as check
 
         rows = check(list(check_runs), result.params)
         cmed = statistics.median(abs(r["error_pct"]) for r in rows) if rows else None

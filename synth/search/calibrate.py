@@ -17,7 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from synth.costmodel import CostParams, OpParams, estimate, instruction_cost
+from synth.lowering.costmodel import CostParams, OpParams, estimate, instruction_cost
 from validator.program import resolve
 from validator.schedule import Schedule
 
@@ -194,7 +194,7 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
 
 def _measured(run_dirs: list[str]) -> list[tuple[str, Schedule, int, float]]:
     """(label, schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
-    from synth.runs import RunDir
+    from synth.runs.rundir import RunDir
 
     out = []
     for run in run_dirs:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from synth.report import Run, fmt_ms, list_runs, load_run, write_index, write_report
+from synth.runs.report import Run, fmt_ms, list_runs, load_run, write_index, write_report
 
 _RUNS_DIR = click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                          help="The folder that holds one folder per run.")
@@ -88,7 +88,7 @@ def _show(r: Run) -> None:
     trace_file = r.path / "best" / "trace.json"
     if trace_file.is_file():
         from kernels.trace import TraceError, format_summary, read_trace
-        from synth.report import parse_trace, read_json, summarize
+        from synth.runs.report import parse_trace, read_json, summarize
 
         try:
             summary = summarize(parse_trace(read_trace(trace_file)), read_json(r.path / "best" / "schedule.json"))
@@ -113,7 +113,7 @@ def report_cmd(run: str | None, bench_file: str | None, runs_dir: str) -> None:
     if bench_file:
         if not run:
             raise click.BadParameter("--bench needs a RUN (the bench belongs to one run)", param_hint="--bench")
-        from synth.report import read_json
+        from synth.runs.report import read_json
         from validator.atomic import write_json_atomic
 
         notes: list[str] = []

@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.heuristic import mutate, random_strategy, strategy_key
-from synth.strategy import Strategy
+from synth.lowering.strategy import Strategy
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.heuristic import mutate, random_strategy, strategy_key
 
 #: Knobs that change the instruction list (ids); patches only carry over when these agree.
 PLAN_KNOBS = ("tiles", "k_splits", "attn_splits")

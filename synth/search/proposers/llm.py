@@ -1,7 +1,7 @@
 """The LLM agent: a `Proposer` that asks any OpenAI-compatible endpoint for one schedule change per round.
 
-Each round: build the briefing (synth.briefing), call the chat-completions API with a JSON-schema response format
-(falling back to plain text + a JSON extractor for servers without structured output), check the answer (JSON,
+Each round: build the briefing (synth.search.briefing), call the chat-completions API with a JSON-schema response
+format (falling back to plain text + a JSON extractor for servers without structured output), check the answer (JSON,
 schema, strategy values, patch ids — by lowering and patching it), and feed every error back for a bounded number of
 retries. Transport failures (timeouts, 429, 5xx, refused connections) are retried with a capped backoff. When the
 round's attempts or the run's call budget are spent the proposer returns no proposals: it never raises into the search.
@@ -23,11 +23,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from synth.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
-from synth.lower import lower
-from synth.models import ModelSpec
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.strategy import Strategy
+from synth.lowering.lower import lower
+from synth.lowering.models import ModelSpec
+from synth.lowering.strategy import Strategy
+from synth.search.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
+from synth.search.proposers.base import Proposal, Result, SearchContext
 from validator.atomic import write_json_atomic
 from validator.errors import ScheduleError, json_path
 from validator.program import resolve
@@ -212,11 +212,11 @@ def _merge(base: dict[str, Any], edits: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_patches(schedule: Schedule, patches: list[dict[str, Any]]) -> Schedule:
-    """Apply explicit patches through `synth.patches` (its errors name the patch index and field)."""
+    """Apply explicit patches through `synth.lowering.patches` (its errors name the patch index and field)."""
     if not patches:
         return schedule
     try:
-        from synth.patches import apply_patches
+        from synth.lowering.patches import apply_patches
     except ImportError:
         raise ProposalError("patches are not supported by this build; send \"patches\": []") from None
     return apply_patches(schedule, patches)

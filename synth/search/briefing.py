@@ -1,9 +1,9 @@
 """The agent's briefing: search context -> (system prompt, user message) within a measured token budget.
 
 Everything the model is told is read from its owner: the model graph and op arguments from `validator.catalogue`,
-sizes from `synth.models`, the strategy schema from `synth.strategy.Strategy`, the patch language from
-`synth.patches`, timings from the best result's profile (GPU trace or cost-model timeline, labelled), and the
-validator's counterexamples from the history. When the text is over budget, detail is dropped level by level
+sizes from `synth.lowering.models`, the strategy schema from `synth.lowering.strategy.Strategy`, the patch language
+from `synth.lowering.patches`, timings from the best result's profile (GPU trace or cost-model timeline, labelled), and
+the validator's counterexamples from the history. When the text is over budget, detail is dropped level by level
 (fewer history rows, fewer layers in the id layout, shorter critical path) and the sizes are reported.
 """
 
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from synth.models import ModelSpec
-from synth.proposers.base import Result, SearchContext
-from synth.strategy import Strategy
+from synth.lowering.models import ModelSpec
+from synth.lowering.strategy import Strategy
+from synth.search.proposers.base import Result, SearchContext
 from validator.catalogue import OP_ORDER, OPS, Geometry
 from validator.program import geometry_of
 from validator.schedule import Schedule
@@ -96,10 +96,10 @@ def _strip_schema(schema: Any, descr: bool) -> Any:
 
 
 def patch_language(descr: bool = True) -> str:
-    """The patch language as `synth.patches` defines it: its docstring and one line per patch kind, derived from
-    its JSON schema (`{"op":"move","id":int,...}  meaning`), or a note when the module is absent."""
+    """The patch language as `synth.lowering.patches` defines it: its docstring and one line per patch kind, derived
+    from its JSON schema (`{"op":"move","id":int,...}  meaning`), or a note when the module is absent."""
     try:
-        import synth.patches as patches
+        import synth.lowering.patches as patches
     except ModuleNotFoundError:
         return "Patches are not available in this build: leave \"patches\" empty."
     parts = [(patches.__doc__ or "").strip()]
@@ -130,10 +130,10 @@ def patch_language(descr: bool = True) -> str:
 
 
 def patch_schema() -> dict[str, Any] | None:
-    """The JSON schema of one patch, from `synth.patches` (a `PATCH_SCHEMA` dict, `patch_schema()`, or a pydantic
-    `Patch` model), or None when that module does not publish one."""
+    """The JSON schema of one patch, from `synth.lowering.patches` (a `PATCH_SCHEMA` dict, `patch_schema()`, or a
+    pydantic `Patch` model), or None when that module does not publish one."""
     try:
-        import synth.patches as patches
+        import synth.lowering.patches as patches
     except ModuleNotFoundError:
         return None
     for name in ("patch_schema", "PATCH_SCHEMA", "Patch"):
@@ -208,7 +208,7 @@ def _hardware_section(ctx: SearchContext, schedule: Schedule | None) -> str:
     where = f"target {target}, timed by {ctx.device}" if target and target != ctx.device else ctx.device
     lines = [f"## Hardware: {where}; {ctx.workers} workers (one persistent program per SM)"]
     try:
-        from synth.costmodel import load_params  # the cost model owns the hardware numbers
+        from synth.lowering.costmodel import load_params  # the cost model owns the hardware numbers
 
         p = load_params()
         lines.append(f"Device memory bandwidth {p.total_bw / 1e6:.2f} TB/s in all, up to {p.sm_peak / 1e6:.3f} TB/s "
@@ -403,7 +403,7 @@ def normalise_profile(profile: dict[str, Any] | None, schedule: Schedule | None,
     if (not isinstance(per_op, dict) or not isinstance(idle, list | dict) or not isinstance(path, list)) \
             and schedule is not None:
         try:
-            from synth.costmodel import estimate
+            from synth.lowering.costmodel import estimate
 
             est = estimate(schedule, seq)
             per_op = per_op if isinstance(per_op, dict) else {k: 1000 * v for k, v in est.per_op_ms.items()}
@@ -647,16 +647,16 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m synth.briefing --model llama-1b`: print the first round's briefing (naive baseline as the best,
+    """`python -m synth.search.briefing --model llama-1b`: print the first round's briefing (naive baseline as the best,
     estimated) and its measured size per section, to check that it fits a model's context before a run."""
     import argparse
     import sys
 
-    from synth.lower import lower
-    from synth.models import get_model
-    from synth.proposers.base import Proposal
+    from synth.lowering.lower import lower
+    from synth.lowering.models import get_model
+    from synth.search.proposers.base import Proposal
 
-    parser = argparse.ArgumentParser(prog="python -m synth.briefing", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m synth.search.briefing", description=main.__doc__)
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--workers", type=int, default=132)
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= args.workers <= 4096 or args.budget < 500:
         print("error: --workers must be in [1, 4096] and --budget at least 500", file=sys.stderr)
         return 2
-    from synth.costmodel import estimate
+    from synth.lowering.costmodel import estimate
 
     schedule = lower(spec, args.workers)
     est = estimate(schedule, min(args.ctx, spec.max_seq_len))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.proposers.heuristic import (
+from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
+from synth.search.proposers.base import Proposal, Result, SearchContext
+from synth.search.proposers.heuristic import (
     ATTN_SPLIT_CHOICES,
     CHUNK_CHOICES,
     FINE_EDGES,
@@ -14,7 +15,6 @@ from synth.proposers.heuristic import (
     TILE_CHOICES,
     strategy_key,
 )
-from synth.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
 
 MAX_TRIES = 20  # suggestions per wanted proposal before giving up on finding a new one
 

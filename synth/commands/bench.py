@@ -1,4 +1,5 @@
-"""`synth bench` and `synth generate`: click commands over synth.bench (attached by synth.cli's `_register()`)."""
+"""`synth bench` and `synth generate`: click commands over synth.measure.bench (attached by synth.cli's
+`_register()`)."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     launches and the megakernel, against the bandwidth floor; print a table and write JSON."""
     from rich.console import Console
 
-    from synth.bench import BenchError, BenchOptions, render, run_bench
-    from synth.models import get_model
+    from synth.lowering.models import get_model
+    from synth.measure.bench import BenchError, BenchOptions, render, run_bench
     from validator.atomic import write_json_atomic
 
     console = Console(stderr=True)
@@ -127,8 +128,8 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     """Greedy decode loop (batch 1) on the megakernel; prints the token ids and tokens/s."""
     import torch
 
-    from synth.bench import BenchError, load_bench_schedule
-    from synth.models import get_model
+    from synth.lowering.models import get_model
+    from synth.measure.bench import BenchError, load_bench_schedule
 
     try:
         spec = get_model(model_name)
@@ -200,7 +201,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
                f"{'checkpoint ' + weights_dir if weights_dir else f'random weights seed {seed}'})", err=True)
     agreement = None
     if check and backend == "megakernel":
-        from synth.bench import greedy_agreement
+        from synth.measure.bench import greedy_agreement
 
         agreement = greedy_agreement(cfg, weights, out, spec.max_seq_len, device)
         click.echo(f"check against the PyTorch reference (teacher-forced on these tokens): "
@@ -217,6 +218,6 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
 
 
 if __name__ == "__main__":
-    # `python -m synth.bench_cli bench|generate ...`: works where other subcommands' dependencies (optuna, openai)
+    # `python -m synth.commands.bench bench|generate ...`: works where other subcommands' dependencies (optuna, openai)
     # are missing, e.g. on a bare GPU machine.
     click.Group(commands={"bench": bench, "generate": generate})(prog_name="synth")

@@ -25,7 +25,7 @@ from validator.catalogue import OP_ORDER, OPS, Geometry
 from validator.program import Program, resolve
 from validator.schedule import Schedule
 
-DATA = Path(__file__).with_name("data") / "h200_costmodel.json"
+DATA = Path(__file__).parents[1] / "data" / "h200_costmodel.json"  # synth/data/, package data of `synth`
 MAX_EVENTS_FACTOR = 8  # bound on simulation events per instruction (each has at most start, bytes, end)
 
 

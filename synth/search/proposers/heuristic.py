@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from synth.proposers.base import Proposal, Result, SearchContext
-from synth.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
+from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
+from synth.search.proposers.base import Proposal, Result, SearchContext
 
 TILE_CHOICES: dict[str, list[int]] = {
     "attn_norm_qkv_rope": [64, 128, 192, 256],

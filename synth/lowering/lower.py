@@ -16,8 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from synth.models import ModelSpec
-from synth.strategy import Strategy
+from synth.lowering.models import ModelSpec
+from synth.lowering.strategy import Strategy
 from validator.catalogue import OP_ORDER, OPS, Geometry
 from validator.schedule import FORMAT, Schedule, parse_schedule
 
@@ -323,7 +323,7 @@ def counter_plan(flat: Flat, geo: Geometry, deps: list[set[int]], strategy: Stra
 
 def nominal_durations(flat: Flat, geo: Geometry, workers: int, ctx: int = 1024) -> list[float]:
     """Per-instruction µs from the cost model at fair-share bandwidth (a stage's instructions stream together)."""
-    from synth.costmodel import instruction_cost, load_params, nominal_us
+    from synth.lowering.costmodel import instruction_cost, load_params, nominal_us
 
     params = load_params()
     out = []
