@@ -21,9 +21,9 @@ from kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
 from kernels.gpu.stream import StreamConfig  # noqa: E402
 from kernels.reference import decode_step  # noqa: E402
 from kernels.weights import random_weights  # noqa: E402
-from synth.lower import lower  # noqa: E402
-from synth.models import get_model  # noqa: E402
-from synth.strategy import Strategy  # noqa: E402
+from synth.lowering.lower import lower  # noqa: E402
+from synth.lowering.models import get_model  # noqa: E402
+from synth.lowering.strategy import Strategy  # noqa: E402
 
 
 def main() -> int:
