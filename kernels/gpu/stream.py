@@ -5,17 +5,18 @@ Each program (one per SM) runs two partitions over the same queue of packed inst
 - the *loader* (one warp) walks the queue ahead of the compute warps and streams every weight tile the queue will
   need into a ring of shared-memory slots with TMA (`cp.async.bulk.tensor`), each slot completing on its own
   mbarrier. Weights are never written during a step, so the loader never waits on a counter: it runs ahead across
-  instruction boundaries and while the compute warps spin, bounded only by the ring's size;
+  instruction boundaries and while the compute warps spin, bounded by the ring's size and by `INFLIGHT` slots in
+  flight (so the compute warps' own loads do not queue behind the whole ring). Attention's K/V history (positions
+  before pos, never written during a step) is streamed the same way (`KV_RING`);
 - the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads with the
-  `%globaltimer` watchdog), stages the activation vector it needs into shared memory, consumes the ring's slots in
-  the loader's order (wait `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA barrier,
-  then a release add from one thread). Attention, the split reduction and the embedding read no weights and run
-  straight from global memory.
+  `%globaltimer` watchdog), stages the activation vector it needs into shared memory in one load, consumes the ring's
+  slots in the loader's order (wait `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA
+  barrier, then a release add from one thread). The split reduction and the embedding read no weights.
 
-A slot holds two [16, BK] boxes. Gate/up and QKV pair them by row (gate with up, a RoPE pair's first half with its
-second half: both multiply the same activation chunk), the other matrix-vector ops pair them by K (the same 16 rows,
-two consecutive K chunks). Both partitions derive the slot sequence from the same rows with the same helpers
-(`_qkv_group`, `_kpairs`), so they agree by construction.
+A slot holds SB (2 or 4) [16, BK] boxes. Gate/up and QKV pair them by row (gate with up, a RoPE pair's first half
+with its second half: both multiply the same activation chunk), the other matrix-vector ops by K (the same 16 rows,
+consecutive K chunks), attention takes a K block and a V block. Both partitions walk the same rows with the same loop
+structure and helpers (`_qkv_group`, the K ranges), so they agree on the slot sequence by construction.
 
 After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
 whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
