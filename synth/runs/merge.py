@@ -45,7 +45,10 @@ def _storage_of(sources: list[RunDir], storage: str | None) -> str:
     named = {str(r.info.get("storage")) for r in sources if r.info.get("storage")}
     urls = sorted(u for u in named if "://" in u)
     if len(urls) > 1:
-        raise ValueError(f"the folders name different storages ({', '.join(urls)}); pick one with --storage")
+        from synth.search.claims import shown
+
+        raise ValueError(f"the folders name different storages ({', '.join(map(shown, urls))}); pick one with "
+                         "--storage")
     if urls:
         return urls[0]
     for r in sources:
@@ -68,7 +71,7 @@ def _same(doc: dict[str, Any] | None, want: dict[str, Any]) -> bool:
 def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> Merged:
     """Merge the run folders of one study into `dest` (which must not exist or be empty). Raises ValueError (a
     `StorageError` for the storage) with a one-line reason when they cannot be merged."""
-    from synth.search.claims import Claims, make_engine, normalize_url, study_name
+    from synth.search.claims import Claims, make_engine, normalize_url, shown, study_name, without_password
 
     sources = [RunDir(f) for f in folders]
     for r in sources:
@@ -86,7 +89,7 @@ def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> M
     claims = Claims(make_engine(normalize_url(url), url), study_name(names[0]), owner="merge")
     rows = claims.rows()
     if not rows:
-        raise ValueError(f"the study of run {names[0]} in {url} has no candidates")
+        raise ValueError(f"the study of run {names[0]} in {shown(url)} has no candidates")
 
     out = RunDir(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -129,7 +132,7 @@ def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> M
                 break
         else:
             merged.notes.append(f"no folder has {top} (the fastest) in best/, so best/ is not written")
-    write_json_atomic(dest / "run.json", {**sources[0].info, "storage": url,
+    write_json_atomic(dest / "run.json", {**sources[0].info, "storage": without_password(url),
                                           "merged_from": [str(r.path) for r in sources],
                                           "merged": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")})
     return merged

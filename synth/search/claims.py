@@ -110,6 +110,14 @@ def shown(url: str) -> str:
         return url
 
 
+def without_password(url: str) -> str:
+    """The URL to record (run.json): its password left out (libpq then reads PGPASSWORD or ~/.pgpass)."""
+    try:
+        return sa.engine.make_url(url)._replace(password=None).render_as_string(hide_password=False)
+    except sa_exc.ArgumentError:
+        return url
+
+
 def describe(url: str, exc: BaseException, failed: str = "cannot reach") -> StorageError:
     """One line that says why the storage at `url` failed (no traceback, no password)."""
     if isinstance(exc, ModuleNotFoundError | ImportError):

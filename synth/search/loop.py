@@ -44,6 +44,7 @@ from synth.search.claims import (
     proposal_key,
     shown,
     study_name,
+    without_password,
 )
 from synth.search.evaluate import (
     Evaluator,
@@ -363,7 +364,8 @@ class Search:
         t_start = time.monotonic()
         self._open()
         self.run.init({"model": cfg.model, "seed": cfg.seed, "workers": self.workers, "ctx": cfg.ctx,
-                       "proposer": cfg.proposer, "budget": cfg.budget, "storage": cfg.storage or "study.db",
+                       "proposer": cfg.proposer, "budget": cfg.budget,
+                       "storage": without_password(cfg.storage) if cfg.storage else "study.db",
                        "interleavings": {"search": cfg.interleavings, "best": cfg.final_interleavings},
                        "gpu": gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
