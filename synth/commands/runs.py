@@ -1,4 +1,5 @@
-"""`synth runs …`: browse runs/ — a leaderboard (`list`), one run (`show`), HTML reports (`report`), a server."""
+"""`synth runs …`: browse runs/ — a leaderboard (`list`), one run (`show`), HTML reports (`report`), a server; and
+`merge`, one run folder from several machines' folders of one study."""
 
 from __future__ import annotations
 
@@ -129,6 +130,35 @@ def report_cmd(run: str | None, bench_file: str | None, runs_dir: str) -> None:
     elif not paths:
         click.echo(f"error: {runs_dir}/ does not exist", err=True)
         sys.exit(2)
+
+
+@runs.command("merge")
+@click.argument("folders", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(file_okay=False),
+              help="The merged run folder (new, or empty).")
+@click.option("--storage", default=None, metavar="URL",
+              help="The study's database [default: the storage URL the folders' run.json names].")
+def merge_cmd(folders: tuple[str, ...], output: str, storage: str | None) -> None:
+    """One run folder and one leaderboard from the folders of machines that worked one study (same --run name and
+    --storage) without sharing runs/: the study says which candidates exist, the folders hold their files."""
+    from synth.runs.merge import merge_runs
+
+    try:
+        m = merge_runs([Path(f) for f in folders], Path(output), storage)
+    except ValueError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    parts = [f"{n} from {src}" for src, n in m.copied.items()]
+    if m.from_study:
+        parts.append(f"{len(m.from_study)} from the study alone ({', '.join(m.from_study[:8])}"
+                     f"{', ...' if len(m.from_study) > 8 else ''}: timing and validation, no schedule.json)")
+    click.echo(f"{m.path}: {m.candidates} candidates ({'; '.join(parts)}); best {m.best or '—'}")
+    if m.running:
+        click.echo(f"note: still being evaluated, not merged: {', '.join(m.running)}", err=True)
+    if m.left_out:
+        click.echo(f"note: files the study does not have, left out: {', '.join(m.left_out)}", err=True)
+    for note in m.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 def make_server(runs_dir: str | Path, port: int = 0) -> http.server.ThreadingHTTPServer:

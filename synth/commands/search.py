@@ -25,8 +25,12 @@ from validator.errors import ScheduleError
 @click.option("--resume", "resume", default=None, metavar="RUN", help="Continue runs/RUN (or join it).")
 @click.option("--run", "run_name", default=None, metavar="NAME", help="Name of a new run (default model-time-seed).")
 @click.option("--storage", default=None, metavar="URL",
-              help="Optuna storage URL (default sqlite:///runs/<run>/study.db). Processes on several machines "
-              "work one study when they share a storage (e.g. postgresql://...) and --run/--resume name.")
+              help="The study's database (default sqlite:///runs/<run>/study.db). Processes on several machines "
+              "split one study's work when they share a storage (postgresql://user@host/db, with the "
+              "[distributed] extra) and a --run/--resume name.")
+@click.option("--lease", type=click.FloatRange(min=1), default=120, show_default=True,
+              help="Seconds after which a candidate claimed by a silent process (another machine gone or cut off) "
+              "is taken over; a dead process of this machine is noticed within seconds.")
 @click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
 @click.option("--interleavings", type=click.IntRange(0, 1_000_000), default=200, show_default=True,
               help="Adversarial interleavings replayed per candidate during the search (the best gets "
@@ -49,7 +53,8 @@ from validator.errors import ScheduleError
 @click.option("--llm-timeout", type=click.FloatRange(min=0.1), default=None,
               help="Agent: seconds per request before it is retried [default: 120].")
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
-           resume: str | None, run_name: str | None, storage: str | None, runs_dir: str, interleavings: int,
+           resume: str | None, run_name: str | None, storage: str | None, lease: float, runs_dir: str,
+           interleavings: int,
            final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, jobs: int | None,
            no_progress: bool,
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
@@ -72,8 +77,9 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
         sys.exit(2)
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
-                       storage=storage, interleavings=interleavings, final_interleavings=final_interleavings,
-                       ctx=ctx, gpu=False if cpu else None, progress=not no_progress and sys.stderr.isatty(),
+                       storage=storage, lease_s=lease, interleavings=interleavings,
+                       final_interleavings=final_interleavings, ctx=ctx, gpu=False if cpu else None,
+                       progress=not no_progress and sys.stderr.isatty(),
                        cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
                        llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
                             "timeout_s": llm_timeout})

@@ -14,7 +14,8 @@ Layout:
   best/{schedule,validation,timing,trace}.json   the fastest accepted candidate (trace: GPU, or the cost model's,
                                             labelled `estimated: true`)
 
-Candidate ids are `c0000`, `c0001`, ... (the Optuna trial number); `c0000` is the naive baseline of the run.
+Candidate ids are `c0000`, `c0001`, ... (the slot of the study's claim, `synth.search.claims`); `c0000` is the naive
+baseline of the run.
 """
 
 from __future__ import annotations
@@ -124,6 +125,40 @@ class RunDir:
                 out[f.stem] = r
         return out
 
+    def outcome(self, cid: str) -> dict[str, Any] | None:
+        """A candidate's files as one document, `{"accepted", "record", "validation"}` (record: timing.json when it
+        was accepted, else rejected/<id>.json), or None when it has neither. What the study keeps of a candidate."""
+        timing = _read(self.path / "candidates" / cid / "timing.json")
+        if isinstance(timing, dict) and isinstance(timing.get("ms"), int | float):
+            return {"accepted": True, "record": timing,
+                    "validation": _read(self.path / "candidates" / cid / "validation.json")}
+        record = _read(self.path / "rejected" / f"{cid}.json")
+        if isinstance(record, dict):
+            return {"accepted": False, "record": record, "validation": record.get("validation")}
+        return None
+
+    def save_outcome(self, cid: str, doc: dict[str, Any]) -> None:
+        """Write a candidate from its `outcome` document (a candidate known from the study, not from files): an
+        accepted one without schedule.json (`load_candidate` rebuilds it from the strategy and patches)."""
+        if doc.get("accepted"):
+            d = self.path / "candidates" / cid
+            if doc.get("validation") is not None:
+                write_json_atomic(d / "validation.json", doc["validation"])
+            write_json_atomic(d / "timing.json", doc["record"])
+        else:
+            self.save_rejected(cid, doc["record"])
+
+    def discard(self, cid: str) -> None:
+        """Remove a candidate id's files, and best/ when it is that candidate: what a process that died holding the
+        id's claim left behind, before the id is used again."""
+        import shutil
+
+        shutil.rmtree(self.path / "candidates" / cid, ignore_errors=True)
+        (self.path / "rejected" / f"{cid}.json").unlink(missing_ok=True)
+        best = _read(self.path / "best" / "timing.json")
+        if isinstance(best, dict) and best.get("candidate") == cid:
+            shutil.rmtree(self.path / "best", ignore_errors=True)
+
     def candidate_schedule(self, cid: str) -> Path:
         return self.path / "candidates" / cid / "schedule.json"
 
@@ -161,14 +196,27 @@ class RunDir:
         return t.get("ms") if isinstance(t, dict) else None
 
     def save_best(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any],
-                  trace: dict[str, Any] | None) -> None:
-        """Replace best/ (schedule, validation and trace first, timing last)."""
-        d = self.path / "best"
-        _write_schedule(d / "schedule.json", schedule)
-        write_json_atomic(d / "validation.json", validation)
-        if trace is not None:
-            write_json_atomic(d / "trace.json", trace, indent=None)
-        write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
+                  trace: dict[str, Any] | None) -> bool:
+        """Replace best/ (schedule, validation and trace first, timing last) unless it holds a candidate at least as
+        fast. Processes sharing the run folder compare and write under a lock (`.best.lock`), so two that promote
+        at once cannot leave the slower one in best/. Returns whether best/ was replaced."""
+        import fcntl
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / ".best.lock", "a", encoding="utf-8") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
+            d = self.path / "best"
+            on_disk = self.best_ms()
+            if on_disk is not None and on_disk <= timing["ms"] and (d / "schedule.json").exists():
+                return False
+            _write_schedule(d / "schedule.json", schedule)
+            write_json_atomic(d / "validation.json", validation)
+            if trace is not None:
+                write_json_atomic(d / "trace.json", trace, indent=None)
+            else:
+                (d / "trace.json").unlink(missing_ok=True)  # the previous best's trace is not this one's
+            write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
+        return True
 
     def write_leaderboard(self) -> dict[str, Any]:
         """Rebuild leaderboard.json from the files on disk (so concurrent or resumed searches agree)."""

@@ -290,7 +290,8 @@ class Evaluator:
             return None  # another process sharing the run found a better one
         trace = self.timer.trace(schedule) if self.timer else (est.trace if est else None)
         validation = {**full.to_json(), "interleavings": cfg.final_interleavings}
-        self.run.save_best(cid, schedule, validation, timing, trace)
+        if not self.run.save_best(cid, schedule, validation, timing, trace):
+            return None  # another process sharing the run promoted a better one meanwhile
         if est is not None:
             res.profile = _profile(est, keep_trace=True)
         if self.standing.best is not None and self.standing.best.profile:

@@ -1,11 +1,14 @@
 """The search loop: propose -> lower -> patch -> validate -> time (GPU) or estimate (cost model) -> runs/<run>/.
 
-This module is the loop and its bookkeeping (the Optuna study, resume, the baseline, duplicates, stopping); one
-candidate's evaluation is `synth.search.evaluate`, the worker processes of `--jobs` are `synth.search.pool`, and the
-proposers' selection is `synth.search.proposers.auto`.
+This module is the loop and its bookkeeping (the study, resume, the baseline, duplicates, stopping); one candidate's
+evaluation is `synth.search.evaluate`, the worker processes of `--jobs` are `synth.search.pool`, the claims that
+split the work between processes are `synth.search.claims`, and the proposers' selection is
+`synth.search.proposers.auto`.
 
-Every candidate is a trial of an Optuna study (SQLite `runs/<run>/study.db` by default, any Optuna storage URL with
-`storage`), so several processes or machines can work one study; candidate ids are the trial numbers (`c0007`).
+Every candidate is a claim of the study (SQLite `runs/<run>/study.db` by default, any SQLAlchemy URL with `storage`,
+e.g. PostgreSQL) and, once done, an Optuna trial; several processes or machines work one study. A process claims a
+slot (the candidate id: slot 7 is `c0007`) and the proposal before it lowers it, and the schedule's key before it
+validates it, so the budget is exact and no schedule is evaluated twice; the proposers see every process's outcomes.
 Candidate `c0000` is always the naive baseline, so speed-ups are measured side by side. Rejected candidates are kept
 with the validator's counterexample (`rejected/<id>.json`). On a GPU (CUDA present) the cost model pre-screens and the
 accepted candidates are timed on the persistent interpreter; on a CPU they are estimated and labelled `estimated`.
@@ -17,6 +20,7 @@ it is written to best/.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -29,25 +33,37 @@ from synth.lowering.costmodel import CostParams, load_params
 from synth.lowering.models import get_model
 from synth.lowering.strategy import parse_strategy
 from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key
+from synth.search.claims import (
+    HEARTBEAT_S,
+    LEASE_S,
+    Claims,
+    ScheduleClaim,
+    SharedStudy,
+    StorageError,
+    open_study,
+    proposal_key,
+    shown,
+    study_name,
+    without_password,
+)
 from synth.search.evaluate import (
     Evaluator,
     Standing,
-    Verdict,
     baseline_proposal,
     cuda_available,
     default_workers,
     gpu_name,
 )
-from synth.search.pool import Pool
+from synth.search.pool import Pool, Prepared
 from synth.search.proposers.auto import resolve_proposer
 from synth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 from validator.errors import ScheduleError
 from validator.schedule import Schedule
 
-STUDY = "megasynth"
 MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search stops
-ORPHAN_AGE_S = 120  # a RUNNING trial with no owner recorded this long after its start is stale
-MAX_DUPLICATES = 500  # proposals that lower to an already evaluated schedule, per process, before it stops
+MAX_DUPLICATES = 500  # proposals held elsewhere or repeating an evaluated schedule, per process, before it stops
+POLL_S = 0.5  # between looks at the study while every slot is taken and some are still being evaluated elsewhere
+STOP, WAIT = "stop", "wait"
 
 
 @dataclass
@@ -73,6 +89,8 @@ class SearchConfig:
     cost_params: CostParams | None = None
     llm: dict[str, Any] = field(default_factory=dict)  # the agent's --llm-* options (proposers.llm.LLMOptions)
     notice: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
+    lease_s: float = LEASE_S  # a claim whose owner was silent this long is taken over (see synth.search.claims)
+    heartbeat_s: float = HEARTBEAT_S  # how often this process refreshes its claims
 
 
 @dataclass
@@ -94,6 +112,22 @@ class SearchSummary:
         return None
 
 
+def result_from_outcome(cid: str, doc: dict[str, Any]) -> tuple[Result, float | None] | None:
+    """A candidate's outcome (`RunDir.outcome`, as the study keeps it) as the proposers' `Result`, with its cost-model
+    estimate; None when its strategy no longer parses."""
+    rec = doc.get("record") or {}
+    try:
+        st = parse_strategy(rec.get("strategy", {}))
+    except ScheduleError:
+        return None
+    prop = Proposal(st, list(rec.get("patches", [])), rec.get("rationale", ""), rec.get("proposer", ""),
+                    rec.get("parent"))
+    if doc.get("accepted"):
+        return (Result(cid, prop, True, rec["ms"], bool(rec.get("estimated", True)),
+                       profile={"critical_path": rec.get("critical_path", [])}), rec.get("estimate_ms"))
+    return Result(cid, prop, False, error=rec.get("error"), counterexample=rec.get("findings")), None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The loop
 
@@ -111,12 +145,12 @@ class Search:
             if not cfg.run:
                 raise ValueError("--resume needs the run name")
             path = cfg.runs_dir / cfg.run
-            if not (path / "run.json").exists():
+            if not (path / "run.json").exists() and cfg.storage is None:
                 raise ValueError(f"cannot resume {path}: it has no run.json")
         else:
             path = cfg.runs_dir / (cfg.run or RunDir.new_name(cfg.model, cfg.seed))
         self.run = RunDir(path)
-        if cfg.resume:
+        if cfg.resume and (path / "run.json").exists():
             info = self.run.info
             if info.get("model") != cfg.model:
                 raise ValueError(f"run {path} is for model {info.get('model')!r}, not {cfg.model!r}")
@@ -124,279 +158,301 @@ class Search:
         self.standing = Standing()
         self.evaluator = Evaluator(cfg, self.spec, self.workers, self.gpu, self.params, self.run, self.standing)
         self.proposer: Proposer | None = None
+        self.shared: SharedStudy | None = None
+        self.known: set[int] = set()  # slots whose outcome this process has seen
+        self.queue: list[Proposal] = []
+        self.evaluated = self.dups = self.empty_rounds = 0
+        self.stopping = False
 
-    # -- study -------------------------------------------------------------------------------------------------
-    def _study(self) -> Any:
+    # -- the study --------------------------------------------------------------------------------------------
+    @property
+    def claims(self) -> Claims:
+        assert self.shared is not None, "the study is opened by run_loop"
+        return self.shared.claims
+
+    def _open(self) -> None:
+        """Open the study and its claims, and agree with the processes already on it about the run's settings."""
+        cfg = self.cfg
         try:
-            import optuna
+            import optuna  # noqa: F401
         except ImportError:
             raise ValueError("the search keeps its study in Optuna, which is not installed here (pip install optuna, "
                              "or carry its wheels to the GPU machine)") from None
+        if cfg.storage is None:
+            self.run.path.mkdir(parents=True, exist_ok=True)
+        url = cfg.storage or f"sqlite:///{(self.run.path / 'study.db').resolve()}"
+        self.shared = open_study(url, study_name(self.run.path.name))
+        name = self.run.path.name
+        if cfg.resume and not (self.run.path / "run.json").exists() and self.claims.info() is None:
+            raise ValueError(f"cannot resume {self.run.path}: it has no run.json, and {shown(url)} has no run {name}")
+        theirs = self.claims.settle_info({"model": cfg.model, "workers": self.workers, "ctx": cfg.ctx})
+        if theirs.get("model") != cfg.model:
+            raise ValueError(f"run {name} in {shown(url)} is for model {theirs.get('model')!r}, not {cfg.model!r}")
+        if theirs.get("ctx") != cfg.ctx:
+            raise ValueError(f"run {name} in {shown(url)} estimates at --ctx {theirs.get('ctx')}, not {cfg.ctx}")
+        if theirs.get("workers") != self.workers:
+            if cfg.workers is not None:
+                cfg.notice(f"run {name} has {theirs.get('workers')} workers; --workers {cfg.workers} is ignored")
+            self.workers = self.evaluator.workers = int(theirs["workers"])
 
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        storage = self.cfg.storage or f"sqlite:///{(self.run.path / 'study.db').resolve()}"
-        if storage.startswith("sqlite:///"):
-            from optuna.storages import RDBStorage
+    def _adopt(self) -> None:
+        """A study or run folder made before claims existed: record its candidates as done claims (slot = candidate
+        id), so that their ids are not reused and their schedules are not evaluated again."""
+        assert self.shared is not None
+        if not self.claims.empty():
+            return
+        numbers = {t.number for t in self.shared.study.get_trials(deepcopy=False)}
+        on_disk = {int(c[1:]) for c in (*self.run.accepted(), *self.run.rejected()) if c[1:].isdigit()}
+        rows: list[dict[str, Any]] = []
+        pkeys: set[str] = set()
+        skeys: set[str] = set()
+        for n in sorted(numbers | on_disk):
+            doc = self.run.outcome(candidate_id(n))
+            got = result_from_outcome(candidate_id(n), doc) if doc else None
+            pk = proposal_key(got[0].proposal) if got else f"legacy:{n}"
+            pk = pk if pk not in pkeys else f"legacy:{n}"
+            rec = doc["record"] if doc else {}
+            sk = rec.get("schedule_key") if rec.get("reason") != "screened" else None
+            sk = sk if sk not in skeys else None
+            pkeys.add(pk)
+            if sk:
+                skeys.add(sk)
+            rows.append({"slot": n, "proposal_key": pk, "schedule_key": sk, "result": json.dumps(doc) if doc else None,
+                         "trial": n if n in numbers else None})
+        if rows and self.claims.adopt(rows):
+            self.cfg.notice(f"{len(rows)} candidates made before claims existed are now claims of the study")
 
-            storage = RDBStorage(storage, engine_kwargs={"connect_args": {"timeout": 60}})
-        return optuna.create_study(study_name=f"{STUDY}-{self.run.path.name}", storage=storage,
-                                   direction="minimize", load_if_exists=True)
+    def _sync(self) -> int:
+        """Learn the outcomes other processes recorded since the last look (proposers see the whole study, not only
+        this process's candidates). Returns the number of candidates done under the budget."""
+        assert self.proposer is not None
+        done = self.claims.done()
+        new = done - self.known
+        for slot, doc in sorted(self.claims.results(new).items()):
+            cid = candidate_id(slot)
+            got = result_from_outcome(cid, doc) if cid not in self.standing.results else None
+            if got is not None:
+                self.standing.remember(*got)
+                key = (doc.get("record") or {}).get("schedule_key")
+                if key:
+                    self.standing.keys.setdefault(key, cid)
+                self.proposer.observe(got[0])
+        self.known |= new
+        return sum(1 for s in done if s < self.cfg.budget)
 
-    # -- history (resume) -------------------------------------------------------------------------------------
-    def _load_history(self) -> None:
-        """Rebuild what earlier processes found from the run folder (the files are the source of truth)."""
-        for cid, t in self.run.accepted().items():
-            try:
-                st = parse_strategy(t.get("strategy", {}))
-            except ScheduleError:
-                continue
-            prop = Proposal(st, list(t.get("patches", [])), t.get("rationale", ""), t.get("proposer", ""),
-                            t.get("parent"))
-            res = Result(cid, prop, True, t["ms"], bool(t.get("estimated", True)),
-                         profile={"critical_path": t.get("critical_path", [])})
-            self.standing.remember(res, t.get("estimate_ms"))
-            if t.get("schedule_key"):
-                self.standing.keys.setdefault(t["schedule_key"], cid)
-        for cid, r in self.run.rejected().items():
-            try:
-                st = parse_strategy(r.get("strategy", {}))
-            except ScheduleError:
-                continue
-            prop = Proposal(st, list(r.get("patches", [])), r.get("rationale", ""), r.get("proposer", ""),
-                            r.get("parent"))
-            self.standing.history.append(Result(cid, prop, False, error=r.get("error"),
-                                                counterexample=r.get("findings")))
-            if r.get("schedule_key") and r.get("reason") != "screened":
-                self.standing.keys.setdefault(r["schedule_key"], cid)
+    def _reap(self) -> None:
+        """Free the claims of processes that are gone, and record the Optuna trials of outcomes they left
+        unrecorded."""
+        assert self.shared is not None
+        for slot, owner, salvaged in self.claims.reap(self.cfg.lease_s, 3 * self.cfg.heartbeat_s, self._salvage):
+            self.cfg.notice(f"{candidate_id(slot)}: its process ({owner}) is gone; " + (
+                "its files were complete, so it counts" if salvaged else "the slot is free again"))
+        for slot, owner, doc in self.claims.orphans(self.cfg.lease_s):
+            cid = candidate_id(slot)
+            done = [t.number for t in self.shared.study.get_trials(deepcopy=False)
+                    if t.user_attrs.get("candidate") == cid and t.user_attrs.get("pid") == owner]
+            self.claims.set_trial(slot, done[0] if done else self.shared.add_trial(cid, doc, owner))
+
+    def _salvage(self, slot: int, key: str | None) -> dict[str, Any] | None:
+        """The outcome a process that died holding `slot` left complete in this run folder (timing.json or
+        rejected/<id>.json is written last), when it is that claim's schedule; else None."""
+        doc = self.run.outcome(candidate_id(slot))
+        return doc if doc is not None and key and doc["record"].get("schedule_key") == key else None
 
     def context(self) -> SearchContext:
         timer, st = self.evaluator.timer, self.standing
         return SearchContext(self.cfg.model, self.workers, timer.device if timer else "cost model (CPU)",
                              st.best, st.history, st.baseline_ms, not self.gpu)
 
+    # -- claims -------------------------------------------------------------------------------------------------
+    def _next_claim(self, batch: int) -> tuple[int, Proposal] | str:
+        """The next proposal this process holds a slot for, as (slot, proposal); WAIT when every slot under the
+        budget is taken but some are still being evaluated (by this or another process); STOP when the budget is
+        spent or the proposers have nothing new. Proposals another process holds or finished are skipped (one
+        query each: they are not lowered)."""
+        cfg = self.cfg
+        assert self.proposer is not None
+        while not self.stopping:
+            if BASELINE not in self.standing.results:  # slot 0 is the naive baseline, whoever takes it
+                base = baseline_proposal()
+                got = self.claims.claim(proposal_key(base), range(0, 1))
+                if got.slot is not None:
+                    return got.slot, base
+            if not self.queue:
+                if sum(self.claims.count(cfg.budget)) >= cfg.budget:  # no slot to fill: do not ask the proposer
+                    return self._when_full()
+                self._sync()
+                self.queue = list(self.proposer.propose(self.context(), batch))
+                if not self.queue:
+                    self.empty_rounds += 1
+                    if self.empty_rounds >= MAX_EMPTY_ROUNDS:
+                        cfg.notice(f"the proposer had nothing new for {MAX_EMPTY_ROUNDS} rounds; stopping")
+                        self.stopping = True
+                    continue
+                self.empty_rounds = 0
+            got = self.claims.claim(proposal_key(self.queue[0]), range(1, cfg.budget))
+            if got.slot is not None:
+                return got.slot, self.queue.pop(0)
+            if got.holder is not None:  # another process holds or finished this proposal: the next one
+                self.queue.pop(0)
+                self._repeated()
+                continue
+            return self._when_full()
+        return STOP
+
+    def _when_full(self) -> str:
+        """Every slot under the budget is taken: STOP when all are done, else WAIT for the running ones (after
+        taking over those of processes that are gone)."""
+        self._reap()
+        done, _running = self.claims.count(self.cfg.budget)
+        return WAIT if done < self.cfg.budget else STOP
+
+    def _repeated(self) -> None:
+        self.dups += 1
+        if self.dups > MAX_DUPLICATES and not self.stopping:
+            self.cfg.notice(f"{MAX_DUPLICATES} proposals were held elsewhere or repeated earlier schedules; stopping")
+            self.stopping = True
+
+    def _evaluate(self, slot: int, proposal: Proposal, prepared: Prepared | None = None) -> None:
+        """Evaluate a claimed proposal (lowering it here unless a pool worker did) and record its outcome; a schedule
+        that another claim already has gives the slot back instead."""
+        cid = candidate_id(slot)
+        self.run.discard(cid)  # files a process that died holding this slot may have left
+        schedule: Schedule | None = None
+        if prepared is None:
+            try:
+                schedule = self.evaluator.build(proposal)
+            except (ScheduleError, ValueError):
+                schedule = None  # evaluate() records why, as a rejected candidate
+            holder = self.claims.claim_schedule(slot, schedule_key(schedule)) if schedule is not None else None
+        else:
+            schedule, holder = prepared.schedule, prepared.duplicate_of
+        if holder is not None:  # the same schedule as another claim's: tell the proposer, spend no candidate on it
+            self.claims.release(slot)
+            self._repeated()
+            old = self.standing.results.get(same := candidate_id(holder))
+            if old is not None:
+                assert self.proposer is not None
+                self.proposer.observe(Result(same, proposal, old.accepted, old.ms, not self.gpu,
+                                             error=f"the same schedule as {same}"))
+            return
+        res = self.evaluator.evaluate(cid, proposal, schedule, prepared.verdict if prepared else None)
+        self._finish(slot, res)
+
+    def _finish(self, slot: int, res: Result) -> None:
+        """Record an outcome: the claim (done, with the candidate's files as JSON), then the Optuna trial."""
+        assert self.shared is not None and self.proposer is not None
+        cid = candidate_id(slot)
+        doc = self.run.outcome(cid) or {"accepted": False, "record": {"candidate": cid, "error": res.error},
+                                        "validation": None}
+        screened = doc["record"].get("reason") == "screened"  # not validated: its schedule may be tried again
+        if not self.claims.finish(slot, doc, keep_schedule_key=not screened):
+            self.cfg.notice(f"{cid}: this process was silent for over {self.cfg.lease_s:g} s and another process took "
+                            "the slot; this outcome is not recorded in the study")
+            return
+        self.claims.set_trial(slot, self.shared.add_trial(cid, doc, self.claims.owner))
+        self.known.add(slot)
+        self.evaluated += 1
+        self.standing.remember(res, (res.profile or {}).get("makespan_ms"))
+        self.proposer.observe(res)
+        if res.accepted:
+            self.run.write_leaderboard()
+
     # -- the loop ----------------------------------------------------------------------------------------------
     def run_loop(self) -> SearchSummary:
         cfg = self.cfg
         t_start = time.monotonic()
+        self._open()
         self.run.init({"model": cfg.model, "seed": cfg.seed, "workers": self.workers, "ctx": cfg.ctx,
-                       "proposer": cfg.proposer, "budget": cfg.budget, "storage": cfg.storage or "study.db",
+                       "proposer": cfg.proposer, "budget": cfg.budget,
+                       "storage": without_password(cfg.storage) if cfg.storage else "study.db",
                        "interleavings": {"search": cfg.interleavings, "best": cfg.final_interleavings},
                        "gpu": gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
-        study = self._study()
-        self._reap(study)
-        self._load_history()
+        self._adopt()
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
                                          **{"seq": cfg.ctx, **cfg.llm})
-        for r in self.standing.history:
-            self.proposer.observe(r)
-        evaluated = 0
-        queue: list[Proposal] = []
-        empty_rounds = 0
-        dups = 0
+        self._reap()
+        self._sync()
         bar = _Progress(cfg.budget, cfg.progress)
+        self.claims.start_heartbeat(cfg.heartbeat_s)
         try:
-            if not (self.run.path / "candidates" / BASELINE / "timing.json").exists():
-                self._evaluate_baseline(study, bar)
-                evaluated += 1
             jobs = cfg.jobs if cfg.jobs is not None else (min(8, max(1, (os.cpu_count() or 2) - 1)) if self.gpu else 1)
             if jobs > 1:
-                evaluated += self._run_parallel(study, bar, jobs, t_start)
-                return self.summary(evaluated, time.monotonic() - t_start)
-            while True:
-                done = len(study.get_trials(deepcopy=False))
-                bar.update(done, self.standing.best, self.standing.baseline_ms, not self.gpu)
-                if done >= cfg.budget:
-                    break
-                if cfg.time_limit is not None and time.monotonic() - t_start > cfg.time_limit:
-                    cfg.notice(f"time limit of {cfg.time_limit:g} s reached")
-                    break
-                if not queue:
-                    queue = list(self.proposer.propose(self.context(), cfg.batch))
-                    if not queue:
-                        empty_rounds += 1
-                        if empty_rounds >= MAX_EMPTY_ROUNDS:
-                            cfg.notice(f"the proposer had nothing new for {MAX_EMPTY_ROUNDS} rounds; stopping")
-                            break
-                        continue
-                    empty_rounds = 0
-                proposal = queue.pop(0)
-                try:
-                    built: Schedule | None = self.evaluator.build(proposal)
-                except (ScheduleError, ValueError):
-                    built = None  # evaluate() records why, as a rejected candidate
-                if built is not None and (same := self.standing.keys.get(schedule_key(built))) is not None:
-                    # The same schedule as an earlier candidate: tell the proposer, spend no trial on it.
-                    dups += 1
-                    if dups > MAX_DUPLICATES:
-                        cfg.notice(f"{MAX_DUPLICATES} proposals repeated earlier schedules; stopping")
-                        break
-                    old = self.standing.results.get(same)
-                    self.proposer.observe(Result(same, proposal, old.accepted if old else False,
-                                                 old.ms if old else None, not self.gpu,
-                                                 error=f"the same schedule as {same}"))
-                    continue
-                trial = study.ask()
-                cid = candidate_id(trial.number)
-                if cid == BASELINE:  # another process created the study: it is ours to evaluate the baseline
-                    self._tell_baseline(study, trial, bar)
-                    evaluated += 1
-                    queue.insert(0, proposal)
-                    continue
-                self._run_trial(study, trial, cid, proposal, built)
-                evaluated += 1
+                self._run_parallel(bar, jobs, t_start)
+            else:
+                self._run_sequential(bar, t_start)
+            self._reap()  # record the trials of outcomes whose process died before it could
         finally:
+            self.claims.stop()
+            try:
+                self.claims.release_all()  # an interrupted process gives its slots back at once
+            except StorageError:
+                pass
             bar.close()
             self.run.write_leaderboard()
-        return self.summary(evaluated, time.monotonic() - t_start)
+        return self.summary(self.evaluated, time.monotonic() - t_start)
 
-    def _run_parallel(self, study: Any, bar: _Progress, jobs: int, t_start: float) -> int:
-        """Like the sequential loop, but `jobs` worker processes lower and validate proposals ahead of this process,
-        which estimates or times them (the GPU is used by this process only). Returns candidates evaluated."""
+    def _timed_out(self, t_start: float) -> bool:
+        limit = self.cfg.time_limit
+        if limit is not None and time.monotonic() - t_start > limit and not self.stopping:
+            self.cfg.notice(f"time limit of {limit:g} s reached")
+            self.stopping = True
+        return self.stopping
+
+    def _run_sequential(self, bar: _Progress, t_start: float) -> None:
+        while True:
+            bar.update(self._sync(), self.standing.best, self.standing.baseline_ms, not self.gpu)
+            if self._timed_out(t_start):
+                break
+            nxt = self._next_claim(self.cfg.batch)
+            if nxt == STOP:
+                break
+            if nxt == WAIT:
+                time.sleep(POLL_S)
+                continue
+            assert isinstance(nxt, tuple)
+            self._evaluate(*nxt)
+
+    def _run_parallel(self, bar: _Progress, jobs: int, t_start: float) -> None:
+        """Like the sequential loop, but `jobs` worker processes lower and validate claimed proposals ahead of this
+        process, which estimates or times them (the GPU is used by this process only). A worker records the
+        schedule's key in the claim before it validates, so a repeated schedule is not validated twice either."""
         cfg = self.cfg
-        assert self.proposer is not None
-        evaluated = empty_rounds = dups = 0
-        queue: list[Proposal] = []
-        stop = False
+        assert self.shared is not None
+        slots: dict[int, int] = {}  # id(proposal) -> its slot
         with Pool(jobs, cfg.model, self.workers, cfg.interleavings, cfg.seed) as pool:
             while True:
-                done = len(study.get_trials(deepcopy=False))
-                bar.update(done, self.standing.best, self.standing.baseline_ms, not self.gpu)
-                if cfg.time_limit is not None and time.monotonic() - t_start > cfg.time_limit and not stop:
-                    cfg.notice(f"time limit of {cfg.time_limit:g} s reached")
-                    stop = True
-                while not stop and len(pool) < jobs and done + len(pool) < cfg.budget:
-                    if not queue:
-                        queue = list(self.proposer.propose(self.context(), max(cfg.batch, jobs)))
-                        if not queue:
-                            empty_rounds += 1
-                            if empty_rounds >= MAX_EMPTY_ROUNDS and not pool:
-                                cfg.notice(f"the proposer had nothing new for {MAX_EMPTY_ROUNDS} rounds; stopping")
-                                stop = True
-                            break
-                        empty_rounds = 0
-                    pool.submit(queue.pop(0))
-                if not pool:
-                    if stop or done >= cfg.budget or empty_rounds >= MAX_EMPTY_ROUNDS:
+                bar.update(self._sync(), self.standing.best, self.standing.baseline_ms, not self.gpu)
+                waiting = False
+                while not self._timed_out(t_start) and len(pool) < jobs:
+                    nxt = self._next_claim(max(cfg.batch, jobs))
+                    if nxt == STOP:
+                        self.stopping = True
                         break
+                    if nxt == WAIT:
+                        waiting = True
+                        break
+                    assert isinstance(nxt, tuple)
+                    slot, proposal = nxt
+                    slots[id(proposal)] = slot
+                    pool.submit(proposal, ScheduleClaim(self.claims.url, self.claims.study, self.claims.owner, slot))
+                if not pool:
+                    if self.stopping:
+                        break
+                    if waiting:
+                        time.sleep(POLL_S)
                     continue
                 for prepared in pool.finished():
-                    proposal, schedule = prepared.proposal, prepared.schedule
-                    if schedule is not None and (same := self.standing.keys.get(schedule_key(schedule))) is not None:
-                        dups += 1
-                        old = self.standing.results.get(same)
-                        self.proposer.observe(Result(same, proposal, old.accepted if old else False,
-                                                     old.ms if old else None, not self.gpu,
-                                                     error=f"the same schedule as {same}"))
-                        if dups > MAX_DUPLICATES:
-                            cfg.notice(f"{MAX_DUPLICATES} proposals repeated earlier schedules; stopping")
-                            stop = True
-                        continue
-                    if len(study.get_trials(deepcopy=False)) >= cfg.budget:
-                        continue
-                    trial = study.ask()
-                    cid = candidate_id(trial.number)
-                    if cid == BASELINE:
-                        self._tell_baseline(study, trial, bar)
-                        evaluated += 1
-                        trial = study.ask()
-                        cid = candidate_id(trial.number)
-                    if schedule is None:  # evaluate() records the build error as a rejected candidate
-                        self._run_trial(study, trial, cid, proposal)
-                    else:
-                        self._run_trial(study, trial, cid, proposal, schedule, prepared.verdict)
-                    evaluated += 1
-        return evaluated
-
-    def _reap(self, study: Any) -> None:
-        """Trials left RUNNING by a killed process of this machine (its pid is gone) are marked FAIL, so they stop
-        counting as in flight; their candidates are re-proposed by nobody and their partial files are ignored."""
-        import optuna
-
-        host = _pid().split(":")[0]
-        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            owner = str(t.user_attrs.get("pid", ""))
-            h, _, pid = owner.partition(":")
-            if not owner:  # killed between ask() and recording its owner: stale once it is old
-                started = t.datetime_start.timestamp() if t.datetime_start else time.time()
-                if time.time() - started < ORPHAN_AGE_S:
-                    continue
-            elif h != host or not pid.isdigit() or _alive(int(pid)):
-                continue
-            try:
-                study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-            except (ValueError, RuntimeError):
-                continue
-            self.cfg.notice(f"{candidate_id(t.number)}: its process ({owner}) is gone; marked failed")
-
-    def _evaluate_baseline(self, study: Any, bar: Any) -> None:
-        trials = study.get_trials(deepcopy=False)
-        if not trials:
-            self._tell_baseline(study, study.ask(), bar)
-            return
-        # Trial 0 exists but its files do not: a run killed during the baseline (or another process is on it).
-        t0 = trials[0]
-        if t0.state.name == "RUNNING" and t0.user_attrs.get("pid") != _pid() and \
-                time.time() - t0.datetime_start.timestamp() < 600:
-            return  # another live process is evaluating it
-        res = self.evaluator.evaluate(BASELINE, baseline_proposal())
-        self.standing.remember(res, (res.profile or {}).get("makespan_ms"))
-        if t0.state.name == "RUNNING":
-            import optuna
-
-            try:
-                study.tell(0, res.ms) if res.accepted else study.tell(0, state=optuna.trial.TrialState.FAIL)
-            except (ValueError, RuntimeError):
-                pass
-
-    def _tell_baseline(self, study: Any, trial: Any, bar: Any) -> None:
-        self._run_trial(study, trial, BASELINE, baseline_proposal())
-
-    def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal, schedule: Schedule | None = None,
-                   report: Verdict | None = None) -> None:
-        import optuna
-
-        for key, value in (("candidate", cid), ("proposer", proposal.proposer), ("rationale", proposal.rationale),
-                           ("parent", proposal.parent), ("pid", _pid()),
-                           ("strategy", proposal.strategy.model_dump(mode="json")), ("patches", proposal.patches)):
-            trial.set_user_attr(key, value)
-        res = self.evaluator.evaluate(cid, proposal, schedule, report)
-        if res.accepted and res.ms is not None:
-            study.tell(trial.number, res.ms)
-        else:
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-        est = (res.profile or {}).get("makespan_ms")
-        self.standing.remember(res, est)
-        assert self.proposer is not None
-        self.proposer.observe(res)
-        if res.accepted:
-            self.run.write_leaderboard()
+                    self._evaluate(slots.pop(id(prepared.proposal)), prepared.proposal, prepared)
 
     def summary(self, evaluated: int, seconds: float) -> SearchSummary:
         acc = self.run.accepted()
         rej = self.run.rejected()
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
         return SearchSummary(self.run.path, evaluated, len(acc), len(rej), best[0] if best else None,
-                             best[1]["ms"] if best else None, acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds)
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _pid() -> str:
-    import os
-    import socket
-
-    return f"{socket.gethostname()}:{os.getpid()}"
+                             best[1]["ms"] if best else None,
+                             acc.get(BASELINE, {}).get("ms") or self.standing.baseline_ms, not self.gpu, seconds)
 
 
 class _Progress:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from synth.lowering.models import get_model
+from synth.runs.rundir import schedule_key
 from synth.search.evaluate import Verdict, build
 from synth.search.proposers.base import Proposal
 from validator.errors import ScheduleError
@@ -18,16 +19,21 @@ from validator.schedule import Schedule, parse_schedule
 from validator.verify import Options, verify
 
 
-def prepare(model: str, workers: int, proposal: Proposal, interleavings: int, seed: int
-            ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None]:
-    """Worker process: lower + patch + validate one proposal. Returns (schedule JSON, build error, report JSON)."""
+def prepare(model: str, workers: int, proposal: Proposal, interleavings: int, seed: int,
+            claim_schedule: Callable[[str], int | None] | None = None
+            ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None, int | None]:
+    """Worker process: lower + patch + validate one proposal. Returns (schedule JSON, build error, report JSON,
+    duplicate_of). With `claim_schedule` (`synth.search.claims.ScheduleClaim`), the schedule's key is claimed
+    between lowering and validating; when another claim has it, nothing is validated and duplicate_of is its slot."""
     spec = get_model(model)
     try:
         schedule = build(spec, workers, proposal)
     except (ScheduleError, ValueError) as exc:
-        return None, str(exc), None
+        return None, str(exc), None, None
+    if claim_schedule is not None and (holder := claim_schedule(schedule_key(schedule))) is not None:
+        return None, None, None, holder
     report = verify(schedule, None, Options(interleavings=interleavings, seed=seed))
-    return schedule.to_json(), None, report.to_json()
+    return schedule.to_json(), None, report.to_json(), None
 
 
 @dataclass
@@ -38,6 +44,7 @@ class Prepared:
     proposal: Proposal
     schedule: Schedule | None
     verdict: Verdict | None
+    duplicate_of: int | None = None  # the slot of the claim that has this schedule already (nothing validated)
 
 
 class Pool:
@@ -59,9 +66,10 @@ class Pool:
         """Proposals submitted and not yet handed back."""
         return len(self.inflight)
 
-    def submit(self, proposal: Proposal) -> None:
-        """Hand one proposal to a worker."""
-        fut = self.executor.submit(prepare, self.model, self.workers, proposal, self.interleavings, self.seed)
+    def submit(self, proposal: Proposal, claim_schedule: Callable[[str], int | None] | None = None) -> None:
+        """Hand one proposal to a worker (`claim_schedule`: see `prepare`)."""
+        fut = self.executor.submit(prepare, self.model, self.workers, proposal, self.interleavings, self.seed,
+                                   claim_schedule)
         self.inflight[fut] = proposal
 
     def finished(self) -> Iterator[Prepared]:
@@ -69,7 +77,7 @@ class Pool:
         done, _ = cf.wait(list(self.inflight), return_when=cf.FIRST_COMPLETED)
         for fut in done:
             proposal = self.inflight.pop(fut)
-            doc, _error, report = fut.result()
+            doc, _error, report, duplicate_of = fut.result()
             schedule = parse_schedule(doc) if doc is not None else None
             verdict = Verdict(report) if schedule is not None and report is not None else None
-            yield Prepared(proposal, schedule, verdict)
+            yield Prepared(proposal, schedule, verdict, duplicate_of)
