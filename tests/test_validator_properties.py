@@ -225,7 +225,8 @@ def _first_of_two() -> dict[str, Any]:
 
 def _two_of_three() -> dict[str, Any]:
     """#4 reads x after 2 adds of {#0 (writes x), #2, #3}; #3 needs #0 (both adds on d), #2 needs either of #0, #1.
-    Whichever two signal, #0 has ended: a counting argument that only z3 makes."""
+    Whichever two signal, #0 has ended: #3 is HB-after #0, so without #0 only #2 could add (the graph's count of
+    the candidates HB-after another)."""
     return {"format": "megakernel-schedule/1", "target": {"workers": 5}, "buffers": {"x": 4}, "counters": 2,
             "instructions": [
                 {"id": 0, "op": "w", "writes": [{"buffer": "x", "range": [0, 4]}],
@@ -238,16 +239,45 @@ def _two_of_three() -> dict[str, Any]:
             "queues": [[0], [1], [2], [3], [4]]}
 
 
+def _cycle_without_the_producer() -> dict[str, Any]:
+    """#3 reads x after one add of {#0 (writes x), #1}; #1 waits for one of {#0, #2} and #2 for one of {#0, #1}.
+    Without #0, #1 and #2 wait for each other, so #0 has ended whenever #3 starts: the waits form a cycle among
+    candidates (no static order), and only z3 reasons around it."""
+    def one_of(c: int) -> list[dict[str, int]]:
+        return [{"counter": c, "value": 1}]
+
+    return {"format": "megakernel-schedule/1", "target": {"workers": 4}, "buffers": {"x": 4}, "counters": 3,
+            "instructions": [
+                {"id": 0, "op": "w", "writes": [{"buffer": "x", "range": [0, 4]}],
+                 "signals": [{"counter": c, "add": 1} for c in range(3)]},
+                {"id": 1, "op": "p", "waits": one_of(1), "signals": [{"counter": 0, "add": 1},
+                                                                      {"counter": 2, "add": 1}]},
+                {"id": 2, "op": "q", "waits": one_of(2), "signals": [{"counter": 1, "add": 1}]},
+                {"id": 3, "op": "r", "reads": [{"buffer": "x", "range": [0, 4]}], "waits": one_of(0)}],
+            "queues": [[0], [1], [2], [3]]}
+
+
 def test_graph_orders_one_of_two_through_their_common_ancestor() -> None:
     report = verify(parse_schedule(_first_of_two()), "1-of-2", Options(interleavings=50))
     assert report.accepted and report.stats["proven_by_graph"] == 1
     assert brute_force(_first_of_two()) == (set(), False)
 
 
-def test_z3_proves_what_the_graph_cannot() -> None:
+def test_graph_counts_candidates_that_follow_another() -> None:
     report = verify(parse_schedule(_two_of_three()), "k-of-n", Options(interleavings=50))
-    assert report.accepted and report.stats["proven_by_z3"] == 1 and report.stats["proven_by_graph"] == 0
+    assert report.accepted and report.stats["proven_by_graph"] == 1 and report.stats["proven_by_z3"] == 0
     assert brute_force(_two_of_three()) == (set(), False)
+
+
+def test_z3_proves_what_the_graph_cannot() -> None:
+    doc = _cycle_without_the_producer()
+    report = verify(parse_schedule(doc), "cycle", Options(interleavings=50))
+    assert report.accepted and report.stats["proven_by_z3"] == 1 and report.stats["proven_by_graph"] == 0
+    assert brute_force(doc) == (set(), False)
+    doc["instructions"][2]["waits"] = []  # now #2, then #1, can signal without #0
+    report = verify(parse_schedule(doc), "cycle-broken", Options(interleavings=50))
+    assert [f.category for f in report.findings] == ["race"] and report.stats["counterexamples"] == 1
+    assert brute_force(doc)[0] == {(0, 3)}
 
 
 def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
@@ -255,7 +285,7 @@ def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
 
     real = races.prove
     monkeypatch.setattr(races, "prove", lambda *a, **k: real(*a, **k, budget_s=-1.0))
-    report = verify(parse_schedule(_two_of_three()), "k-of-n", Options(interleavings=0))
+    report = verify(parse_schedule(_cycle_without_the_producer()), "cycle", Options(interleavings=0))
     assert [f.category for f in report.findings] == ["unproven"]
     assert not report.accepted
 

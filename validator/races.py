@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from validator.deadlock import Execution, maximal_execution
-from validator.hb import find_conflicts, graph_pass, static_order, wait_groups
+from validator.hb import find_conflicts, happens_before
 from validator.program import Finding, Program
 from validator.replay import replay
 from validator.smt import PairResult, event_lines, prove
@@ -87,13 +87,16 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
     for i in ex.order:
         live[i] = True
     conf = find_conflicts(prog, [True] * prog.n)  # a stuck `a` still conflicts with a `b` that runs
-    wg = wait_groups(prog, live)
-    static = static_order(prog, wg, live)  # candidates before waiters: lets the graph use what they all follow
+    hbr = happens_before(prog, ex, conf, live, pipelined)
+    wg, static, hb = hbr.wg, hbr.static, hbr.result
     order = [x for kind, x in static if kind == 0] if static is not None else ex.order
-    hb = graph_pass(prog, ex, conf, wg, pipelined, order)
     report.seconds["graph"] = time.perf_counter() - t
     report.stats["conflicting_pairs"] = hb.pairs
     report.stats["proven_by_graph"] = hb.pairs - len(hb.undischarged)
+    if hbr.gates:
+        report.stats["gated_signals"] = len(hbr.gates)
+    if hbr.rounds > 1:
+        report.stats["graph_rounds"] = hbr.rounds
 
     t = time.perf_counter()
     never = [(a, b) for a, b in hb.undischarged if not live[a]]

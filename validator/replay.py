@@ -88,19 +88,31 @@ def _vectorised(prog: Program, wg: WaitGroups, order: list[tuple[int, int]], dur
     n, size = dur.shape
     start = np.full((n, size), np.inf)  # instructions that never run keep +inf
     end = np.full((n, size), np.inf)
-    ready_at: dict[int, np.ndarray] = {}
-    value_of = {g: key[1] for key, g in wg.keys.items()}
+    ready_at: dict[int, np.ndarray] = {}  # wait group -> when its wait holds
+    chunk_ready: dict[int, np.ndarray] = {}  # wait chunk -> when all its waits hold
+    chunk_left: dict[int, int] = defaultdict(int)
+    for kind, x in order:
+        if kind == 0:
+            for ch in wg.chunks_of[x]:
+                chunk_left[ch] += 1
     for kind, x in order:
         if kind == 1:
-            ready_at[x] = _group_time(wg, x, value_of[x], end)
+            ready_at[x] = _group_time(wg, x, wg.value[x], end)
             continue
         t = np.zeros(size)
         if prog.qpos[x] > 0:
             p = prog.queues[prog.worker[x]][prog.qpos[x] - 1]
             t = np.maximum(t, start[p] if pipelined else end[p])
-        for g in wg.of[x]:
-            if g >= 0:
-                t = np.maximum(t, ready_at[g])
+        for ch in wg.chunks_of[x]:
+            r = chunk_ready.get(ch)
+            if r is None:
+                groups = wg.chunks[ch]
+                r = ready_at[groups[0]] if len(groups) == 1 else np.max([ready_at[g] for g in groups], axis=0)
+                chunk_ready[ch] = r
+            t = np.maximum(t, r)
+            chunk_left[ch] -= 1
+            if not chunk_left[ch]:
+                del chunk_ready[ch]
         start[x] = t
         end[x] = t + dur[x]
     return start, end

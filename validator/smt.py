@@ -60,7 +60,7 @@ def _ancestors(prog: Program, wg: WaitGroups, order: list[int], members: set[int
         if not pipelined and prog.qpos[y] > 0:
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
             a_y |= anc[p] | (1 << p)
-        for g in wg.of[y]:
+        for g in wg.of(y):
             if g >= 0:
                 ga = ganc.get(g)
                 if ga is None:
@@ -74,7 +74,7 @@ def _deps(prog: Program, wg: WaitGroups, live: list[bool], y: int) -> list[int]:
     out = []
     if prog.qpos[y] > 0:
         out.append(prog.queues[prog.worker[y]][prog.qpos[y] - 1])
-    for g in wg.of[y]:
+    for g in wg.of(y):
         if g >= 0:
             out.extend(a for a, _ in wg.candidates[g])
     return [x for x in out if live[x]]
@@ -128,7 +128,7 @@ def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int]
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
             if p in inside:
                 out.append(f"(assert (<= s{p} s{y}))" if pipelined else f"(assert (<= e{p} s{y}))")
-        for j, g in enumerate(wg.of[y]):
+        for j, g in enumerate(wg.of(y)):
             if g < 0:
                 continue
             needed = [a for a in wg.needed[g] if a in inside]
@@ -228,7 +228,7 @@ def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_orde
         if sats >= max_sat or time.perf_counter() - start > budget_s:
             return results, len(pairs) - k
         members, done = _prune(prog, wg, live, anc, a, b, uncertain, pipelined)
-        terms = sum(len(wg.candidates[g]) for y in members for g in wg.of[y] if g >= 0)
+        terms = sum(len(wg.candidates[g]) for y in members for g in wg.of(y) if g >= 0)
         if terms > MAX_TERMS:  # a model this size would take minutes to build and solve: say so, do not hang
             results.append(PairResult(a, b, "unknown", reason=f"slice too large for z3: {len(members)} instructions, "
                                       f"{terms} wait terms (limit {MAX_TERMS})"))
