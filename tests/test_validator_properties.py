@@ -132,6 +132,76 @@ def schedules(draw: Any) -> dict[str, Any]:
             "counters": counters, "instructions": instructions, "queues": queues}
 
 
+@st.composite
+def layered(draw: Any) -> dict[str, Any]:
+    """A small model-like schedule: `layers` repetitions of a producer stage P (writes, or reduce-adds, its part of
+    x after reading all of y) and a consumer stage Q (reads all of x, writes its part of y). Each stage signals
+    counters shared across layers (one per stage, or one per instruction: tile granularity) and the next stage waits
+    for the cumulative values, as `synth` lowers with `counter_sharing: across_layers`. Then a random re-assignment
+    of instructions to workers (queues in ascending id, sometimes shuffled), a renumbering of the counters, and half
+    the time one mutation: a wait dropped, a target lowered by one, or two instructions of a queue swapped."""
+    layers = draw(st.integers(2, 3))
+    n_p = draw(st.integers(1, 2))
+    n_q = draw(st.integers(1, 2 if layers == 2 or n_p == 1 else 1))
+    tile_p, tile_q, reduce_p = draw(st.booleans()), draw(st.booleans()), draw(st.booleans())
+    c_q = n_p if tile_p else 1  # first counter of Q
+
+    def part(k: int, of: int) -> list[int]:
+        return [k * BUFSIZE // of, (k + 1) * BUFSIZE // of]
+
+    def after(first: int, tile: bool, size: int, done: int) -> list[dict[str, int]]:
+        """Waits for `done` completed layers of a stage of `size` instructions counting from counter `first`."""
+        if tile:
+            return [{"counter": first + k, "value": done} for k in range(size)]
+        return [{"counter": first, "value": size * done}]
+
+    instructions: list[dict[str, Any]] = []
+    for layer in range(layers):
+        for k in range(n_p):
+            rec: dict[str, Any] = {"id": len(instructions), "op": "p", "layer": layer,
+                                   "reduces" if reduce_p else "writes": [{"buffer": "x", "range": part(k, n_p)}],
+                                   "signals": [{"counter": k if tile_p else 0, "add": 1}]}
+            if layer:
+                rec["reads"] = [{"buffer": "y", "range": [0, BUFSIZE]}]
+                rec["waits"] = after(c_q, tile_q, n_q, layer)
+            instructions.append(rec)
+        for k in range(n_q):
+            instructions.append({"id": len(instructions), "op": "q", "layer": layer,
+                                 "reads": [{"buffer": "x", "range": [0, BUFSIZE]}],
+                                 "writes": [{"buffer": "y", "range": part(k, n_q)}],
+                                 "waits": after(0, tile_p, n_p, layer + 1),
+                                 "signals": [{"counter": c_q + (k if tile_q else 0), "add": 1}]})
+    counters = c_q + (n_q if tile_q else 1)
+    spare = draw(st.integers(0, 2))
+    perm = draw(st.permutations(list(range(counters + spare))))
+    for rec in instructions:
+        for item in rec.get("waits", []) + rec["signals"]:
+            item["counter"] = perm[item["counter"]]
+    workers = draw(st.integers(2, 4))
+    queues: list[list[int]] = [[] for _ in range(workers)]
+    for rec in instructions:
+        queues[draw(st.integers(0, workers - 1))].append(rec["id"])
+    if draw(st.integers(0, 4)) == 0:
+        queues = [draw(st.permutations(q)) for q in queues]
+    mutation = draw(st.sampled_from(["none", "none", "none", "drop", "lower", "swap"]))
+    waiters = [rec for rec in instructions if rec.get("waits")]
+    if mutation in ("drop", "lower") and waiters:
+        rec = draw(st.sampled_from(waiters))
+        k = draw(st.integers(0, len(rec["waits"]) - 1))
+        if mutation == "drop":
+            del rec["waits"][k]
+        else:
+            rec["waits"][k]["value"] -= 1
+    elif mutation == "swap":
+        long = [q for q in queues if len(q) >= 2]
+        if long:
+            q = draw(st.sampled_from(long))
+            i, j = draw(st.lists(st.integers(0, len(q) - 1), min_size=2, max_size=2, unique=True))
+            q[i], q[j] = q[j], q[i]
+    return {"format": "megakernel-schedule/1", "target": {"workers": workers}, "buffers": {"x": BUFSIZE, "y": BUFSIZE},
+            "counters": counters + spare, "instructions": instructions, "queues": queues}
+
+
 def _check(doc: dict[str, Any], pipelined: bool) -> None:
     races, deadlock = brute_force(doc, pipelined)
     report = verify(parse_schedule(doc), "random", Options(interleavings=20, seed=1, pipelined=pipelined))
@@ -174,6 +244,18 @@ def test_verdict_matches_brute_force(doc: dict[str, Any]) -> None:
 @settings(max_examples=250, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schedules())
 def test_pipelined_verdict_matches_brute_force(doc: dict[str, Any]) -> None:
+    _check(doc, pipelined=True)
+
+
+@settings(max_examples=600, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layered())
+def test_layered_shared_counters_match_brute_force(doc: dict[str, Any]) -> None:
+    _check(doc, pipelined=False)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(layered())
+def test_pipelined_layered_shared_counters_match_brute_force(doc: dict[str, Any]) -> None:
     _check(doc, pipelined=True)
 
 
@@ -288,6 +370,54 @@ def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
     report = verify(parse_schedule(_cycle_without_the_producer()), "cycle", Options(interleavings=0))
     assert [f.category for f in report.findings] == ["unproven"]
     assert not report.accepted
+
+
+def _two_layers(first_wait: int) -> dict[str, Any]:
+    """Layer 0: P0 (#0) reduce-adds into x and adds 1 to c; Q0 (#1) reads x once c >= 1, writes y, adds 1 to d.
+    Layer 1: P1 (#2) reads y once d >= `first_wait`, reduce-adds into x and adds 1 to c again; Q1 (#3) reads x once
+    c >= 2. With `first_wait` 1, P1 is HB-after Q0, a waiter of c at 1, so P1 cannot supply that 1 and Q0's wait
+    is an exact join on P0. With 0, P1 can signal first and Q0 read x before P0 has added: a race."""
+    return {"format": "megakernel-schedule/1", "target": {"workers": 3}, "buffers": {"x": 4, "y": 4}, "counters": 2,
+            "instructions": [
+                {"id": 0, "op": "p", "reduces": [{"buffer": "x", "range": [0, 4]}],
+                 "signals": [{"counter": 0, "add": 1}]},
+                {"id": 1, "op": "q", "reads": [{"buffer": "x", "range": [0, 4]}],
+                 "writes": [{"buffer": "y", "range": [0, 4]}], "waits": [{"counter": 0, "value": 1}],
+                 "signals": [{"counter": 1, "add": 1}]},
+                {"id": 2, "op": "p", "reads": [{"buffer": "y", "range": [0, 4]}],
+                 "reduces": [{"buffer": "x", "range": [0, 4]}], "waits": [{"counter": 1, "value": first_wait}],
+                 "signals": [{"counter": 0, "add": 1}]},
+                {"id": 3, "op": "q", "reads": [{"buffer": "x", "range": [0, 4]}],
+                 "writes": [{"buffer": "y", "range": [0, 4]}], "waits": [{"counter": 0, "value": 2}],
+                 "signals": [{"counter": 1, "add": 1}]}],
+            "queues": [[0], [2], [1, 3]]}
+
+
+def test_gate_makes_a_cumulative_target_an_exact_join(monkeypatch: Any) -> None:
+    """With the capped maximal executions switched off, the gates alone order the layers; without gates too, the
+    graph leaves Q0's "1 of {P0, P1}" wait to z3."""
+    import validator.hb as hb
+
+    doc = _two_layers(1)
+    assert brute_force(doc) == (set(), False)
+    monkeypatch.setattr(hb, "F_BUDGET", 0)
+    report = verify(parse_schedule(doc), "layers", Options(interleavings=50))
+    assert report.accepted and report.stats["gated_signals"] == 2  # P1 on c at 1, Q1 on d at 1
+    assert report.stats["proven_by_graph"] == report.stats["conflicting_pairs"] and report.stats["proven_by_z3"] == 0
+    monkeypatch.setattr(hb, "gate_guesses", lambda *a: ({}, {}))
+    report = verify(parse_schedule(doc), "layers", Options(interleavings=50))
+    assert report.accepted and report.stats["proven_by_z3"] >= 1 and "gated_signals" not in report.stats
+
+
+def test_refuted_gate_guess_is_dropped_and_the_race_found() -> None:
+    """The maximal execution runs Q0 before P1, so P1 is guessed gated at 1; the graph pass cannot confirm it (P1
+    no longer waits for Q0), drops it and runs again, and z3 shows the race (and P1's stale read of y)."""
+    doc = _two_layers(0)
+    assert brute_force(doc)[0] == {(0, 1), (1, 2)}
+    report = verify(parse_schedule(doc), "layers-0", Options(interleavings=50))
+    assert report.stats["graph_rounds"] == 2 and "gated_signals" not in report.stats
+    assert [(f.category, f.details["pair"]) for f in report.findings] == [("race", [0, 1]), ("race", [1, 2])]
+    assert all(f.details["events"] for f in report.findings)
 
 
 def test_pair_forced_backwards_is_a_race() -> None:
