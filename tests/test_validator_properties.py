@@ -362,14 +362,25 @@ def test_z3_proves_what_the_graph_cannot() -> None:
     assert brute_force(doc)[0] == {(0, 3)}
 
 
-def test_z3_out_of_budget_is_unproven(monkeypatch: Any) -> None:
-    import validator.races as races
-
-    real = races.prove
-    monkeypatch.setattr(races, "prove", lambda *a, **k: real(*a, **k, budget_s=-1.0))
-    report = verify(parse_schedule(_cycle_without_the_producer()), "cycle", Options(interleavings=0))
+def test_z3_out_of_budget_is_unproven() -> None:
+    doc = parse_schedule(_cycle_without_the_producer())
+    report = verify(doc, "cycle", Options(interleavings=0, budget=1e-9))
     assert [f.category for f in report.findings] == ["unproven"]
-    assert not report.accepted
+    assert not report.accepted and report.findings[0].details["suggested_budget_s"] > 1e-9
+
+
+def test_model_too_large_for_the_budget_is_unproven(monkeypatch: Any) -> None:
+    """The model-size limit grows with the budget; the message says which budget would admit the model."""
+    import validator.smt as smt
+
+    monkeypatch.setattr(smt, "TERMS_PER_SECOND", 1)
+    report = verify(parse_schedule(_cycle_without_the_producer()), "cycle", Options(interleavings=0, budget=1.0))
+    (f,) = report.findings
+    assert f.category == "unproven" and "too large for the budget" in f.message and f.details["pair"] == [0, 3]
+    assert f.details["suggested_budget_s"] >= 4.0 and f"--budget {f.details['suggested_budget_s']:g}" in f.message
+    report = verify(parse_schedule(_cycle_without_the_producer()), "cycle",
+                    Options(interleavings=0, budget=f.details["suggested_budget_s"]))
+    assert report.accepted
 
 
 def _two_layers(first_wait: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from validator.coverage import check_coverage
 from validator.deadlock import deadlock_findings, maximal_execution
 from validator.program import Finding, resolve
 from validator.schedule import Schedule
+from validator.smt import DEFAULT_BUDGET_S
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Options:
     seed: int = 0
     pipelined: bool = False
     races: bool = True  # the race phases (graph, z3, replay); off = structure, coverage and deadlock only
+    budget: float = DEFAULT_BUDGET_S  # seconds z3 may spend on what the graph pass leaves (`--budget`)
 
 
 def verify(schedule: Schedule, file: str | None = None, options: Options | None = None) -> Report:
