@@ -54,21 +54,22 @@ _KIND = {"read": READ, "reduce": REDUCE, "write": WRITE}
 
 @dataclass
 class Conflicts:
-    """Need groups: sets of instructions (deduplicated by content); each live instruction lists the groups whose
-    every member must happen before it. `runs` keeps, per group, the buffer it came from (for messages)."""
+    """Need groups: sets of instructions (deduplicated by content); need *parts*: sets of groups, one per access
+    class (consecutive identical accesses, so the thousands of readers of one residual share one part); each live
+    instruction lists the parts whose every member must happen before it. `group_buffer` keeps, per group, the buffer
+    it came from (for messages)."""
 
     groups: list[np.ndarray] = field(default_factory=list)  # group -> sorted member instruction indices
     group_buffer: list[str] = field(default_factory=list)
-    sets: list[list[int]] = field(default_factory=list)  # need set -> groups (interned: readers share one)
-    need: dict[int, int] = field(default_factory=dict)  # instruction index -> need set
+    parts: list[list[int]] = field(default_factory=list)  # part -> groups
+    need: dict[int, list[int]] = field(default_factory=dict)  # instruction index -> parts
 
     def members(self, b: int) -> list[int]:
         """Every instruction that must happen before `b` (ascending)."""
-        s = self.need.get(b)
-        return [] if s is None else sorted({int(a) for g in self.sets[s] for a in self.groups[g]})
+        return sorted({int(a) for p in self.need.get(b, ()) for g in self.parts[p] for a in self.groups[g]})
 
 
-def _unique(x: np.ndarray) -> np.ndarray:
+def sorted_unique(x: np.ndarray) -> np.ndarray:
     """Sorted unique values (sort-based; numpy's hash-based `unique` is far slower on these sizes)."""
     a = np.sort(x)
     if len(a) == 0:
@@ -78,9 +79,26 @@ def _unique(x: np.ndarray) -> np.ndarray:
     return a[keep]
 
 
+def _classes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Access classes of one buffer's accesses (rows: instruction, kind, lo, hi; in instruction order): consecutive
+    reads (or reduces) of one range, each by an instruction with no other access to the buffer, always fall in one
+    run of every segment, so the sweep treats them as one access. Returns the first row of each class and each
+    row's class."""
+    inst, cls, lo, hi = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
+    single = np.ones(len(inst), dtype=bool)
+    same_inst = inst[1:] == inst[:-1]
+    single[1:] &= ~same_inst
+    single[:-1] &= ~same_inst
+    join = np.zeros(len(inst), dtype=bool)
+    join[1:] = (single[1:] & single[:-1] & (cls[1:] == cls[:-1]) & (cls[1:] != WRITE) & (lo[1:] == lo[:-1])
+                & (hi[1:] == hi[:-1]))
+    class_of = np.cumsum(~join) - 1
+    return np.flatnonzero(~join), class_of
+
+
 def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
-    """Sweep each buffer's segments in ascending-id order (vectorised) and build the need groups of live
-    instructions."""
+    """Sweep each buffer's segments in ascending-id order (vectorised, over access classes) and build the need parts
+    of live instructions."""
     out = Conflicts()
     n = prog.n
     by_buf: dict[str, list[tuple[int, int, int, int]]] = defaultdict(list)
@@ -89,25 +107,27 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
             for kind, buf, lo, hi in prog.accesses[i]:
                 by_buf[buf].append((i, _KIND[kind], lo, hi))
     content: dict[bytes, int] = {}
-    pairs_i: list[np.ndarray] = []
-    pairs_g: list[np.ndarray] = []
+    part_ids: dict[bytes, int] = {}
+    need: dict[int, list[int]] = defaultdict(list)
     for buf, accs in by_buf.items():
         arr = np.array(accs, dtype=np.int64)
-        inst_a, cls_a, lo_a, hi_a = arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]
-        cuts = _unique(np.concatenate([lo_a, hi_a]))
+        first_row, class_of = _classes(arr)
+        row_start = np.append(first_row, len(arr))
+        inst_a, cls_a, lo_a, hi_a = (arr[first_row, k] for k in range(4))  # one access per class
+        cuts = sorted_unique(np.concatenate([lo_a, hi_a]))
         s0 = np.searchsorted(cuts, lo_a)
         cnt = np.searchsorted(cuts, hi_a) - s0
         total = int(cnt.sum())
         offs = np.repeat(np.cumsum(cnt) - cnt, cnt)
         seg = np.repeat(s0, cnt) + (np.arange(total) - offs)
-        inst = np.repeat(inst_a, cnt)
+        klass = np.repeat(np.arange(len(first_row)), cnt)
         cls = np.repeat(cls_a, cnt)
-        key = seg * n + inst
+        key = seg * n + inst_a[klass]
         if len(cuts) < 2**15:  # entries are in instruction order already: a stable radix sort by segment suffices
             order = np.argsort(seg.astype(np.int16), kind="stable")
         else:
-            order = np.argsort(key)  # ties are one instruction's accesses to one segment: merged below
-        key, seg, inst, cls = key[order], seg[order], inst[order], cls[order]
+            order = np.argsort(key, kind="stable")  # ties are one instruction's accesses to one segment: merged below
+        key, seg, klass, cls = key[order], seg[order], klass[order], cls[order]
         first = np.ones(len(key), dtype=bool)
         first[1:] = key[1:] != key[:-1]
         starts = np.flatnonzero(first)
@@ -115,7 +135,13 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
             lo_c = np.minimum.reduceat(cls, starts)
             hi_c = np.maximum.reduceat(cls, starts)
             cls = np.where(lo_c == hi_c, lo_c, WRITE)
-            seg, inst = seg[starts], inst[starts]
+            seg = seg[starts]
+            merged = klass[starts]  # the instruction's other classes in this segment: same pairs, added below
+            extra_k, extra_r = klass[~first], np.repeat(np.arange(len(starts)), np.diff(np.append(starts, len(key))))
+            extra_r = extra_r[~first]
+            klass = merged
+        else:
+            extra_k = extra_r = np.zeros(0, np.int64)
         m = len(seg)
         seg_first = np.ones(m, dtype=bool)
         seg_first[1:] = seg[1:] != seg[:-1]
@@ -123,14 +149,18 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
         new_run[1:] |= cls[1:] != cls[:-1]
         run_id = np.cumsum(new_run) - 1
         run_start = np.flatnonzero(new_run)
+        run_end = np.append(run_start[1:], m)
         first_run_of_seg = np.maximum.accumulate(np.where(seg_first, run_id, 0))
         prev = run_id - 1
         has_prev = prev >= first_run_of_seg
-        pi, pr = inst[has_prev], prev[has_prev]
-        run_end = np.append(run_start[1:], m)
+        pk, pr = klass[has_prev], prev[has_prev]
+        if len(extra_k):  # classes merged into another entry of their instruction share its predecessor run
+            ek = extra_k[has_prev[extra_r]]
+            pk, pr = np.concatenate([pk, ek]), np.concatenate([pr, prev[extra_r][has_prev[extra_r]]])
         local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
-        for r in _unique(pr).tolist():
-            members = inst[run_start[r]:run_end[r]]  # sorted and unique within a segment
+        for r in sorted_unique(pr).tolist():
+            members = sorted_unique(np.concatenate([arr[row_start[k]:row_start[k + 1], 0]
+                                              for k in klass[run_start[r]:run_end[r]].tolist()]))
             k = members.tobytes()
             g = content.get(k)
             if g is None:
@@ -138,21 +168,25 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
                 out.groups.append(members)
                 out.group_buffer.append(buf)
             local[r] = g
-        pairs_i.append(pi)
-        pairs_g.append(local[pr])
-    if pairs_i and sum(len(p) for p in pairs_i):
+        if not len(pk):
+            continue
         ng = max(len(out.groups), 1)
-        flat = _unique(np.concatenate(pairs_i) * ng + np.concatenate(pairs_g))
-        fi, fg = flat // ng, flat % ng
-        cut = np.flatnonzero(np.diff(fi)) + 1
-        sets: dict[bytes, int] = {}
-        for i_arr, g_arr in zip(np.split(fi, cut), np.split(fg, cut), strict=True):
-            k = g_arr.tobytes()
-            s = sets.get(k)
-            if s is None:
-                s = sets[k] = len(out.sets)
-                out.sets.append(g_arr.tolist())
-            out.need[int(i_arr[0])] = s
+        flat = sorted_unique(pk * ng + local[pr])
+        fk, fg = flat // ng, flat % ng
+        cut = np.flatnonzero(np.diff(fk)) + 1
+        for lo_i, hi_i in zip(np.append(0, cut).tolist(), np.append(cut, len(fk)).tolist(), strict=True):
+            k = fg[lo_i:hi_i].tobytes()
+            part = part_ids.get(k)
+            if part is None:
+                part = part_ids[k] = len(out.parts)
+                out.parts.append(fg[lo_i:hi_i].tolist())
+            c = int(fk[lo_i])
+            for i in arr[row_start[c]:row_start[c + 1], 0].tolist():
+                need[i].append(part)
+    interned: dict[tuple[int, ...], list[int]] = {}
+    for i, parts in need.items():
+        key_t = tuple(sorted(set(parts)))
+        out.need[i] = interned.setdefault(key_t, list(key_t))
     return out
 
 
@@ -385,7 +419,7 @@ def wait_groups(prog: Program, live: list[bool], table: WaitTable, own: Gates, g
         key = gid[lo:hi].tobytes()
         got = rows.get(key)
         if got is None:
-            groups = _unique(gid[lo:hi])
+            groups = sorted_unique(gid[lo:hi])
             groups = groups[groups >= 0]
             cuts = np.flatnonzero(((groups * 2654435761) >> 16) % CHUNK == 0) + 1
             got = rows[key] = []
@@ -609,7 +643,7 @@ def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pi
     anc: dict[int, int] = {}  # instruction -> ancestors bitset (bit i = instruction index i)
     ganc: dict[int, int] = {}  # wait group -> what its waiters are HB-after
     canc: dict[int, int] = {}  # wait chunk -> OR of its groups'
-    need_bits: dict[int, int] = {}
+    part_bits: dict[int, int] = {}
     group_bits: dict[int, int] = {}
     pairs = 0
     undischarged: list[tuple[int, int]] = []
@@ -645,17 +679,20 @@ def graph_pass(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, pi
             if not a_b & waiters.at_least(c, level):
                 refuted[(b, c)] = next((v for v in waiters.values(c) if v < level and a_b & waiters.at_least(c, v)),
                                        0)
-        ns = conf.need.get(b)
-        if ns is not None:
-            nb = need_bits.get(ns)
-            if nb is None:
-                nb = 0
-                for g in conf.sets[ns]:
-                    rb = group_bits.get(g)
-                    if rb is None:
-                        rb = group_bits[g] = bits_of(conf.groups[g].tolist(), n)
-                    nb |= rb
-                need_bits[ns] = nb
+        parts = conf.need.get(b)
+        if parts is not None:
+            nb = 0
+            for part in parts:
+                pb = part_bits.get(part)
+                if pb is None:
+                    pb = 0
+                    for g in conf.parts[part]:
+                        rb = group_bits.get(g)
+                        if rb is None:
+                            rb = group_bits[g] = bits_of(conf.groups[g].tolist(), n)
+                        pb |= rb
+                    part_bits[part] = pb
+                nb |= pb
             pairs += nb.bit_count()
             missing = nb & ~a_b
             if missing:

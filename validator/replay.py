@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from validator.deadlock import Execution
-from validator.hb import Conflicts, WaitGroups, static_order
+from validator.hb import Conflicts, WaitGroups, sorted_unique, static_order
 from validator.program import Program
 
 HELD = 1e7  # duration of a suspect producer that is held back
@@ -181,7 +181,7 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
     witnesses: dict[tuple[int, int], Witness] = {}
     witnessed = np.zeros(count, dtype=bool)
     checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
-    set_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.sets]
+    part_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.parts]
     batch = max(16, min(count, int(2e7 // max(n, 1))))  # three float64 (n x batch) arrays: ~480 MB at most
     if order is None:
         batch = min(batch, max(1, 200_000 // max(n, 1)))  # small batches, so the time budget is kept
@@ -200,16 +200,19 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
         else:
             start, end = _event_sim(prog, wg, live, dur, pipelined)
         del dur
-        latest: dict[int, np.ndarray] = {}
-        for b, ns in checks:
-            m = latest.get(ns)
-            if m is None:
-                m = latest[ns] = end[set_members[ns]].max(axis=0)
+        latest: dict[int, np.ndarray] = {}  # need part -> the latest end among its members
+        for b, parts in checks:
+            m = None
+            for part in parts:
+                lp = latest.get(part)
+                if lp is None:
+                    lp = latest[part] = end[part_members[part]].max(axis=0)
+                m = lp if m is None else np.maximum(m, lp)
             bad = np.flatnonzero(start[b] < m)
             if len(bad) == 0:
                 continue
             witnessed[first + bad] = True
-            members = set_members[ns]
+            members = sorted_unique(np.concatenate([part_members[part] for part in parts]))
             for k in bad[:4].tolist():
                 late = members[end[members, k] > start[b, k]]
                 for a in late.tolist():
