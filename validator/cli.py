@@ -9,7 +9,7 @@ import click
 
 from validator.errors import ScheduleError
 from validator.schedule import load_schedule, schema
-from validator.verify import Options, Report, verify
+from validator.verify import Options, Report, gc_paused, verify
 
 
 def format_text(report: Report) -> str:
@@ -77,7 +77,8 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
 def _verify_file(name: str, options: Options) -> Report | ScheduleError:
     """Validate one file; a malformed one comes back as its `ScheduleError` (picklable, for `--jobs`)."""
     try:
-        return verify(load_schedule(name), name, options)
+        with gc_paused():
+            return verify(load_schedule(name), name, options)
     except ScheduleError as exc:
         exc.file = exc.file or name
         return exc
