@@ -310,6 +310,9 @@ class WaitGroups:
     start: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))  # instruction -> its first wait
     chunks: list[list[int]] = field(default_factory=list)  # chunk -> its groups
     chunks_of: list[list[int]] = field(default_factory=list)  # instruction -> its chunks (shared lists)
+    #: exact join -> (an exact join on the same counter whose candidates it includes, its other candidates): counters
+    #: shared across layers make such chains, and the replay then takes one max per layer, not per earlier layer
+    extends: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
     def add_group(self, key: tuple[int, int, int, int], cands: list[tuple[int, int]]) -> int:
         g = self.keys[key] = len(self.candidates)
@@ -361,6 +364,7 @@ def wait_groups(prog: Program, live: list[bool], table: WaitTable, own: Gates, g
         lev.sort()
         when: dict[int, int] | None = None
         k = 0
+        join: tuple[int, set[int]] | None = None  # the last exact join on c: (group, its candidates)
         for v in vals:
             while k < len(lev) and lev[k][0] < v:
                 k += 1
@@ -375,7 +379,12 @@ def wait_groups(prog: Program, live: list[bool], table: WaitTable, own: Gates, g
                 if when is not None:  # past the budget the candidates stay a superset: sound, z3 decides the rest
                     jj = bisect_left(all_values[c], v)
                     cands = [(a, add) for a, add in cands if when.get(a, len(all_values[c]) + 1) <= jj]
-            wg.add_group((c, v, -1, 0), cands)
+            g = wg.add_group((c, v, -1, 0), cands)
+            if sum(add for _, add in cands) == v:  # an exact join: it holds when its last candidate ends
+                mine = {a for a, _ in cands}
+                if join is not None and join[1] <= mine:
+                    wg.extends[g] = (join[0], sorted(mine - join[1]))
+                join = (g, mine)
     base = len(wg.candidates)
 
     # Per wait: its group, or a variant without the candidates queued at or after the waiter on its worker.

@@ -30,6 +30,7 @@ from validator.program import Program
 
 HELD = 1e7  # duration of a suspect producer that is held back
 EVENT_SIM_BUDGET_S = 20.0  # the per-execution fallback stops starting batches after this long (reported as "capped")
+CHECK_ROWS = 4096  # (instruction, need part) rows compared at once: a few MB per block
 
 
 @dataclass
@@ -70,7 +71,11 @@ def _durations(rng: np.random.Generator, n: int, size: int, targets: list[tuple[
     return d
 
 
-def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray) -> np.ndarray:
+def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray, ready_at: dict[int, np.ndarray]) -> np.ndarray:
+    """When the wait of group `g` holds: the time its candidates' adds reach `v` (+inf: never)."""
+    if g in wg.extends and wg.extends[g][0] in ready_at:  # an exact join: the max over its candidates, in two parts
+        base, more = wg.extends[g]
+        return np.maximum(ready_at[base], end[more].max(axis=0)) if more else ready_at[base]
     cands = wg.candidates[g]
     idx = np.array([a for a, _ in cands])
     adds = np.array([add for _, add in cands])
@@ -105,7 +110,7 @@ def _vectorised(prog: Program, wg: WaitGroups, order: list[tuple[int, int]], dur
                 chunk_left[ch] += 1
     for kind, x in order:
         if kind == 1:
-            ready_at[x] = _group_time(wg, x, wg.value[x], end)
+            ready_at[x] = _group_time(wg, x, wg.value[x], end, ready_at)
             continue
         row = start[x]
         have = False
@@ -197,7 +202,9 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
         mode = "event"
     witnesses: dict[tuple[int, int], Witness] = {}
     witnessed = np.zeros(count, dtype=bool)
-    checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
+    checks = {b: conf.need[b] for b in range(n) if b in conf.need and live[b]}
+    rows_b = np.array([b for b, parts in checks.items() for _ in parts], dtype=np.int64)  # one row per (b, part)
+    rows_p = np.array([p for parts in checks.values() for p in parts], dtype=np.int64)
     part_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.parts]
     batch = max(16, min(count, int(2e7 // max(n, 1))))  # three float64 (n x batch) arrays: ~480 MB at most
     if order is None:
@@ -217,19 +224,18 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
         else:
             start, end = _event_sim(prog, wg, live, dur, pipelined)
         del dur
-        latest: dict[int, np.ndarray] = {}  # need part -> the latest end among its members
-        for b, parts in checks:
-            m = None
-            for part in parts:
-                lp = latest.get(part)
-                if lp is None:
-                    lp = latest[part] = end[part_members[part]].max(axis=0)
-                m = lp if m is None else np.maximum(m, lp)
-            bad = np.flatnonzero(start[b] < m)
-            if len(bad) == 0:
-                continue
-            witnessed[first + bad] = True
+        latest = np.zeros((len(part_members), size))  # need part -> the latest end among its members
+        for part in sorted_unique(rows_p).tolist():
+            latest[part] = end[part_members[part]].max(axis=0)
+        suspects: list[np.ndarray] = []
+        for lo in range(0, len(rows_b), CHECK_ROWS):  # b starts before some member of its part ends
+            rb, rp = rows_b[lo:lo + CHECK_ROWS], rows_p[lo:lo + CHECK_ROWS]
+            suspects.append(rb[(start[rb] < latest[rp]).any(axis=1)])
+        for b in sorted_unique(np.concatenate(suspects)).tolist() if suspects else ():
+            parts = checks[b]
             members = sorted_unique(np.concatenate([part_members[part] for part in parts]))
+            bad = np.flatnonzero(start[b] < end[members].max(axis=0))
+            witnessed[first + bad] = True
             for k in bad[:4].tolist():
                 late = members[end[members, k] > start[b, k]]
                 for a in late.tolist():
