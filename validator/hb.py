@@ -315,6 +315,7 @@ class WaitGroups:
     extends: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
 
     def add_group(self, key: tuple[int, int, int, int], cands: list[tuple[int, int]]) -> int:
+        """Register a group; its needed signallers are those the others cannot do without (plain counting)."""
         g = self.keys[key] = len(self.candidates)
         total = sum(add for _, add in cands)
         self.value.append(key[1])
@@ -579,26 +580,37 @@ class HBResult:
 
 
 class _Waiters:
-    """Bitsets of the live waiters of a counter at or above a value (to check gate guesses), built on demand."""
+    """Bitsets of the live waiters of a counter at or above a value, to check the gate guesses whose witness is not
+    HB-before the signaller; built on first use (rare: lowerings confirm through the witness)."""
 
     def __init__(self, table: WaitTable, live: list[bool], n: int) -> None:
-        keep = (table.value > 0) & np.array(live, dtype=bool)[table.owner]
-        c, v, o = table.counter[keep], table.value[keep], table.owner[keep]
-        srt = np.lexsort((-v, c))
-        self.c, self.v, self.o = c[srt], v[srt], o[srt]  # by counter, values descending
-        self.n = n
+        self.table, self.live, self.n = table, live, n
         self.cache: dict[tuple[int, int], int] = {}
+        self.sorted: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def _range(self, c: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+        if self.sorted is None:
+            t = self.table
+            keep = (t.value > 0) & np.array(self.live, dtype=bool)[t.owner]
+            cc, v, o = t.counter[keep], t.value[keep], t.owner[keep]
+            srt = np.lexsort((-v, cc))
+            self.sorted = cc[srt], v[srt], o[srt]  # by counter, values descending
+        cc, v, o = self.sorted
+        lo, hi = np.searchsorted(cc, [c, c + 1])
+        return v, o, int(lo), int(hi)
 
     def values(self, c: int) -> list[int]:
-        lo, hi = np.searchsorted(self.c, [c, c + 1])
-        return sorted(set(self.v[lo:hi].tolist()), reverse=True)
+        """The distinct values live instructions wait for on `c`, descending."""
+        v, _, lo, hi = self._range(c)
+        return sorted(set(v[lo:hi].tolist()), reverse=True)
 
     def at_least(self, c: int, value: int) -> int:
+        """The live waiters of `c` at `value` or above, as a bitset."""
         got = self.cache.get((c, value))
         if got is None:
-            lo, hi = np.searchsorted(self.c, [c, c + 1])
-            k = lo + int(np.searchsorted(-self.v[lo:hi], -value, side="right"))
-            got = self.cache[(c, value)] = bits_of(self.o[lo:k].tolist(), self.n)
+            v, o, lo, hi = self._range(c)
+            k = lo + int(np.searchsorted(-v[lo:hi], -value, side="right"))
+            got = self.cache[(c, value)] = bits_of(o[lo:k].tolist(), self.n)
         return got
 
 
