@@ -78,7 +78,7 @@ def _unproven(prog: Program, r: PairResult | None, left: int, total: int, budget
         what = (f" whether {prog.label(a)} ends before {prog.label(b)} starts (they conflict on {buf}[{lo}:{hi}], "
                 f"{ka} then {kb})")
         details.update({"pair": [prog.ids[a], prog.ids[b]], "buffer": buf, "range": [lo, hi], "kinds": [ka, kb]})
-    text = (f"unproven: z3 could not decide within its budget (--budget {budget:g} s){what}: {why}; {left} of the "
+    text = (f"z3 could not decide within its budget (--budget {budget:g} s){what}: {why}; {left} of the "
             f"{total} conflicting pairs the graph pass left to z3 are undecided. Rerun with --budget {hint:g} to give "
             "z3 more time (the model size it accepts grows with the budget).")
     return Finding("unproven", text, [prog.ids[a], prog.ids[b]] if a >= 0 else [], prog.path(b) if b >= 0 else None,
