@@ -169,6 +169,24 @@ def test_cyclic_waits_across_workers(tiny: Doc) -> None:
     assert "wait-for cycle" in report.findings[0].message
 
 
+def test_coverage_gap_and_duplicate_tile(tiny: Doc) -> None:
+    """A dropped o_proj tile leaves rows unproduced; a gate/up tile widened over its neighbour produces them twice."""
+    doc = _copy(tiny)
+    victim = _select(doc, "o_proj_residual", 1)[2]
+    doc["instructions"].remove(victim)
+    doc["queues"] = [[i for i in q if i != victim["id"]] for q in doc["queues"]]
+    report = verify(parse_schedule(doc), "gap", Options(races=False))
+    gap = [f.message for f in report.findings if f.category == "coverage"]
+    assert gap == [f"o_proj_residual layer 1: rows [{victim['args']['start']}, {victim['args']['end']}) x [0, 256) "
+                   "are produced by no instruction"]
+    doc = _copy(tiny)
+    first, second = _select(doc, "mlp_norm_gate_up", 0)[:2]
+    first["args"]["end"] = second["args"]["end"]
+    report = verify(parse_schedule(doc), "twice", Options(races=False))
+    (dup,) = [f for f in report.findings if f.category == "coverage"]
+    assert "produced twice" in dup.message and set(dup.instructions) == {first["id"], second["id"]}
+
+
 def test_target_above_total_adds(tiny: Doc) -> None:
     doc = _copy(tiny)
     for ins in _select(doc, "attn_reduce", 2):

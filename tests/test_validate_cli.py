@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 import pytest
 from click.testing import CliRunner
+from test_validator_properties import _cycle_without_the_producer
 
 from synth.lowering.lower import lower
 from synth.lowering.models import get_model
@@ -105,8 +106,31 @@ def test_sarif_validates_against_the_schema(files: dict[str, str]) -> None:
     results = log["runs"][0]["results"]
     assert {r["ruleId"] for r in results} == {"race", "deadlock", "malformed"}
     race = next(r for r in results if r["ruleId"] == "race")
+    assert race["level"] == "error"
     assert race["codeFlows"][0]["threadFlows"][0]["locations"]
     assert race["locations"][0]["physicalLocation"]["region"]["startLine"] > 1  # the instruction's line
+
+
+def test_unproven_names_the_budget_and_is_a_sarif_warning(tmp_path: Path) -> None:
+    """A safe schedule that only z3 proves: out of budget it is unproven (exit 1, a SARIF warning, not an error, with
+    the pair and how to raise the budget); with the default budget it is accepted."""
+    path = tmp_path / "cycle.json"
+    path.write_text(json.dumps(_cycle_without_the_producer()))
+    res = _run(str(path), "--budget", "1e-9")
+    assert res.exit_code == 1 and "UNPROVEN" not in res.output and "REJECTED" in res.output
+    line = next(x for x in res.output.splitlines() if "[unproven]" in x)
+    assert "--budget 1e-09 s" in line and "#0 w ends before #3 r starts" in line and "Rerun with --budget" in line
+    res = _run(str(path), "--budget", "1e-9", "--format", "sarif")
+    log = json.loads(res.stdout)
+    jsonschema.Draft4Validator(SCHEMA).validate(log)
+    (result,) = log["runs"][0]["results"]
+    assert result["ruleId"] == "unproven" and result["level"] == "warning"
+    rules = {r["id"]: r["defaultConfiguration"]["level"] for r in log["runs"][0]["tool"]["driver"]["rules"]}
+    assert rules["unproven"] == "warning" and rules["race"] == "error"
+    report = json.loads(_run(str(path), "--budget", "1e-9", "--format", "json").stdout)["reports"][0]
+    assert report["findings"][0]["details"]["pair"] == [0, 3] and report["findings"][0]["details"]["budget_s"] == 1e-9
+    assert _run(str(path)).exit_code == 0
+    assert _run(str(path), "--budget", "0").exit_code == 2  # a budget must be positive: usage error
 
 
 def test_lowering_accepted_with_jobs_and_pipelined(tmp_path: Path) -> None:

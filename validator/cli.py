@@ -9,7 +9,7 @@ import click
 
 from validator.errors import ScheduleError
 from validator.schedule import load_schedule, schema
-from validator.verify import Options, Report, verify
+from validator.verify import Options, Report, gc_paused, verify
 
 
 def format_text(report: Report) -> str:
@@ -38,17 +38,20 @@ def format_text(report: Report) -> str:
               help="Adversarial interleavings replayed against shadow memory.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the replay and of z3.")
 @click.option("--pipelined", is_flag=True, help="Consecutive instructions of a worker may overlap.")
+@click.option("--budget", type=click.FloatRange(0, None, min_open=True), default=Options.budget, show_default=True,
+              help="Seconds z3 may spend on the pairs the graph pass leaves (the size of model it accepts grows with "
+              "it); pairs still undecided make the schedule 'unproven'.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=1, show_default=True,
               help="Validate several files in parallel processes.")
 def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | None, interleavings: int, seed: int,
-         pipelined: bool, jobs: int) -> None:
+         pipelined: bool, budget: float, jobs: int) -> None:
     """Prove megakernel schedules free of races and deadlocks, or show an interleaving that breaks them."""
     if print_schema:
         click.echo(json.dumps(schema(), indent=2))
         return
     if not files:
         raise click.UsageError("give at least one schedule file (or --schema)")
-    options = Options(interleavings=interleavings, seed=seed, pipelined=pipelined)
+    options = Options(interleavings=interleavings, seed=seed, pipelined=pipelined, budget=budget)
     reports: list[Report] = []
     malformed: list[ScheduleError] = []
     if jobs > 1 and len(files) > 1:
@@ -74,7 +77,8 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
 def _verify_file(name: str, options: Options) -> Report | ScheduleError:
     """Validate one file; a malformed one comes back as its `ScheduleError` (picklable, for `--jobs`)."""
     try:
-        return verify(load_schedule(name), name, options)
+        with gc_paused():
+            return verify(load_schedule(name), name, options)
     except ScheduleError as exc:
         exc.file = exc.file or name
         return exc

@@ -16,10 +16,17 @@ def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]
         (f" kv_head {key[2]}" if len(key) > 2 else "")
     cuts = sorted({r0, r1} | {t[0][0][0] for t in tiles} | {t[0][0][1] for t in tiles})
     out: list[Finding] = []
+    by_start = sorted(tiles, key=lambda t: t[0][0][0])
+    active: list[tuple[tuple, int]] = []  # the tiles whose rows contain the current interval (a sweep: linear)
+    nxt = 0
     for lo, hi in pairwise(cuts):
+        while nxt < len(by_start) and by_start[nxt][0][0][0] <= lo:
+            active.append(by_start[nxt])
+            nxt += 1
+        active = [t for t in active if t[0][0][1] > lo]  # every row bound is a cut: then hi <= its end too
         if lo >= r1 or hi <= r0:
             continue
-        cols = sorted((t[0][1], t[1]) for t in tiles if t[0][0][0] <= lo and hi <= t[0][0][1])
+        cols = sorted((t[0][1], t[1]) for t in active)
         at = k0
         for (c0, c1), i in cols:
             if c0 < at:

@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 from validator.deadlock import Execution, maximal_execution
-from validator.hb import find_conflicts, graph_pass, static_order, wait_groups
+from validator.hb import find_conflicts, happens_before
 from validator.program import Finding, Program
 from validator.replay import replay
-from validator.smt import PairResult, event_lines, prove
+from validator.smt import DEFAULT_BUDGET_S, PairResult, event_lines, prove
 
 
 def conflict_of(prog: Program, a: int, b: int) -> tuple[str, int, int, str, str]:
@@ -65,6 +65,26 @@ def _maximal_events(prog: Program, ex: Execution, b: int) -> list[dict[str, Any]
     return out
 
 
+def _unproven(prog: Program, r: PairResult | None, left: int, total: int, budget: float,
+              first: tuple[int, int] | None) -> Finding:
+    """The finding for pairs z3 did not decide within `budget`: the first such pair, why, and how to raise it."""
+    a, b = (r.a, r.b) if r is not None else first if first is not None else (-1, -1)
+    why = r.reason if r is not None else "the budget ran out before z3 reached it"
+    hint = max(r.budget_hint if r is not None else 0.0, 4 * budget)
+    details: dict[str, Any] = {"budget_s": budget, "undecided_pairs": left, "suggested_budget_s": hint}
+    what = ""
+    if a >= 0:
+        buf, lo, hi, ka, kb = conflict_of(prog, a, b)
+        what = (f" whether {prog.label(a)} ends before {prog.label(b)} starts (they conflict on {buf}[{lo}:{hi}], "
+                f"{ka} then {kb})")
+        details.update({"pair": [prog.ids[a], prog.ids[b]], "buffer": buf, "range": [lo, hi], "kinds": [ka, kb]})
+    text = (f"z3 could not decide within its budget (--budget {budget:g} s){what}: {why}; {left} of the "
+            f"{total} conflicting pairs the graph pass left to z3 are undecided. Rerun with --budget {hint:g} to give "
+            "z3 more time (the model size it accepts grows with the budget).")
+    return Finding("unproven", text, [prog.ids[a], prog.ids[b]] if a >= 0 else [], prog.path(b) if b >= 0 else None,
+                   details)
+
+
 def _order_pairs(pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Interleave by the later instruction, so that the first queries cover distinct victims."""
     rank: dict[int, int] = {}
@@ -87,18 +107,22 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
     for i in ex.order:
         live[i] = True
     conf = find_conflicts(prog, [True] * prog.n)  # a stuck `a` still conflicts with a `b` that runs
-    wg = wait_groups(prog, live)
-    static = static_order(prog, wg, live)  # candidates before waiters: lets the graph use what they all follow
+    hbr = happens_before(prog, ex, conf, live, pipelined)
+    wg, static, hb = hbr.wg, hbr.static, hbr.result
     order = [x for kind, x in static if kind == 0] if static is not None else ex.order
-    hb = graph_pass(prog, ex, conf, wg, pipelined, order)
     report.seconds["graph"] = time.perf_counter() - t
     report.stats["conflicting_pairs"] = hb.pairs
     report.stats["proven_by_graph"] = hb.pairs - len(hb.undischarged)
+    if hbr.gates:
+        report.stats["gated_signals"] = len(hbr.gates)
+    if hbr.rounds > 1:
+        report.stats["graph_rounds"] = hbr.rounds
 
     t = time.perf_counter()
     never = [(a, b) for a, b in hb.undischarged if not live[a]]
     pairs = _order_pairs([(a, b) for a, b in hb.undischarged if live[a]])
-    results, unchecked = prove(prog, wg, hb, live, order, pairs, pipelined, seed)
+    budget = float(getattr(options, "budget", DEFAULT_BUDGET_S))
+    results, unchecked = prove(prog, wg, hb, live, order, pairs, pipelined, seed, budget_s=budget)
     report.seconds["z3"] = time.perf_counter() - t
     proven = {(r.a, r.b) for r in results if r.status == "unsat"}
     sat: dict[tuple[int, int], PairResult] = {(r.a, r.b): r for r in results if r.status == "sat"}
@@ -128,17 +152,14 @@ def check_races(prog: Program, report: Any, options: Any, ex: Execution | None =
                                    "to completion)")
         race_findings[(a, b)] = Finding("race", msg, [prog.ids[a], prog.ids[b]], prog.path(b), details)
     findings: list[Finding] = list(race_findings.values())
-    for r in unknown:
-        msg, details = _pair_text(prog, r.a, r.b)
-        findings.append(Finding("unproven", f"z3 could not decide ({r.reason or 'unknown'}): " + msg,
-                                [prog.ids[r.a], prog.ids[r.b]], prog.path(r.b), details))
-    if unchecked and any(f.category == "race" for f in findings):
+    undecided = len(unknown) + unchecked
+    if undecided and findings:
         findings[0].details.setdefault("text", []).append(
-            f"({unchecked} more conflicting pairs were not checked after {len(sat)} counterexamples; fix the races "
-            "shown and rerun)")
-    elif unchecked:  # the z3 time budget ran out before every pair was decided: not proven is not accepted
-        findings.append(Finding("unproven", f"{unchecked} of {len(pairs)} conflicting pairs left to z3 were not "
-                                "decided (z3's time budget or model-size limit was reached first)", []))
+            f"({undecided} more conflicting pairs were not decided after {len(sat)} counterexamples or when the z3 "
+            "budget ran out; fix the races shown and rerun)")
+    elif undecided:  # not proven is not accepted
+        findings.append(_unproven(prog, unknown[0] if unknown else None, undecided, len(pairs), budget,
+                                  pairs[len(results)] if not unknown else None))
 
     t = time.perf_counter()
     n_inter = int(getattr(options, "interleavings", 0))

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from validator.deadlock import Execution
-from validator.hb import Conflicts, WaitGroups, static_order
+from validator.hb import Conflicts, WaitGroups, sorted_unique, static_order
 from validator.program import Program
 
 HELD = 1e7  # duration of a suspect producer that is held back
 EVENT_SIM_BUDGET_S = 20.0  # the per-execution fallback stops starting batches after this long (reported as "capped")
+CHECK_ROWS = 4096  # (instruction, need part) rows compared at once: a few MB per block
 
 
 @dataclass
@@ -53,11 +54,15 @@ class ReplayResult:
 
 
 def _durations(rng: np.random.Generator, n: int, size: int, targets: list[tuple[int, int]], first: int) -> np.ndarray:
-    d = rng.uniform(0.5, 1.5, (n, size)).astype(np.float64)
-    p = rng.uniform(0.0, 0.3, size)
+    """Durations (n x size): uniform in [0.5, 1.5), a random share (up to 30%) of each interleaving's instructions
+    slowed 10-1000x, and in every other interleaving one suspect producer held back (in place, float32 coin flips:
+    this is the replay's largest cost)."""
+    d = rng.random((n, size))
+    d += 0.5
+    p = rng.uniform(0.0, 0.3, size).astype(np.float32)
     factor = np.exp(rng.uniform(np.log(10.0), np.log(1000.0), size))
-    slow = rng.random((n, size)) < p
-    d = np.where(slow, d * factor, d)
+    slow = rng.random((n, size), dtype=np.float32) < p
+    np.multiply(d, factor, out=d, where=slow)
     if targets:
         for k in range(0, size):
             if (first + k) % 2 == 0:
@@ -66,7 +71,11 @@ def _durations(rng: np.random.Generator, n: int, size: int, targets: list[tuple[
     return d
 
 
-def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray) -> np.ndarray:
+def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray, ready_at: dict[int, np.ndarray]) -> np.ndarray:
+    """When the wait of group `g` holds: the time its candidates' adds reach `v` (+inf: never)."""
+    if g in wg.extends and wg.extends[g][0] in ready_at:  # an exact join: the max over its candidates, in two parts
+        base, more = wg.extends[g]
+        return np.maximum(ready_at[base], end[more].max(axis=0)) if more else ready_at[base]
     cands = wg.candidates[g]
     idx = np.array([a for a, _ in cands])
     adds = np.array([add for _, add in cands])
@@ -85,24 +94,49 @@ def _group_time(wg: WaitGroups, g: int, v: int, end: np.ndarray) -> np.ndarray:
 
 def _vectorised(prog: Program, wg: WaitGroups, order: list[tuple[int, int]], dur: np.ndarray,
                 pipelined: bool) -> tuple[np.ndarray, np.ndarray]:
+    """All interleavings of a batch at once, instruction by instruction in the static order: start = the latest of
+    the queue predecessor's end (start, pipelined) and the times its wait chunks hold. `dur` becomes the end times
+    (in place: it is the batch's largest array)."""
     n, size = dur.shape
     start = np.full((n, size), np.inf)  # instructions that never run keep +inf
-    end = np.full((n, size), np.inf)
-    ready_at: dict[int, np.ndarray] = {}
-    value_of = {g: key[1] for key, g in wg.keys.items()}
+    end = dur
+    ran = np.zeros(n, dtype=bool)
+    ready_at: dict[int, np.ndarray] = {}  # wait group -> when its wait holds
+    chunk_ready: dict[int, np.ndarray] = {}  # wait chunk -> when all its waits hold
+    chunk_left: dict[int, int] = defaultdict(int)
+    for kind, x in order:
+        if kind == 0:
+            for ch in wg.chunks_of[x]:
+                chunk_left[ch] += 1
     for kind, x in order:
         if kind == 1:
-            ready_at[x] = _group_time(wg, x, value_of[x], end)
+            ready_at[x] = _group_time(wg, x, wg.value[x], end, ready_at)
             continue
-        t = np.zeros(size)
+        row = start[x]
+        have = False
         if prog.qpos[x] > 0:
             p = prog.queues[prog.worker[x]][prog.qpos[x] - 1]
-            t = np.maximum(t, start[p] if pipelined else end[p])
-        for g in wg.of[x]:
-            if g >= 0:
-                t = np.maximum(t, ready_at[g])
-        start[x] = t
-        end[x] = t + dur[x]
+            row[:] = start[p] if pipelined else end[p]
+            have = True
+        for ch in wg.chunks_of[x]:
+            r = chunk_ready.get(ch)
+            if r is None:
+                groups = wg.chunks[ch]
+                r = ready_at[groups[0]] if len(groups) == 1 else np.max([ready_at[g] for g in groups], axis=0)
+                chunk_ready[ch] = r
+            if have:
+                np.maximum(row, r, out=row)
+            else:
+                row[:] = r
+                have = True
+            chunk_left[ch] -= 1
+            if not chunk_left[ch]:
+                del chunk_ready[ch]
+        if not have:
+            row[:] = 0.0
+        end[x] += row
+        ran[x] = True
+    end[~ran] = np.inf
     return start, end
 
 
@@ -168,8 +202,10 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
         mode = "event"
     witnesses: dict[tuple[int, int], Witness] = {}
     witnessed = np.zeros(count, dtype=bool)
-    checks = [(b, conf.need[b]) for b in range(n) if b in conf.need and live[b]]
-    set_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.sets]
+    checks = {b: conf.need[b] for b in range(n) if b in conf.need and live[b]}
+    rows_b = np.array([b for b, parts in checks.items() for _ in parts], dtype=np.int64)  # one row per (b, part)
+    rows_p = np.array([p for parts in checks.values() for p in parts], dtype=np.int64)
+    part_members = [np.array(sorted({int(a) for g in gs for a in conf.groups[g]})) for gs in conf.parts]
     batch = max(16, min(count, int(2e7 // max(n, 1))))  # three float64 (n x batch) arrays: ~480 MB at most
     if order is None:
         batch = min(batch, max(1, 200_000 // max(n, 1)))  # small batches, so the time budget is kept
@@ -188,16 +224,18 @@ def replay(prog: Program, ex: Execution, conf: Conflicts, wg: WaitGroups, live: 
         else:
             start, end = _event_sim(prog, wg, live, dur, pipelined)
         del dur
-        latest: dict[int, np.ndarray] = {}
-        for b, ns in checks:
-            m = latest.get(ns)
-            if m is None:
-                m = latest[ns] = end[set_members[ns]].max(axis=0)
-            bad = np.flatnonzero(start[b] < m)
-            if len(bad) == 0:
-                continue
+        latest = np.zeros((len(part_members), size))  # need part -> the latest end among its members
+        for part in sorted_unique(rows_p).tolist():
+            latest[part] = end[part_members[part]].max(axis=0)
+        suspects: list[np.ndarray] = []
+        for lo in range(0, len(rows_b), CHECK_ROWS):  # b starts before some member of its part ends
+            rb, rp = rows_b[lo:lo + CHECK_ROWS], rows_p[lo:lo + CHECK_ROWS]
+            suspects.append(rb[(start[rb] < latest[rp]).any(axis=1)])
+        for b in sorted_unique(np.concatenate(suspects)).tolist() if suspects else ():
+            parts = checks[b]
+            members = sorted_unique(np.concatenate([part_members[part] for part in parts]))
+            bad = np.flatnonzero(start[b] < end[members].max(axis=0))
             witnessed[first + bad] = True
-            members = set_members[ns]
             for k in bad[:4].tolist():
                 late = members[end[members, k] > start[b, k]]
                 for a in late.tolist():

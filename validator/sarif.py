@@ -13,13 +13,16 @@ from validator.errors import ScheduleError
 
 SCHEMA_URI = "https://docs.oasis-open.org/sarif/sarif/v2.1.0/errata01/os/schemas/sarif-schema-2.1.0.json"
 MAX_FLOW_EVENTS = 200
+#: SARIF level per finding category: a proof that ran out of budget is a warning, distinct from a proven defect.
+LEVELS = {"unproven": "warning"}
 
 RULES: dict[str, tuple[str, str]] = {
     "race": ("Race", "Two conflicting accesses are not ordered in every interleaving (a < b must happen before b)."),
     "deadlock": ("Deadlock", "The unique maximal execution stalls: some instruction's waits can never be met."),
     "coverage": ("Coverage", "A logical output of a layer is produced twice or by no instruction."),
     "footprint": ("FootprintMismatch", "A declared footprint disagrees with the op catalogue's."),
-    "unproven": ("Unproven", "A proof could not be completed (z3 'unknown' or budget); not proven is not accepted."),
+    "unproven": ("Unproven", "A proof could not be completed within the z3 budget (--budget); not proven is not "
+                 "accepted, but no race was shown either."),
     "malformed": ("Malformed", "Not a well-formed schedule: unreadable JSON, schema or structural defect."),
 }
 
@@ -72,8 +75,8 @@ def to_sarif(reports: list[Any], malformed: list[ScheduleError]) -> dict[str, An
     """A SARIF 2.1.0 log of validation reports and malformed files."""
     rule_ids = list(RULES)
     rules = [{"id": rid, "name": name, "shortDescription": {"text": text}, "fullDescription": {"text": text},
-              "defaultConfiguration": {"level": "error"}, "helpUri": "https://github.com/megasynth/megasynth#validate"}
-             for rid, (name, text) in RULES.items()]
+              "defaultConfiguration": {"level": LEVELS.get(rid, "error")},
+              "helpUri": "https://github.com/megasynth/megasynth#validate"} for rid, (name, text) in RULES.items()]
     results: list[dict[str, Any]] = []
     artifacts: list[str] = []
     cache: dict[str, list[str]] = {}
@@ -84,7 +87,7 @@ def to_sarif(reports: list[Any], malformed: list[ScheduleError]) -> dict[str, An
             line = _line_of(report.file, f.path, f.instructions, cache)
             res: dict[str, Any] = {
                 "ruleId": f.category, "ruleIndex": rule_ids.index(f.category) if f.category in rule_ids else 0,
-                "level": "error", "message": {"text": f.message},
+                "level": LEVELS.get(f.category, "error"), "message": {"text": f.message},
                 "locations": [_location(report.file, f.path, line)],
                 "properties": {"instructions": f.instructions},
             }

@@ -23,9 +23,12 @@ from typing import Any
 from validator.hb import HBResult, WaitGroups, group_ancestors, indices_of
 from validator.program import Program
 
-DEFAULT_TIMEOUT_MS = 10_000
+#: Seconds z3 may spend on the pairs the graph pass leaves (`validate --budget`); one query may use all of it.
+DEFAULT_BUDGET_S = 60.0
 MAX_EVENTS_SHOWN = 40
-MAX_TERMS = 300_000  # wait terms (signaller x waiter) in one pair's pruned model
+#: Wait terms (signaller x waiter) allowed in one pair's pruned model per second of budget (300k at the default):
+#: a bigger model takes minutes to build and solve, so it needs a bigger budget, not a hang.
+TERMS_PER_SECOND = 5_000
 
 
 @dataclass
@@ -36,6 +39,7 @@ class PairResult:
     events: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
     done: int = 0  # slice instructions that happen before all the shown ones (not in the model)
+    budget_hint: float = 0.0  # for "unknown": a budget (seconds) that would let z3 try this pair in earnest
 
 
 def _slice(prog: Program, wg: WaitGroups, live: list[bool], seeds: list[int]) -> list[int]:
@@ -60,7 +64,7 @@ def _ancestors(prog: Program, wg: WaitGroups, order: list[int], members: set[int
         if not pipelined and prog.qpos[y] > 0:
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
             a_y |= anc[p] | (1 << p)
-        for g in wg.of[y]:
+        for g in wg.of(y):
             if g >= 0:
                 ga = ganc.get(g)
                 if ga is None:
@@ -74,7 +78,7 @@ def _deps(prog: Program, wg: WaitGroups, live: list[bool], y: int) -> list[int]:
     out = []
     if prog.qpos[y] > 0:
         out.append(prog.queues[prog.worker[y]][prog.qpos[y] - 1])
-    for g in wg.of[y]:
+    for g in wg.of(y):
         if g >= 0:
             out.extend(a for a, _ in wg.candidates[g])
     return [x for x in out if live[x]]
@@ -128,7 +132,7 @@ def _constraints(prog: Program, wg: WaitGroups, hb: HBResult, members: list[int]
             p = prog.queues[prog.worker[y]][prog.qpos[y] - 1]
             if p in inside:
                 out.append(f"(assert (<= s{p} s{y}))" if pipelined else f"(assert (<= e{p} s{y}))")
-        for j, g in enumerate(wg.of[y]):
+        for j, g in enumerate(wg.of(y)):
             if g < 0:
                 continue
             needed = [a for a in wg.needed[g] if a in inside]
@@ -206,12 +210,18 @@ def event_lines(prog: Program, events: list[dict[str, Any]], focus: set[int]) ->
     return lines
 
 
+def budget_for(terms: int) -> float:
+    """The smallest budget (seconds) whose model-size limit admits `terms` wait terms."""
+    return float(-(-terms // TERMS_PER_SECOND))
+
+
 def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_order: list[int],
           pairs: list[tuple[int, int]],
-          pipelined: bool = False, seed: int = 0, timeout_ms: int = DEFAULT_TIMEOUT_MS, max_sat: int = 5,
-          budget_s: float = 60.0) -> tuple[list[PairResult], int]:
-    """Decide each pair with z3 on its pruned slice. Stops after `max_sat` counterexamples or `budget_s` seconds;
-    returns the results and the number of pairs left unchecked."""
+          pipelined: bool = False, seed: int = 0, max_sat: int = 5,
+          budget_s: float = DEFAULT_BUDGET_S) -> tuple[list[PairResult], int]:
+    """Decide each pair with z3 on its pruned slice, within `budget_s` seconds in all (a query may use what is left
+    of it) and models of at most `budget_s * TERMS_PER_SECOND` wait terms. Stops after `max_sat` counterexamples or
+    when the budget is spent; returns the results and the number of pairs left unchecked."""
     if not pairs:
         return [], 0
     import z3
@@ -221,20 +231,23 @@ def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_orde
     pos = {i: k for k, i in enumerate(ex_order)}
     anc = _ancestors(prog, wg, ex_order, union, pipelined)
     uncertain = sorted({y for y, _ in hb.known_before if y in union}, key=pos.__getitem__)
+    max_terms = int(budget_s * TERMS_PER_SECOND)
     results: list[PairResult] = []
     sats = 0
     start = time.perf_counter()
     for k, (a, b) in enumerate(pairs):
-        if sats >= max_sat or time.perf_counter() - start > budget_s:
+        left_ms = int((budget_s - (time.perf_counter() - start)) * 1000)
+        if sats >= max_sat or left_ms <= 0:
             return results, len(pairs) - k
         members, done = _prune(prog, wg, live, anc, a, b, uncertain, pipelined)
-        terms = sum(len(wg.candidates[g]) for y in members for g in wg.of[y] if g >= 0)
-        if terms > MAX_TERMS:  # a model this size would take minutes to build and solve: say so, do not hang
-            results.append(PairResult(a, b, "unknown", reason=f"slice too large for z3: {len(members)} instructions, "
-                                      f"{terms} wait terms (limit {MAX_TERMS})"))
+        terms = sum(len(wg.candidates[g]) for y in members for g in wg.of(y) if g >= 0)
+        if terms > max_terms:  # a model this size would take minutes to build and solve: say so, do not hang
+            results.append(PairResult(a, b, "unknown", reason=f"its model is too large for the budget: "
+                                      f"{len(members)} instructions, {terms} wait terms (the budget allows "
+                                      f"{max_terms})", budget_hint=budget_for(terms)))
             return results, len(pairs) - k - 1
         solver = z3.SimpleSolver()
-        solver.set("timeout", timeout_ms)
+        solver.set("timeout", left_ms)
         solver.set("random_seed", seed)
         solver.set("arith.solver", 1)
         solver.add(z3.parse_smt2_string(_constraints(prog, wg, hb, members, done, pipelined)))
@@ -247,5 +260,7 @@ def prove(prog: Program, wg: WaitGroups, hb: HBResult, live: list[bool], ex_orde
             results.append(PairResult(a, b, "sat", _events(prog, solver.model(), z3, members, done),
                                        done=done.bit_count()))
         else:
-            results.append(PairResult(a, b, "unknown", reason=solver.reason_unknown()))
+            results.append(PairResult(a, b, "unknown", reason=f"z3 answered unknown ({solver.reason_unknown()})",
+                                       budget_hint=4 * budget_s))
+            return results, len(pairs) - k - 1
     return results, 0
