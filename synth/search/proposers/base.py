@@ -59,3 +59,10 @@ class Proposer(Protocol):
     def observe(self, result: Result) -> None:
         """Learn from one evaluated proposal."""
         ...
+
+
+def strategy_key(strategy: Strategy, patches: list[dict[str, Any]] | None = None) -> str:
+    """A canonical text of a proposal, so that a proposer does not offer the same one twice."""
+    import json
+
+    return json.dumps([strategy.model_dump(mode="json"), patches or []], sort_keys=True)
