@@ -15,9 +15,11 @@ from validator.errors import ScheduleError
 @click.option("--model", "model_name", default="llama-1b", show_default=True, help="Model spec (synth models).")
 @click.option("--workers", type=click.IntRange(1, 4096), default=None,
               help="Workers (persistent programs). Default: the GPU's SM count, else 132.")
-@click.option("--proposer", type=click.Choice(["heuristic", "evolve", "tpe", "llm", "auto"]), default="auto",
-              show_default=True, help="auto = the LLM agent when OPENAI_API_KEY/OPENAI_BASE_URL is set, else "
-              "heuristic then evolve.")
+@click.option("--proposer", type=click.Choice(["auto", "descent", "seeds", "heuristic", "evolve", "tpe", "llm"]),
+              default="auto", show_default=True,
+              help="descent = cost-model descent from the naive lowering, then hill climbing on the measurements (no "
+              "seeds); seeds (alias heuristic) = the hand-written strategies; auto = the LLM agent when "
+              "OPENAI_API_KEY/OPENAI_BASE_URL is set, else the 3 best seeds, then descent, then evolve.")
 @click.option("--budget", type=click.IntRange(1, 100_000), default=50, show_default=True,
               help="Candidates in the study (baseline included; shared by every process on the same storage).")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None, help="Seconds for this process.")

@@ -186,8 +186,9 @@ class Search:
         study = self._study()
         self._reap(study)
         self._load_history()
+        jobs = min(16, max(1, (os.cpu_count() or 2) - 1))  # the descent's cost-model processes
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
-                                         **{"seq": cfg.ctx, **cfg.llm})
+                                         ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
         for r in self.standing.history:
             self.proposer.observe(r)
         evaluated = 0
