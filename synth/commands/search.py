@@ -86,10 +86,17 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
         sys.exit(2)
     label = " (estimated by the cost model)" if summary.estimated else " (measured on the GPU)"
     click.echo(f"{summary.run_dir}: {summary.evaluated} candidates evaluated here, {summary.accepted} accepted, "
-               f"{summary.rejected} rejected, {summary.seconds:.1f} s")
+               f"{summary.screened} screened by the cost model, {summary.rejected} rejected, {summary.seconds:.1f} s")
     if summary.best_ms is not None:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+    if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
+        seeds = summary.best_by_proposer.get("seeds")
+        parts = []
+        for who, (cid, ms) in sorted(summary.best_by_proposer.items(), key=lambda kv: kv[1][1]):
+            vs = f" ({100 * (ms / seeds[1] - 1):+.1f}% vs the best seed)" if seeds and who != "seeds" else ""
+            parts.append(f"{who} {cid} {ms:.4f} ms{vs}")
+        click.echo("best per proposer: " + "; ".join(parts))
     usage_file = Path(summary.run_dir) / "agent_usage.json"
     if usage_file.exists():  # the LLM agent ran: its calls and tokens (details in agent.jsonl)
         u = json.loads(usage_file.read_text(encoding="utf-8"))

@@ -34,6 +34,7 @@ class Result:
     error: str | None = None  # lowering/patch error (malformed) when the proposal could not be built
     counterexample: dict[str, Any] | None = None  # validator finding(s) for rejected ones, compact JSON
     profile: dict[str, Any] | None = None  # per-op time, per-SM idle, critical path of the timed/estimated run
+    screened: float | None = None  # the cost model's estimate (ms) when it screened the proposal out (not validated)
 
 
 @dataclass
