@@ -28,7 +28,7 @@ from typing import Any
 from synth.lowering.costmodel import CostParams, load_params
 from synth.lowering.models import get_model
 from synth.lowering.strategy import parse_strategy
-from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key
+from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key, status_of
 from synth.search.evaluate import (
     Evaluator,
     Standing,
@@ -86,6 +86,8 @@ class SearchSummary:
     baseline_ms: float | None
     estimated: bool
     seconds: float
+    screened: int = 0  # left out by the cost model before validation (not counted in `rejected`)
+    best_by_proposer: dict[str, tuple[str, float]] = field(default_factory=dict)  # proposer -> (candidate, ms)
 
     @property
     def speedup(self) -> float | None:
@@ -164,8 +166,9 @@ class Search:
                 continue
             prop = Proposal(st, list(r.get("patches", [])), r.get("rationale", ""), r.get("proposer", ""),
                             r.get("parent"))
+            screened = r.get("estimate_ms") if r.get("reason") == "screened" else None
             self.standing.history.append(Result(cid, prop, False, error=r.get("error"),
-                                                counterexample=r.get("findings")))
+                                                counterexample=r.get("findings"), screened=screened))
             if r.get("schedule_key") and r.get("reason") != "screened":
                 self.standing.keys.setdefault(r["schedule_key"], cid)
 
@@ -186,6 +189,9 @@ class Search:
         study = self._study()
         self._reap(study)
         self._load_history()
+        best, on_disk = self.standing.best, self.run.best_ms()
+        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk):
+            self.evaluator.promote_again(best)  # killed between recording it and writing best/
         jobs = min(16, max(1, (os.cpu_count() or 2) - 1))  # the descent's cost-model processes
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
                                          ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
@@ -302,7 +308,9 @@ class Search:
                         evaluated += 1
                         trial = study.ask()
                         cid = candidate_id(trial.number)
-                    if schedule is None:  # evaluate() records the build error as a rejected candidate
+                    if prepared.failure is not None:  # its worker died: this candidate fails alone
+                        self._run_trial(study, trial, cid, proposal, failure=prepared.failure)
+                    elif schedule is None:  # evaluate() records the build error as a rejected candidate
                         self._run_trial(study, trial, cid, proposal)
                     else:
                         self._run_trial(study, trial, cid, proposal, schedule, prepared.verdict)
@@ -354,14 +362,14 @@ class Search:
         self._run_trial(study, trial, BASELINE, baseline_proposal())
 
     def _run_trial(self, study: Any, trial: Any, cid: str, proposal: Proposal, schedule: Schedule | None = None,
-                   report: Verdict | None = None) -> None:
+                   report: Verdict | None = None, failure: str | None = None) -> None:
         import optuna
 
         for key, value in (("candidate", cid), ("proposer", proposal.proposer), ("rationale", proposal.rationale),
                            ("parent", proposal.parent), ("pid", _pid()),
                            ("strategy", proposal.strategy.model_dump(mode="json")), ("patches", proposal.patches)):
             trial.set_user_attr(key, value)
-        res = self.evaluator.evaluate(cid, proposal, schedule, report)
+        res = self.evaluator.evaluate(cid, proposal, schedule, report, failure)
         if res.accepted and res.ms is not None:
             study.tell(trial.number, res.ms)
         else:
@@ -375,10 +383,18 @@ class Search:
 
     def summary(self, evaluated: int, seconds: float) -> SearchSummary:
         acc = self.run.accepted()
-        rej = self.run.rejected()
+        statuses = [status_of(r) for r in self.run.rejected().values()]
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
-        return SearchSummary(self.run.path, evaluated, len(acc), len(rej), best[0] if best else None,
-                             best[1]["ms"] if best else None, acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds)
+        measured = any(not t.get("estimated", True) for t in acc.values())
+        per: dict[str, tuple[str, float]] = {}
+        for cid, t in acc.items():  # estimates do not rank against GPU measurements
+            who = t.get("proposer") or "?"
+            if (not measured or not t.get("estimated", True)) and (who not in per or t["ms"] < per[who][1]):
+                per[who] = (cid, t["ms"])
+        return SearchSummary(self.run.path, evaluated, len(acc), sum(s != "screened" for s in statuses),
+                             best[0] if best else None, best[1]["ms"] if best else None,
+                             acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds,
+                             screened=statuses.count("screened"), best_by_proposer=per)
 
 
 def _alive(pid: int) -> bool:
