@@ -267,13 +267,15 @@ class SearchSpace:
         kind, _, key = name.partition(".")
         if kind in ("tiles", "k_splits"):
             d[kind][key] = value
-        elif kind == "edges":
+        elif kind == "edges":  # the default granularity is left implicit: one strategy, one spelling
             g, _, n = str(value).partition(":")
-            d["edges"][key] = g
+            d["chunks"].pop(key, None)
+            if g == d["default_granularity"]:
+                d["edges"].pop(key, None)
+            else:
+                d["edges"][key] = g
             if g == "chunk":
                 d["chunks"][key] = int(n)
-            else:
-                d["chunks"].pop(key, None)
         else:
             d[name] = value
         return Strategy.model_validate(d)

@@ -5,11 +5,13 @@ the real measurements with the cost model ranking the moves. It needs no seeds: 
    differs in one knob (every choice of it), and the joint moves that change an op's K-split with its tile scaled
    to keep the instruction count, and move to the best, until none is better. Nothing here costs a candidate
    (~400 estimates for llama-1b, ~0.15 s each, spread over `jobs` processes).
-2. Proposals (full fidelity: validation, then the GPU, or the full cost model on a CPU): the best points the
-   descent estimated, best first (the optimum and its best neighbours), `first_batch` of them.
+2. Proposals (full fidelity: validation, then the GPU, or the full cost model on a CPU): the optimum, then for each
+   knob the best point estimated with another value of it, best first, `first_batch` of them: the alternatives
+   the model rates nearest, one per knob, where it is most likely to be wrong by a few %.
 3. Measured hill climbing: around the best *measured* candidate, its neighbours ranked by the cost model; those
    the model rates within `tolerance` of the centre are proposed, best first (the model is a few % off, so a
-   neighbour it rates slightly worse may measure better). A better measurement moves the centre. When the
+   neighbour it rates slightly worse may measure better). A measurement better by more than the timing noise
+   (`noise`) moves the centre. When the
    neighbourhood is spent it widens (two steps per knob, then pairs of the best single moves); when that is spent
    too, the proposer has nothing more and a chain moves on (`auto`: to evolution).
 
@@ -37,17 +39,20 @@ class DescentProposer:
     name = "descent"
 
     def __init__(self, space: SearchSpace, spec: ModelSpec, workers: int, params: CostParams, ctx: int = 1024,
-                 start: Strategy | None = None, first_batch: int = 6, tolerance: float = 0.02, jobs: int = 1,
-                 surrogate: Surrogate | None = None) -> None:
+                 start: Strategy | None = None, first_batch: int = 8, tolerance: float = 0.02, jobs: int = 1,
+                 noise: float = 0.003, surrogate: Surrogate | None = None) -> None:
         self.space = space
         self.model = surrogate or Surrogate(spec, workers, params, ctx, jobs)
         self.start = start or Strategy()
-        self.first_batch, self.tolerance = first_batch, tolerance
+        self.first_batch, self.tolerance, self.noise = first_batch, tolerance, noise
         self.seen: set[str] = set()  # proposed, or evaluated by the loop
         self.observed: set[str] = set()  # evaluated by the loop
         self.shortlist: list[tuple[float, Strategy]] | None = None  # stage 2, best first
+        self.shortlist_opt: Strategy = self.start  # the optimum of stage 1
         self.stage2: set[str] = set()  # keys proposed in stage 2
         self.centre: str | None = None  # key of the measured centre of stage 3
+        self.centre_ms: float | None = None
+        self.centre_result: Result | None = None
         self.reach = 1
         self.done = False
 
@@ -90,9 +95,18 @@ class DescentProposer:
         return cur, cur_ms
 
     def _stage1(self) -> list[tuple[float, Strategy]]:
-        """The descent; every strategy estimated on the way, best first."""
-        self.descend(self.start)
-        return self._known()
+        """The descent, then the first batch: the optimum, and for each knob (or K-split with its tile) the best
+        other value of it, best first: the GPU measures the alternatives the model rates nearest, one per knob,
+        instead of near copies of the optimum."""
+        opt, opt_ms = self.descend(self.start)
+        moves = self.moves(opt, FULL)  # estimated already: the last step of the descent
+        ests = self.model.many([s for _, s in moves])
+        best_per_knob: dict[str, tuple[float, Strategy]] = {}
+        for (what, st), ms in zip(moves, ests, strict=True):
+            knob = what.split("=")[0]
+            if ms < math.inf and (knob not in best_per_knob or ms < best_per_knob[knob][0]):
+                best_per_knob[knob] = (ms, st)
+        return [(opt_ms, opt)] + sorted(best_per_knob.values(), key=lambda t: t[0])
 
     def _known(self) -> list[tuple[float, Strategy]]:
         """Every strategy the cheap fidelity has estimated (and could lower), best first."""
@@ -105,13 +119,16 @@ class DescentProposer:
             self.seen.add(strategy_key(h.proposal.strategy, h.proposal.patches))
         if self.shortlist is None:
             self.shortlist = self._stage1()
+            self.shortlist_opt = self.shortlist[0][1] if self.shortlist else self.start
         out: list[Proposal] = []
         while self.shortlist and len(out) < n and len(self.stage2) < self.first_batch:
             ms, st = self.shortlist.pop(0)
             if self._fresh(st):
+                what = "its optimum" if not self.stage2 else "the best alternative for " + ", ".join(
+                    k for k, v in _diff(self.space, self.shortlist_opt, st).items())
                 self.stage2.add(strategy_key(st))
-                out.append(Proposal(st, [], f"cost-model descent from the naive lowering (estimated {ms:.4f} ms)",
-                                    self.name))
+                out.append(Proposal(st, [], f"cost-model descent from the naive lowering, {what} (estimated "
+                                    f"{ms:.4f} ms)", self.name))
         if len(out) < n and not (self.stage2 - self.observed):  # stage 3 once the first batch is measured
             out += self._stage3(ctx, n - len(out))
         return out
@@ -128,10 +145,13 @@ class DescentProposer:
         if best is None or best.ms is None or best.proposal.patches:
             self.done = not self.shortlist
             return []
+        if self.centre is not None and self.centre_ms is not None and best.ms > self.centre_ms * (1 - self.noise) \
+                and strategy_key(best.proposal.strategy) != self.centre:
+            best = self.centre_result or best  # within the timing noise of the centre: stay
         cst = best.proposal.strategy
         ckey = strategy_key(cst)
         if ckey != self.centre:
-            self.centre, self.reach = ckey, 1
+            self.centre, self.centre_ms, self.centre_result, self.reach = ckey, best.ms, best, 1
         base = self.model(cst)
         out: list[Proposal] = []
         while len(out) < n:
