@@ -123,7 +123,10 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
     )
     from validator.program import resolve
 
-    steps = run_steps(fit_runs) + file_steps(measured_files)
+    skipped: list[str] = []
+    steps = run_steps(fit_runs, skipped) + file_steps(measured_files)
+    for why in skipped:
+        click.echo(f"note: left out {why}")
     for trace, schedule in pairs:  # a trace alone: its kernel makespan and op means
         st = Step(f"trace {trace.get('metadata', {}).get('schedule_sha256') or len(steps)}", resolve(schedule),
                   int(trace.get("metadata", {}).get("ctx") or 1024), None)
@@ -151,7 +154,7 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
                                "fit_runs": fit_runs, "measured": measured_files, "holdout": holdout,
                                "fitted": fitted, "held_out": held_sum}
     if check_runs:
-        check = error_summary(run_steps(check_runs), params)
+        check = error_summary(run_steps(check_runs, skipped), params)
         click.echo(_errors_line("check runs (not fitted)", check))
         doc_fit["check"] = {"runs": check_runs, **check}
     return {**params.to_json(), "fit": doc_fit}

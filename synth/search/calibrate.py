@@ -193,17 +193,26 @@ def fit(pairs: list[tuple[dict[str, Any], Schedule]], prior: CostParams | None =
     return out
 
 
-def _measured(run_dirs: list[str]) -> list[tuple[str, Schedule, int, float]]:
-    """(label, schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings)."""
+def _measured(run_dirs: list[str], skipped: list[str] | None = None) -> list[tuple[str, Schedule, int, float]]:
+    """(label, schedule, ctx, ms) of every GPU-measured candidate in runs/<run> folders (whole-step timings). A
+    candidate whose schedule.json was left out and cannot be rebuilt as timed (a cost-model-driven assignment made
+    with other parameters) is left out too, named in `skipped`."""
     from synth.runs.rundir import RunDir
+    from validator.errors import ScheduleError
 
     out = []
     for run in run_dirs:
         rd = RunDir(run)
         for cid, timing in rd.accepted().items():
-            if not timing.get("estimated", True):
-                out.append((f"{rd.path.name}/{cid}", rd.load_candidate(cid), int(timing.get("ctx") or 1024),
-                            float(timing["ms"])))
+            if timing.get("estimated", True):
+                continue
+            try:
+                schedule = rd.load_candidate(cid)
+            except ScheduleError as exc:
+                if skipped is not None:
+                    skipped.append(f"{rd.path.name}/{cid}: {exc}")
+                continue
+            out.append((f"{rd.path.name}/{cid}", schedule, int(timing.get("ctx") or 1024), float(timing["ms"])))
     return out
 
 
@@ -455,7 +464,7 @@ def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dic
     return out
 
 
-def run_steps(run_dirs: list[str]) -> list[Step]:
+def run_steps(run_dirs: list[str], skipped: list[str] | None = None) -> list[Step]:
     """Every GPU-measured candidate of runs/<run> folders as a `Step`; the best's GPU trace (best/trace.json, when
     it is the best's and measured) adds its traced makespan and per-op means to that candidate's step."""
     import json
@@ -473,7 +482,7 @@ def run_steps(run_dirs: list[str]) -> list[Step]:
             pass
         if trace is not None and trace.get("metadata", {}).get("estimated", True):
             trace = None
-        for label, schedule, ctx, ms in _measured([run]):
+        for label, schedule, ctx, ms in _measured([run], skipped):
             st = Step(label, resolve(schedule), ctx, ms)
             if trace is not None and label.endswith(f"/{best}"):
                 _add_trace(st, trace)
