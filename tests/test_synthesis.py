@@ -233,10 +233,14 @@ def test_descent_starts_from_naive_and_stops_at_a_local_optimum_of_the_model() -
     props = d.propose(ctx, 5)
     assert len(props) == 3 and all(p.proposer == "descent" for p in props)  # stage 2 waits for its batch
     ests = [d.model(p.strategy) for p in props]
-    naive = d.model(Strategy())
-    assert ests == sorted(ests) and ests[0] < naive
-    opt = props[0].strategy
+    assert ests[0] < d.model(Strategy()) and ests[1:] == sorted(ests[1:])
+    opt = props[0].strategy  # the optimum first: no move improves it by MIN_GAIN
+    assert "its optimum" in props[0].rationale
     assert all(d.model(s) >= d.model(opt) * (1 - MIN_GAIN) for _, s in d.moves(opt, FULL))
+    centre = d.space.point(opt)
+    for p in props[1:]:  # then the best other value of one knob each (a K-split moves its tile along)
+        diff = [k for k, v in d.space.point(p.strategy).items() if centre[k] != v]
+        assert 1 <= len(diff) <= 2 and (len(diff) == 1 or diff[0].split(".")[1] == diff[1].split(".")[1]), diff
     assert d.propose(ctx, 2) == []  # nothing measured yet: stage 3 has no centre
     assert not d.exhausted
 
