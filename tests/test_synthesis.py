@@ -377,3 +377,42 @@ def test_resume_rewrites_a_best_that_a_kill_left_behind(tmp_path: Path) -> None:
     timing = json.loads((first.run_dir / "best" / "timing.json").read_text())
     assert timing["candidate"] == fastest[0] and timing["ms"] == fastest[1]["ms"]
     assert json.loads((first.run_dir / "best" / "validation.json").read_text())["interleavings"] == 50
+
+
+_PARALLEL = """
+import sys
+from pathlib import Path
+from synth.search.loop import SearchConfig, run_search
+run_search(SearchConfig(model="tiny", workers=8, budget=1000, runs_dir=Path(sys.argv[1]), run="killed", jobs=2,
+                        interleavings=10, final_interleavings=20, ctx=64, gpu=False, progress=False,
+                        proposer="evolve", notice=lambda m: None))
+"""
+
+
+def test_kill_9_of_a_parallel_search_then_resume_loses_no_accepted_candidate(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    import optuna
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-c", _PARALLEL, str(tmp_path)], env=env, stderr=subprocess.DEVNULL)
+    run = RunDir(tmp_path / "killed")
+    deadline = time.monotonic() + 120
+    while len(run.accepted()) < 5 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)  # mid-run: workers hold proposals, the main process may be writing
+    proc.wait()
+    before = run.accepted()
+    assert len(before) >= 5, "the search did not get going"
+    storage = f"sqlite:///{tmp_path / 'killed' / 'study.db'}"
+    n_before = len(optuna.load_study(study_name="megasynth-killed", storage=storage).trials)
+    summary = run_search(_cfg(tmp_path, run="killed", resume=True, budget=n_before + 4, jobs=2, proposer="evolve",
+                              interleavings=10, final_interleavings=20))
+    after = RunDir(summary.run_dir).accepted()
+    assert set(before) <= set(after) and all(after[c]["ms"] == before[c]["ms"] for c in before)
+    best = json.loads((summary.run_dir / "best" / "timing.json").read_text())
+    assert best["ms"] == min(t["ms"] for t in after.values())
+    lb = json.loads((summary.run_dir / "leaderboard.json").read_text())
+    assert {e["candidate"] for e in lb["entries"] if e["accepted"]} == set(after)
