@@ -64,6 +64,14 @@ def test_space_holds_one_wave_tiles_pair_tiles_k_splits_and_every_knob() -> None
     assert strategy_key(space.from_point(point)) == strategy_key(best)
 
 
+def test_strategy_schema_prints_the_space() -> None:
+    from synth.cli import main
+
+    res = CliRunner().invoke(main, ["strategy-schema", "--space", "llama-1b", "--workers", "132"])
+    assert res.exit_code == 0 and "tiles.final_norm_lm_head: [256, 486, 496, 512, 972, 976," in res.output
+    assert len(res.output.strip().splitlines()) == len(SearchSpace(get_model("llama-1b"), 132).knobs)
+
+
 def test_box_rows_is_the_interpreters() -> None:
     stream = pytest.importorskip("kernels.gpu.stream")  # needs triton (present where the kernel is built)
     assert int(stream.BR.value) == BOX_ROWS
@@ -416,3 +424,21 @@ def test_kill_9_of_a_parallel_search_then_resume_loses_no_accepted_candidate(tmp
     assert best["ms"] == min(t["ms"] for t in after.values())
     lb = json.loads((summary.run_dir / "leaderboard.json").read_text())
     assert {e["candidate"] for e in lb["entries"] if e["accepted"]} == set(after)
+
+
+def test_the_curve_keeps_the_searched_candidates_readable_under_a_slow_baseline() -> None:
+    import re
+
+    from synth.runs.report import Entry, curve_svg
+
+    entries = [Entry("c0000", 1.34, False, True, "naive"), Entry("c0001", 0.892, False, True, "seeds"),
+               Entry("c0002", 0.905, False, True, "descent"), Entry("c0003", 0.887, False, True, "descent")]
+    svg, estimated, mixed, clipped = curve_svg(entries)
+    assert clipped and not estimated and not mixed
+    assert "naive 1.340 ms ↑" in svg and "descent 0.887 ms" in svg and "↑" not in svg.split("descent")[1]
+    ys = {c: float(y) for y, c in re.findall(r'cy="([\d.]+)"[^>]*data-candidate="(c\d+)"', svg)}
+    assert ys["c0000"] == min(ys.values())  # the baseline on the top edge
+    # the searched candidates spread over the axis: a 2 % spread, not a sliver under a 50 % slower baseline
+    assert ys["c0003"] - ys["c0002"] > 0.5 * (ys["c0003"] - ys["c0000"])
+    full = curve_svg(entries[1:])
+    assert full is not None and not full[3]  # no baseline far above: nothing on the edge

@@ -107,9 +107,22 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
 
 @click.command("strategy-schema")
 @click.option("--patches", is_flag=True, help="Print the schema of one patch instead.")
-def strategy_schema(patches: bool) -> None:
-    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes) or of a patch."""
-    if patches:
+@click.option("--space", "space_model", default=None, metavar="MODEL",
+              help="Print the values the built-in search tries for each knob on MODEL instead (see --workers).")
+@click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True,
+              help="SMs the search space is for (one-wave tiles and splits depend on it).")
+def strategy_schema(patches: bool, space_model: str | None, workers: int) -> None:
+    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes), of a patch, or the search space."""
+    if space_model:
+        from synth.lowering.models import get_model
+        from synth.lowering.strategy import SearchSpace
+
+        try:
+            spec = get_model(space_model)
+        except KeyError as exc:
+            raise click.BadParameter(str(exc.args[0]), param_hint="--space") from None
+        click.echo("\n".join(SearchSpace(spec, workers).describe()))
+    elif patches:
         from synth.lowering.patches import patch_schema
 
         click.echo(json.dumps(patch_schema(), indent=1))

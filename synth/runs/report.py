@@ -619,10 +619,10 @@ def _candidate_number(candidate: str) -> int | None:
     return int(digits) if digits else None
 
 
-def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tuple[str, bool, bool] | None:
+def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tuple[str, bool, bool, bool] | None:
     """The synthesis curve: every accepted candidate's time at its trial number, and per proposer the best time so
-    far (a step line carried to the last trial). Returns (svg, any estimated, estimated and measured mixed), or None
-    when no candidate has a time."""
+    far (a step line carried to the last trial). Returns (svg, any estimated, estimated and measured mixed, some
+    drawn on the top edge because they lie above the axis), or None when no candidate has a time."""
     timed = sorted(((n, e) for e in entries if e.accepted and e.ms is not None
                     and (n := _candidate_number(e.candidate)) is not None), key=lambda ne: ne[0])
     if not timed:
@@ -630,6 +630,11 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
     numbers = [n for e in entries if (n := _candidate_number(e.candidate)) is not None]
     n_max = max(max(numbers), 1)
     lo, hi = min(e.ms for _, e in timed), max(e.ms for _, e in timed)  # type: ignore[type-var]
+    # A naive baseline far above the searched candidates would squash their differences into a sliver: the axis
+    # then ends above the searched ones, and what lies higher is drawn on its top edge (its legend says so).
+    searched = [e.ms for _, e in timed if e.proposer != "naive"]
+    if searched and hi > 1.2 * max(searched):  # type: ignore[type-var]
+        hi = max(searched)  # type: ignore[type-var]
     pad = (hi - lo) * 0.08 or lo * 0.05 or 1.0
     lo, hi = lo - pad, hi + pad
     x0, x1, y0, y1 = 64, width - 170, 12, height - 40
@@ -638,7 +643,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
         return round(x0 + (x1 - x0) * n / n_max, 1)
 
     def sy(ms: float) -> float:
-        return round(y1 - (y1 - y0) * (ms - lo) / (hi - lo), 1)
+        return round(y1 - (y1 - y0) * (min(ms, hi) - lo) / (hi - lo), 1)
 
     series: dict[str, dict[str, Any]] = {}
     for n, e in timed:
@@ -653,7 +658,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
         s["best"].append(best)
     for s in series.values():
         s["path"] += f"H{sx(n_max)}"
-        s["best_label"] = fmt_ms(s["best"][-1])
+        s["best_label"] = fmt_ms(s["best"][-1]) + (" ↑" if s["best"][-1] > hi else "")
     ticks = 4
     yticks = [{"y": sy(lo + (hi - lo) * k / ticks), "label": f"{lo + (hi - lo) * k / ticks:.3f}"}
               for k in range(ticks + 1)]
@@ -661,7 +666,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
     estimated = {e.estimated for _, e in timed}
     svg = _render("curve.svg.j2", width=width, height=height, x0=x0, x1=x1, y0=y0, y1=y1, yticks=yticks,
                   xticks=xticks, series=list(series.values()))
-    return svg, True in estimated, len(estimated) > 1
+    return svg, True in estimated, len(estimated) > 1, any(e.ms > hi for _, e in timed)  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -900,7 +905,7 @@ def render_report(run: Run) -> str:
     page = {"command": (" ".join(map(str, cmd)) if isinstance(cmd, list) else cmd) if cmd else None,
             "estimated": est_any, "cards": cards,
             "chart": {"svg": bar_chart_svg(bars), "baselines": bool(baselines), "hatched": any(b[3] for b in bars)},
-            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2]} if curve else None,
+            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2], "clipped": curve[3]} if curve else None,
             "timeline": timeline, "per_op": per_op, "critical_path": critical,
             "validation": _validation_view(validation, "Validation of the best schedule"),
             "candidates": _candidates_view(run) if run.entries else None,
