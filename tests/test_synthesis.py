@@ -442,3 +442,50 @@ def test_the_curve_keeps_the_searched_candidates_readable_under_a_slow_baseline(
     assert ys["c0003"] - ys["c0002"] > 0.5 * (ys["c0003"] - ys["c0000"])
     full = curve_svg(entries[1:])
     assert full is not None and not full[3]  # no baseline far above: nothing on the edge
+
+
+class _ModelTimer:
+    """Stands in for the GPU (no CUDA here): the cost model's estimate, off by a few % per schedule, as the GPU is."""
+
+    device = "fake GPU"
+    TOLERANCE = 2e-2
+
+    def __init__(self, schedule, ctx: int, *args, **kwargs) -> None:
+        self.ctx = ctx
+
+    def check(self, schedule) -> float:
+        return 0.0
+
+    def time(self, schedule) -> dict:
+        import hashlib
+
+        from synth.runs.rundir import schedule_key
+
+        off = int(hashlib.sha256(schedule_key(schedule).encode()).hexdigest()[:6], 16) / 0xFFFFFF - 0.5
+        ms = estimate(schedule, self.ctx, V10).makespan_ms * (1 + 0.06 * off)
+        return {"ms": ms, "median_ms": ms, "estimated": False, "source": "GPU (fake GPU)"}
+
+    def trace(self, schedule) -> None:
+        return None
+
+
+def test_default_search_on_a_fake_gpu_times_seeds_and_descent_side_by_side(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import synth.search.evaluate as evaluate
+    import synth.search.loop as loop
+
+    monkeypatch.setattr(evaluate, "GpuTimer", _ModelTimer)
+    monkeypatch.setattr(loop, "gpu_name", lambda: "fake GPU")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    summary = run_search(_cfg(tmp_path, gpu=True, jobs=2, budget=16, proposer="auto", cost_params=V10))
+    run = RunDir(summary.run_dir)
+    acc = run.accepted()
+    assert not summary.estimated and all(not t["estimated"] for t in acc.values())
+    assert len(acc) + len(run.rejected()) == 16
+    who = {t["proposer"] for t in acc.values()}
+    assert {"naive", "seeds", "descent"} <= who
+    assert any(t["rationale"].startswith("hill climbing on the measurements") for t in acc.values())
+    assert set(summary.best_by_proposer) >= {"seeds", "descent"}
+    best = json.loads((summary.run_dir / "best" / "timing.json").read_text())
+    assert best["ms"] == min(t["ms"] for t in acc.values()) and best["estimated"] is False
