@@ -184,6 +184,18 @@ class RunDir:
             write_json_atomic(d / "trace.json", trace, indent=None)
         write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
 
+    def best_per_proposer(self) -> dict[str, tuple[str, float]]:
+        """proposer -> (candidate, ms) of its fastest accepted candidate (estimates do not rank against GPU
+        measurements: in a run with measurements only measured candidates count)."""
+        acc = self.accepted()
+        measured = any(not t.get("estimated", True) for t in acc.values())
+        out: dict[str, tuple[str, float]] = {}
+        for cid, t in acc.items():
+            who = t.get("proposer") or "?"
+            if (not measured or not t.get("estimated", True)) and (who not in out or t["ms"] < out[who][1]):
+                out[who] = (cid, t["ms"])
+        return out
+
     def write_leaderboard(self) -> dict[str, Any]:
         """Rebuild leaderboard.json from the files on disk (so concurrent or resumed searches agree)."""
         acc = self.accepted()

@@ -383,18 +383,12 @@ class Search:
 
     def summary(self, evaluated: int, seconds: float) -> SearchSummary:
         acc = self.run.accepted()
-        statuses = [status_of(r) for r in self.run.rejected().values()]
+        screened = sum(status_of(r) == "screened" for r in self.run.rejected().values())
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
-        measured = any(not t.get("estimated", True) for t in acc.values())
-        per: dict[str, tuple[str, float]] = {}
-        for cid, t in acc.items():  # estimates do not rank against GPU measurements
-            who = t.get("proposer") or "?"
-            if (not measured or not t.get("estimated", True)) and (who not in per or t["ms"] < per[who][1]):
-                per[who] = (cid, t["ms"])
-        return SearchSummary(self.run.path, evaluated, len(acc), sum(s != "screened" for s in statuses),
+        return SearchSummary(self.run.path, evaluated, len(acc), len(self.run.rejected()) - screened,
                              best[0] if best else None, best[1]["ms"] if best else None,
-                             acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds,
-                             screened=statuses.count("screened"), best_by_proposer=per)
+                             acc.get(BASELINE, {}).get("ms"), not self.gpu, seconds, screened=screened,
+                             best_by_proposer=self.run.best_per_proposer())
 
 
 def _alive(pid: int) -> bool:
