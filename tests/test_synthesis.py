@@ -271,6 +271,17 @@ def test_descent_climbs_from_the_best_measurement_not_the_model() -> None:
     assert len({strategy_key(p.strategy) for p in nxt}) == len(nxt)
 
 
+def test_climbing_takes_each_knobs_best_move_before_any_knobs_second() -> None:
+    from synth.search.proposers.descent import _knob_by_knob
+
+    st = Strategy()
+    ranked = [(0.90, "tiles.x=1", st), (0.91, "tiles.x=2", st), (0.92, "k_splits.y=2+tiles.y=32", st),
+              (0.93, "tiles.x=3", st), (0.94, "order=critical_path", st), (0.95, "k_splits.y=4+tiles.y=64", st)]
+    assert [w for _, w, _ in _knob_by_knob(ranked)] == [
+        "tiles.x=1", "k_splits.y=2+tiles.y=32", "order=critical_path", "tiles.x=2", "k_splits.y=4+tiles.y=64",
+        "tiles.x=3"]
+
+
 def test_no_seed_search_reaches_the_model_optimum(tmp_path: Path) -> None:
     summary = run_search(_cfg(tmp_path, proposer="descent", budget=8, cost_params=V10, model="tiny", workers=8))
     run = RunDir(summary.run_dir)

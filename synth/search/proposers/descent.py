@@ -9,11 +9,12 @@ the real measurements with the cost model ranking the moves. It needs no seeds: 
    knob the best point estimated with another value of it, best first, `first_batch` of them: the alternatives
    the model rates nearest, one per knob, where it is most likely to be wrong by a few %.
 3. Measured hill climbing: around the best *measured* candidate, its neighbours ranked by the cost model; those
-   the model rates within `tolerance` of the centre are proposed, best first (the model is a few % off, so a
-   neighbour it rates slightly worse may measure better). A measurement better by more than the timing noise
-   (`noise`) moves the centre. When the
-   neighbourhood is spent it widens (two steps per knob, then pairs of the best single moves); when that is spent
-   too, the proposer has nothing more and a chain moves on (`auto`: to evolution).
+   the model rates within `tolerance` of the centre are proposed, the best move of each knob first, then each
+   knob's second best, and so on (the model is a few % off, so a neighbour it rates slightly worse may measure
+   better, and its ranking among the values of one knob is finer than it can tell). A measurement better by more
+   than the timing noise (`noise`) moves the centre. When the neighbourhood is spent it widens (two steps per
+   knob, then pairs of the best single moves); when that is spent too, the proposer has nothing more and a chain
+   moves on (`auto`: to evolution).
 
 Only stage 2 and 3 spend candidates, so a GPU run times only the points the cost model ranks highest.
 """
@@ -159,8 +160,8 @@ class DescentProposer:
             if self.reach > 2:
                 moves = [(what, s) for what, s in self._pairs(cst) if strategy_key(s) not in self.seen]
             ests = self.model.many([s for _, s in moves])
-            ranked = sorted((e, what, s) for e, (what, s) in zip(ests, moves, strict=True)
-                            if e < base * (1 + self.tolerance))
+            ranked = _knob_by_knob(sorted((e, what, s) for e, (what, s) in zip(ests, moves, strict=True)
+                                          if e < base * (1 + self.tolerance)))
             for e, what, s in ranked:
                 if len(out) >= n:
                     break
@@ -194,6 +195,19 @@ class DescentProposer:
         key = strategy_key(result.proposal.strategy, result.proposal.patches)
         self.seen.add(key)
         self.observed.add(key)
+
+
+def _knob_by_knob(ranked: list[tuple[float, str, Strategy]]) -> list[tuple[float, str, Strategy]]:
+    """Moves ranked by estimate, re-ordered to take the best move of each knob first, then each knob's second best,
+    and so on: the model's differences of a few 0.1 % between values of one knob are below what it can tell, and a
+    measurement per knob says more than three of one."""
+    rounds: dict[str, int] = {}
+    keyed = []
+    for k, (e, what, s) in enumerate(ranked):
+        knob = what.split("=")[0]
+        rounds[knob] = rounds.get(knob, -1) + 1
+        keyed.append((rounds[knob], k, (e, what, s)))
+    return [m for _, _, m in sorted(keyed, key=lambda t: (t[0], t[1]))]
 
 
 def _diff(space: SearchSpace, a: Strategy, b: Strategy) -> dict[str, Any]:
