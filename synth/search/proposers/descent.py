@@ -21,13 +21,12 @@ Only stage 2 and 3 spend candidates, so a GPU run times only the points the cost
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from synth.lowering.costmodel import CostParams
 from synth.lowering.models import ModelSpec
-from synth.lowering.strategy import K_SPLIT_OPS, SearchSpace, Strategy, parse_strategy
+from synth.lowering.strategy import K_SPLIT_OPS, SearchSpace, Strategy
 from synth.search.proposers.base import Proposal, Result, SearchContext, strategy_key
 from synth.search.surrogate import Surrogate
 
@@ -108,11 +107,6 @@ class DescentProposer:
             if ms < math.inf and (knob not in best_per_knob or ms < best_per_knob[knob][0]):
                 best_per_knob[knob] = (ms, st)
         return [(opt_ms, opt)] + sorted(best_per_knob.values(), key=lambda t: t[0])
-
-    def _known(self) -> list[tuple[float, Strategy]]:
-        """Every strategy the cheap fidelity has estimated (and could lower), best first."""
-        rows = [(ms, key) for key, ms in self.model.cache.items() if ms < math.inf]
-        return [(ms, parse_strategy(json.loads(key)[0])) for ms, key in sorted(rows)]
 
     # -- stages 2 and 3 --------------------------------------------------------------------------------------
     def propose(self, ctx: SearchContext, n: int) -> list[Proposal]:
