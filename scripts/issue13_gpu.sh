@@ -6,7 +6,8 @@
 #   4. llama-8b, the default search                     ~12 candidates, --time-limit 120  -> runs/llama-8b-h200
 # then packs the four run folders into $OUT/runs-issue13.tar.xz (schedules included: ~40 KB each compressed) and
 # the logs into $OUT. Expected wall time ~7-8 min (each search stops at its time limit at the latest, then
-# finishes the candidates in flight). Unpack here with `tar -xJf runs-issue13.tar.xz`, then refit the cost model:
+# finishes the candidates in flight). With CALIBRATE=1 it also refits the cost model there (+1-2 min); else unpack
+# here with `tar -xJf runs-issue13.tar.xz` and refit on a CPU (~8 min on 2 cores):
 #   synth calibrate --fit-run runs/llama-1b-noseed-h200 --fit-run runs/llama-1b-default-h200 \
 #     --fit-run runs/llama-3b-h200 --fit-run runs/llama-8b-h200 --measured bench/v10/measured_steps.json \
 #     --holdout 0.3 -o synth/data/h200_costmodel.json
@@ -27,4 +28,9 @@ run llama-3b-h200 llama3b.log --model llama-3b --budget 16 --time-limit 90
 run llama-8b-h200 llama8b.log --model llama-8b --budget 12 --time-limit 120
 tar -cJf "$OUT/runs-issue13.tar.xz" --exclude=study.db-journal \
     runs/llama-1b-noseed-h200 runs/llama-1b-default-h200 runs/llama-3b-h200 runs/llama-8b-h200
+if [ "${CALIBRATE:-0}" = 1 ]; then  # the refit on this machine's 16 cores (~1-2 min; ~8 min on 2 cores elsewhere)
+    python -m synth.cli calibrate --fit-run runs/llama-1b-noseed-h200 --fit-run runs/llama-1b-default-h200 \
+        --fit-run runs/llama-3b-h200 --fit-run runs/llama-8b-h200 --measured bench/v10/measured_steps.json \
+        --holdout 0.3 --jobs 15 -o "$OUT/h200_costmodel.json" 2>&1 | tee "$OUT/calibrate.log"
+fi
 ls -la "$OUT"
