@@ -83,7 +83,7 @@ class Surrogate:
         return [self.cache[k] for k in keys]
 
     def _run(self, strategies: list[Strategy]) -> list[float]:
-        if self.jobs <= 1 or len(strategies) < 2 or self.spec.name not in _known():
+        if self.jobs <= 1 or len(strategies) < 2 or self.spec.name not in _model_names():
             return [extrapolated_ms(self.spec, self.workers, s, self.params, self.ctx) for s in strategies]
         if self._pool is None:
             self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
@@ -101,7 +101,7 @@ class Surrogate:
             self._pool = None
 
 
-def _known() -> set[str]:
+def _model_names() -> set[str]:
     from synth.lowering.models import MODELS
 
     return set(MODELS)

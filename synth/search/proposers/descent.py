@@ -166,7 +166,8 @@ class DescentProposer:
             if len(out) >= n or (ranked and len(out) > 0):
                 break
             if self.reach > 2:
-                self.done = True  # the neighbourhood of the best is spent
+                self.done = True  # the neighbourhood of the best is spent: free the estimating processes
+                self.model.close()
                 break
             self.reach += 1
         return out
