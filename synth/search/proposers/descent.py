@@ -124,7 +124,7 @@ class DescentProposer:
                 self.stage2.add(strategy_key(st))
                 out.append(Proposal(st, [], f"cost-model descent from the naive lowering, {what} (estimated "
                                     f"{ms:.4f} ms)", self.name))
-        if len(out) < n and not (self.stage2 - self.observed):  # stage 3 once the first batch is measured
+        if len(out) < n and not self.done and not (self.stage2 - self.observed):  # stage 3 once the batch is measured
             out += self._stage3(ctx, n - len(out))
         return out
 
