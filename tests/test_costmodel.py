@@ -78,10 +78,7 @@ def test_committed_parameters_load_and_say_where_they_come_from() -> None:
     assert p.source.startswith(("prior", "fitted")) and p.notes
     assert p.total_bw == pytest.approx(4.19e6) and 0 < p.hop_us < 10
     assert all(0 < op.eff <= 1 and op.overhead_us >= 0 for op in p.ops.values())
-    # The shipped fit was checked against measured H200 timings: keep it within the goal.
-    fit_doc = json.loads((Path(__file__).resolve().parents[1] / "synth" / "data" / "h200_costmodel.json").read_text())
-    if p.source.startswith("fitted"):
-        assert fit_doc["fit"]["gpu_check_timings"]["median_abs_pct_error"] <= 10
+    # (its error on measured H200 steps it was not fitted to: tests/test_synthesis.py)
 
 
 def _synthetic(n: int, secret: CostParams, noise: float, seed: int = 0) -> list[tuple[dict, object]]:
@@ -133,7 +130,9 @@ def test_calibrate_cli_writes_parameters(tmp_path: Path) -> None:
         (d / "schedule.json").write_text(json.dumps(sched.to_json()))
         traces.append(str(d / "trace.json"))
     out = tmp_path / "fit.json"
-    res = CliRunner().invoke(calibrate, [*traces, "-o", str(out)])
+    v9 = tmp_path / "v9.json"
+    CostParams().save(v9)  # ring_bytes 0: the per-instruction fit of interpreter v9
+    res = CliRunner().invoke(calibrate, [*traces, "--prior", str(v9), "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert "median absolute error" in res.output
     p = load_params(out)
@@ -142,7 +141,7 @@ def test_calibrate_cli_writes_parameters(tmp_path: Path) -> None:
     est = json.loads(Path(traces[0]).read_text())
     est["metadata"]["estimated"] = True
     Path(traces[0]).write_text(json.dumps(est))
-    res = CliRunner().invoke(calibrate, [traces[0]])
+    res = CliRunner().invoke(calibrate, [traces[0], "--prior", str(v9)])
     assert res.exit_code == 2 and "$.metadata.estimated" in res.output
 
 

@@ -81,23 +81,26 @@ def test_resume_keeps_accepted_results_and_continues(tmp_path: Path) -> None:
     assert len(RunDir(second.run_dir).accepted()) + len(RunDir(second.run_dir).rejected()) == 7
 
 
-def test_auto_without_llm_is_heuristic_then_evolve(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_without_llm_is_seeds_then_descent_then_evolve(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
     notes: list[str] = []
-    p = resolve_proposer("auto", "tiny", 8, notice=notes.append)
-    assert isinstance(p, ChainProposer) and len(notes) == 1 and "heuristic" in notes[0]
+    p = resolve_proposer("auto", "tiny", 8, notice=notes.append, ctx=64)
+    assert isinstance(p, ChainProposer) and len(notes) == 1 and "seeds" in notes[0] and "descent" in notes[0]
     with pytest.raises(ValueError, match="OPENAI"):
         resolve_proposer("llm", "tiny", 8)
     ctx = SearchContext("tiny", 8, "cpu", None, [], None, True)
-    props = p.propose(ctx, 3)
-    assert len(props) == 3 and all(isinstance(x.strategy, Strategy) for x in props)
+    props = p.propose(ctx, 5)
+    assert len(props) == 5 and all(isinstance(x.strategy, Strategy) for x in props)
+    assert [x.proposer for x in props] == ["seeds"] * 3 + ["descent"] * 2
 
 
 def test_evolve_uses_accepted_parents() -> None:
+    from synth.lowering.models import get_model
+    from synth.lowering.strategy import SearchSpace
     from synth.search.proposers.evolve import EvolveProposer
 
-    ev = EvolveProposer(seed=1)
+    ev = EvolveProposer(SearchSpace(get_model("tiny"), 8), seed=1)
     parents = [Result(f"c000{k}", Proposal(Strategy(attn_splits=k + 1)), True, 1.0 + k, True,
                       profile={"critical_path": [3, 4, 5]}) for k in range(3)]
     ctx = SearchContext("tiny", 8, "cpu", parents[0], parents, 1.0, True)
@@ -324,12 +327,14 @@ class _FakeAgent:
 
 
 def test_auto_falls_back_to_builtin_when_the_agent_is_exhausted() -> None:
+    from synth.lowering.models import get_model
+    from synth.lowering.strategy import SearchSpace
     from synth.search.proposers.auto import FallbackProposer
     from synth.search.proposers.heuristic import HeuristicProposer
 
     notices: list[str] = []
     agent = _FakeAgent(left=2)
-    auto = FallbackProposer(agent, HeuristicProposer(0), notices.append)
+    auto = FallbackProposer(agent, HeuristicProposer(SearchSpace(get_model("tiny"), 4), 0), notices.append)
     ctx = SearchContext("tiny", 4, "cost model (CPU)", None, [], None, True)
     assert [p.proposer for p in auto.propose(ctx, 4)] == ["llm"]
     assert [p.proposer for p in auto.propose(ctx, 4)] == ["llm"]

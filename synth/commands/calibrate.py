@@ -1,10 +1,19 @@
-"""`synth calibrate TRACE... [-o FILE]`: fit the cost model to GPU traces and report its makespan error."""
+"""`synth calibrate`: fit the cost model to GPU measurements and report its error on measurements left out.
+
+Two fits, picked by the prior's kernel: for interpreter v10 (a prior with `ring_bytes`, the committed file) every
+free parameter is fitted to whole-step times (`synth.search.calibrate.fit_steps`) of the GPU-measured candidates of
+`--fit-run` runs, the steps of `--measured` files and the traces they carry; for v9 (`ring_bytes` 0) the per-op
+least squares on traced instructions, then the hop latency (and one SM's peak with `--fit-run`) on makespans.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -12,31 +21,60 @@ from validator.errors import ScheduleError
 
 
 @click.command("calibrate")
-@click.argument("traces", nargs=-1, required=True, type=click.Path(dir_okay=False, exists=True))
+@click.argument("traces", nargs=-1, type=click.Path(dir_okay=False, exists=True))
 @click.option("--schedule", "schedules", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="The schedule of each trace, in the same order (default: schedule.json beside each trace).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write the fitted parameters here (e.g. synth/data/h200_costmodel.json).")
 @click.option("--prior", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Starting parameters (default: the committed H200 file).")
+              help="Starting parameters (default: the committed H200 file); its kernel picks the fit.")
 @click.option("--allow-estimated", is_flag=True, help="Accept traces labelled estimated (tests only).")
 @click.option("--fit-run", "fit_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
-              help="A runs/<run> folder of a GPU search: fit hop latency and one SM's peak bandwidth to its measured "
-              "whole-step times too (slower: a grid of fits).")
+              help="A runs/<run> folder of a GPU search: fit to its measured candidates (and its best's trace).")
+@click.option("--measured", "measured_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="A megasynth-measured-steps/1 file (e.g. bench/v10/measured_steps.json): fit to its steps too.")
 @click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
-              help="A runs/<run> folder of a GPU search: report the fitted model's error on every measured candidate.")
+              help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates.")
+@click.option("--holdout", type=click.FloatRange(0, 0.9), default=0.3, show_default=True,
+              help="v10: this fraction of the measured steps (picked by a hash of their names) is left out of the fit "
+              "and reported.")
+@click.option("--max-fit", type=click.IntRange(4, 100_000), default=40, show_default=True,
+              help="v10: steps the optimisation uses at most (spread over the measured times; all are reported).")
+@click.option("--iterations", type=click.IntRange(1, 100), default=12, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="v10: processes [default: cores - 1].")
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
-              allow_estimated: bool, fit_runs: tuple[str, ...], check_runs: tuple[str, ...]) -> None:
-    """Fit per-op cost-model parameters from GPU traces (kernels/trace.py format) and their schedules."""
+              allow_estimated: bool, fit_runs: tuple[str, ...], measured_files: tuple[str, ...],
+              check_runs: tuple[str, ...], holdout: float, max_fit: int, iterations: int, jobs: int | None) -> None:
+    """Fit the cost model to GPU measurements (runs, measured-step files, traces) and report its error."""
     from synth.lowering.costmodel import load_params
-    from synth.search.calibrate import fit
-    from validator.atomic import write_json_atomic
-    from validator.schedule import load_schedule
 
     if schedules and len(schedules) != len(traces):
         raise click.BadParameter(f"{len(schedules)} schedules for {len(traces)} traces", param_hint="--schedule")
-    pairs = []
-    devices = set()
+    pairs, devices = _read_traces(traces, schedules, allow_estimated)
+    base = load_params(prior)
+    try:
+        if base.ring_bytes > 0:
+            doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
+                           iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)))
+        else:
+            if not pairs:
+                raise click.UsageError("a v9 prior fits per-op parameters on traces: give at least one TRACE")
+            doc = _fit_v9(pairs, base, list(fit_runs), list(check_runs), ", ".join(sorted(devices)))
+    except (ValueError, ScheduleError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if output:
+        from validator.atomic import write_json_atomic
+
+        write_json_atomic(output, doc)
+        click.echo(f"wrote {output}")
+
+
+def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_estimated: bool
+                 ) -> tuple[list[tuple[dict[str, Any], Any]], set[str]]:
+    from validator.schedule import load_schedule
+
+    pairs, devices = [], set()
     for k, tpath in enumerate(traces):
         try:
             trace = json.loads(Path(tpath).read_text(encoding="utf-8"))
@@ -58,15 +96,76 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         except ScheduleError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
-    from synth.search.calibrate import PEAK_GRID, measured_steps
+    return pairs, devices
 
-    measured = measured_steps(list(fit_runs)) if fit_runs else None
-    try:
-        result = fit(pairs, load_params(prior), ", ".join(sorted(devices)), measured=measured,
-                     peaks=PEAK_GRID if measured else None)
-    except ValueError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+
+def _errors_line(what: str, summary: dict[str, Any]) -> str:
+    if not summary["n"]:
+        return f"{what}: no measured steps"
+    return (f"{what}: median |error| {summary['median_abs_pct_error']:.2f}%, max {summary['max_abs_pct_error']:.2f}% "
+            f"over {summary['n']} measured steps")
+
+
+def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[str], measured_files: list[str],
+             check_runs: list[str], holdout: float, max_fit: int, iterations: int, jobs: int,
+             device: str) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from synth.search.calibrate import (
+        Step,
+        _add_trace,
+        error_summary,
+        file_steps,
+        fit_steps,
+        run_steps,
+        split_held_out,
+        subsample,
+    )
+    from validator.program import resolve
+
+    skipped: list[str] = []
+    steps = run_steps(fit_runs, skipped) + file_steps(measured_files)
+    for why in skipped:
+        click.echo(f"note: left out {why}")
+    for trace, schedule in pairs:  # a trace alone: its kernel makespan and op means
+        st = Step(f"trace {trace.get('metadata', {}).get('schedule_sha256') or len(steps)}", resolve(schedule),
+                  int(trace.get("metadata", {}).get("ctx") or 1024), None)
+        _add_trace(st, trace)
+        steps.append(st)
+    if not steps:
+        raise ValueError("nothing to fit: give --fit-run, --measured or traces")
+    fit_set, held = split_held_out(steps, holdout)
+    used = subsample(fit_set, max_fit)
+    click.echo(f"fitting {len(used)} of {len(fit_set)} steps ({len(held)} held out) with {jobs} processes")
+    result = fit_steps(used, base, iterations=iterations, jobs=jobs, notice=click.echo)
+    what = " + ".join(", ".join(names) for names in (fit_runs, measured_files) if names)
+    what += f"{' + ' if what else ''}{len(pairs)} traces" if pairs else ""
+    params = replace(result.params, source=f"fitted to {len(fit_set)} measured steps ({what})"
+                     + (f" ({device})" if device else ""),
+                     notes="synth calibrate (v10 step fit): " + ", ".join(result.free) + " fitted by Levenberg-"
+                     "Marquardt to the log error of whole-step times (and traced makespans and per-op means); "
+                     f"{len(held)} steps held out. Refit: synth calibrate --fit-run runs/<gpu run>... "
+                     "--measured bench/v10/measured_steps.json -o synth/data/h200_costmodel.json")
+    fitted = error_summary(fit_set, params)
+    click.echo(_errors_line("fit", fitted))
+    held_sum = error_summary(held, params)
+    click.echo(_errors_line("held out (not fitted)", held_sum) + " (goal: median <= 3%, max <= 10%)")
+    doc_fit: dict[str, Any] = {"mode": "steps", "free": result.free, "iterations": result.iterations,
+                               "fit_runs": fit_runs, "measured": measured_files, "holdout": holdout,
+                               "fitted": fitted, "held_out": held_sum}
+    if check_runs:
+        check = error_summary(run_steps(check_runs, skipped), params)
+        click.echo(_errors_line("check runs (not fitted)", check))
+        doc_fit["check"] = {"runs": check_runs, **check}
+    return {**params.to_json(), "fit": doc_fit}
+
+
+def _fit_v9(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[str], check_runs: list[str],
+            device: str) -> dict[str, Any]:
+    from synth.search.calibrate import PEAK_GRID, fit, measured_steps
+
+    measured = measured_steps(fit_runs) if fit_runs else None
+    result = fit(pairs, base, device, measured=measured, peaks=PEAK_GRID if measured else None)
     click.echo(f"{'op':<22} {'n':>6} {'eff':>7} {'overhead_us':>12} {'med |err| %':>12}")
     for op, r in result.per_op.items():
         click.echo(f"{op:<22} {r['n']:>6} {r['eff']:>7.3f} {r['overhead_us']:>12.3f} "
@@ -74,18 +173,14 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     med = result.median_abs_pct_error
     click.echo(f"makespan: median absolute error {med:.2f}% over {len(result.makespans)} schedules"
                + (" (goal <= 10%)" if med is not None else ""))
-    fit_doc = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med,
-               "fit_runs": list(fit_runs), "sm_peak": result.params.sm_peak, "hop_us": result.params.hop_us}
+    fit_doc: dict[str, Any] = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med,
+                               "fit_runs": fit_runs, "sm_peak": result.params.sm_peak, "hop_us": result.params.hop_us}
     if check_runs:
-        import statistics
-
         from synth.search.calibrate import check_runs as check
 
-        rows = check(list(check_runs), result.params)
+        rows = check(check_runs, result.params)
         cmed = statistics.median(abs(r["error_pct"]) for r in rows) if rows else None
-        fit_doc["check"] = {"runs": list(check_runs), "schedules": rows, "median_abs_pct_error": cmed}
+        fit_doc["check"] = {"runs": check_runs, "schedules": rows, "median_abs_pct_error": cmed}
         click.echo(f"held-out check: median absolute error {cmed:.2f}% over {len(rows)} measured schedules"
                    if rows else "held-out check: no GPU-measured candidates in those runs")
-    if output:
-        write_json_atomic(output, {**result.params.to_json(), "fit": fit_doc})
-        click.echo(f"wrote {output}")
+    return {**result.params.to_json(), "fit": fit_doc}

@@ -50,11 +50,12 @@ def list_cmd(runs_dir: str) -> None:
     if not found:
         click.echo(f"no runs in {runs_dir}/ (run `synth search` first)", err=True)
         return
-    table = Table("run", "model", "GPU", "best ms/token", "vs naive", "accepted", "rejected", "date (UTC)")
+    table = Table("run", "model", "GPU", "best ms/token", "vs naive", "accepted", "screened", "rejected",
+                  "date (UTC)")
     for r in found:
         b, sp = r.best(), r.speedup()
         table.add_row(r.name, r.model, r.gpu, fmt_ms(b.ms, b.estimated) if b else "—",
-                      f"{sp:.2f}×" if sp else "—", str(r.accepted), str(r.rejected), r.date)
+                      f"{sp:.2f}×" if sp else "—", str(r.accepted), str(r.screened), str(r.rejected), r.date)
     Console(width=200).print(table)
 
 
@@ -78,13 +79,13 @@ def _show(r: Run) -> None:
     if cmd:
         con.print("command: " + (" ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd)), markup=False)
     con.print(f"best {fmt_ms(b.ms, b.estimated) if b else '—'}   naive {fmt_ms(n.ms, n.estimated) if n else '—'}   "
-              f"speed-up {f'{sp:.2f}×' if sp else '—'}   accepted {r.accepted}   rejected {r.rejected}")
+              f"speed-up {f'{sp:.2f}×' if sp else '—'}   accepted {r.accepted}   screened {r.screened}   "
+              f"rejected {r.rejected}")
     if r.entries:
         table = Table("candidate", "proposer", "verdict", "ms/token", "note", title="top candidates")
         order = sorted(r.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else float("inf")))
         for e in order[:15]:
-            table.add_row(e.candidate, e.proposer, "accepted" if e.accepted else "rejected",
-                          fmt_ms(e.ms, e.estimated), e.note[:60])
+            table.add_row(e.candidate, e.proposer, e.verdict, fmt_ms(e.ms, e.estimated), e.note[:60])
         con.print(table)
     trace_file = r.path / "best" / "trace.json"
     if trace_file.is_file():

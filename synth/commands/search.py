@@ -15,9 +15,11 @@ from validator.errors import ScheduleError
 @click.option("--model", "model_name", default="llama-1b", show_default=True, help="Model spec (synth models).")
 @click.option("--workers", type=click.IntRange(1, 4096), default=None,
               help="Workers (persistent programs). Default: the GPU's SM count, else 132.")
-@click.option("--proposer", type=click.Choice(["heuristic", "evolve", "tpe", "llm", "auto"]), default="auto",
-              show_default=True, help="auto = the LLM agent when OPENAI_API_KEY/OPENAI_BASE_URL is set, else "
-              "heuristic then evolve.")
+@click.option("--proposer", type=click.Choice(["auto", "descent", "seeds", "heuristic", "evolve", "tpe", "llm"]),
+              default="auto", show_default=True,
+              help="descent = cost-model descent from the naive lowering, then hill climbing on the measurements (no "
+              "seeds); seeds (alias heuristic) = the hand-written strategies; auto = the LLM agent when "
+              "OPENAI_API_KEY/OPENAI_BASE_URL is set, else the 3 best seeds, then descent, then evolve.")
 @click.option("--budget", type=click.IntRange(1, 100_000), default=50, show_default=True,
               help="Candidates in the study (baseline included; shared by every process on the same storage).")
 @click.option("--time-limit", type=click.FloatRange(min=0), default=None, help="Seconds for this process.")
@@ -90,10 +92,17 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
         sys.exit(2)
     label = " (estimated by the cost model)" if summary.estimated else " (measured on the GPU)"
     click.echo(f"{summary.run_dir}: {summary.evaluated} candidates evaluated here, {summary.accepted} accepted, "
-               f"{summary.rejected} rejected, {summary.seconds:.1f} s")
+               f"{summary.screened} screened by the cost model, {summary.rejected} rejected, {summary.seconds:.1f} s")
     if summary.best_ms is not None:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+    if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
+        seeds = summary.best_by_proposer.get("seeds")
+        parts = []
+        for who, (cid, ms) in sorted(summary.best_by_proposer.items(), key=lambda kv: kv[1][1]):
+            vs = f" ({100 * (ms / seeds[1] - 1):+.1f}% vs the best seed)" if seeds and who != "seeds" else ""
+            parts.append(f"{who} {cid} {ms:.4f} ms{vs}")
+        click.echo("best per proposer: " + "; ".join(parts))
     usage_file = Path(summary.run_dir) / "agent_usage.json"
     if usage_file.exists():  # the LLM agent ran: its calls and tokens (details in agent.jsonl)
         u = json.loads(usage_file.read_text(encoding="utf-8"))
@@ -104,9 +113,22 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
 
 @click.command("strategy-schema")
 @click.option("--patches", is_flag=True, help="Print the schema of one patch instead.")
-def strategy_schema(patches: bool) -> None:
-    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes) or of a patch."""
-    if patches:
+@click.option("--space", "space_model", default=None, metavar="MODEL",
+              help="Print the values the built-in search tries for each knob on MODEL instead (see --workers).")
+@click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True,
+              help="SMs the search space is for (one-wave tiles and splits depend on it).")
+def strategy_schema(patches: bool, space_model: str | None, workers: int) -> None:
+    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes), of a patch, or the search space."""
+    if space_model:
+        from synth.lowering.models import get_model
+        from synth.lowering.strategy import SearchSpace
+
+        try:
+            spec = get_model(space_model)
+        except KeyError as exc:
+            raise click.BadParameter(str(exc.args[0]), param_hint="--space") from None
+        click.echo("\n".join(SearchSpace(spec, workers).describe()))
+    elif patches:
         from synth.lowering.patches import patch_schema
 
         click.echo(json.dumps(patch_schema(), indent=1))

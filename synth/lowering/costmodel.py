@@ -1,13 +1,24 @@
 """Cost model: schedule + context length -> estimated makespan, per-op time, per-SM idle, critical path, and a trace.
 
-Per instruction: a fixed overhead (dispatch, barrier, tail) and then its bytes (from the catalogue's `cost`) streamed
-through a fluid model of device memory: every SM in its byte phase gets `min(sm_peak, total_bw / active)` bytes/µs,
-scaled by the op's achieved efficiency. Counters are simulated exactly (monotone adds; a wait holds once the adds that
-completed reach its value); a wait satisfied by an add from another SM costs one hop (0.61 µs measured on the H200).
+Per instruction: a fixed overhead (dispatch, the wait's poll, staging the activation vector, epilogue) and its bytes
+(from the catalogue's `cost`) streamed through a fluid model of device memory: every stream gets
+`min(sm_peak, total_bw / active)` bytes/µs, scaled by its op's achieved efficiency. Counters are simulated exactly
+(monotone adds; a wait holds once the adds that completed reach its value); a wait satisfied by an add from another
+SM costs one hop (`hop_us`).
 
-Parameters are per op (`eff`, `overhead_us`) plus global ones (`total_bw`, `sm_peak`, `hop_us`). The shipped file
-synth/data/h200_costmodel.json holds *priors* derived from DESIGN.md §7 until `synth calibrate` fits GPU traces.
-Every number this module produces is an estimate and is labelled so (`estimated: true`).
+Two kernels, one model (`ring_bytes` tells them apart):
+- `ring_bytes == 0` (interpreter v9): an instruction streams its bytes after its waits hold and its overhead.
+- `ring_bytes > 0` (interpreter v10, kernels/gpu/stream.py): a loader per SM streams the weight (and KV-history)
+  bytes of `LOADER_OPS` ahead of the compute warps, through the SM's queue in order, at most `ring_bytes` beyond
+  what the compute warps have consumed, and never waits on a counter. The compute warps start an instruction once
+  its waits hold, pay its overhead, then consume its bytes from the ring (`consume_bw` bytes/µs once they are
+  there); the instruction ends when both are done. A small instruction is then latency (overhead, hops), a big one
+  bandwidth, and the stream overlaps the waits: what v10 measured (docs/perf-notes.md, "v10"). Rows are loaded in
+  boxes of `box_rows` (a tile of 24 rows moves 32), so odd tiles cost what they move.
+
+Parameters are per op (`eff`, `overhead_us`) plus global ones. The shipped file synth/data/h200_costmodel.json is
+fitted by `synth calibrate` (search/calibrate.py). Every number this module produces is an estimate and is labelled
+so (`estimated: true`).
 """
 
 from __future__ import annotations
@@ -21,12 +32,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from validator.catalogue import OP_ORDER, OPS, Geometry
+from validator.catalogue import OP_ORDER, OPS, Geometry, qkv_pair_pieces
 from validator.program import Program, resolve
 from validator.schedule import Schedule
 
 DATA = Path(__file__).parents[1] / "data" / "h200_costmodel.json"  # synth/data/, package data of `synth`
-MAX_EVENTS_FACTOR = 8  # bound on simulation events per instruction (each has at most start, bytes, end)
+MAX_EVENTS_FACTOR = 12  # bound on simulation events per instruction (start, consume, bytes, loader segments, end)
+#: Ops whose bytes interpreter v10's loader streams ahead of the compute warps: weights, and attention's KV history
+#: (kernels/gpu/stream.py `_loader`); the embedding row and the split reduction are read by the compute warps.
+LOADER_OPS = frozenset({"attn_norm_qkv_rope", "attn_partial", "o_proj_residual", "mlp_norm_gate_up",
+                        "down_proj_residual", "final_norm_lm_head"})
+#: Matrix-vector ops whose rows the loader moves in whole boxes, and the input width (K) of each.
+_BOXED = ("attn_norm_qkv_rope", "o_proj_residual", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head")
 
 
 @dataclass
@@ -44,6 +61,10 @@ class CostParams:
     sm_peak: float = 9.5e4  # one SM alone; a prior (about 3x its fair share of 132), not measured
     hop_us: float = 0.61
     wait_us: float = 0.05  # cost of checking one wait that is already satisfied
+    ring_bytes: float = 0.0  # v10: bytes per SM the loader may stream ahead of the compute warps (0: v9, no loader)
+    consume_bw: float = 0.0  # v10: bytes/µs at which the compute warps consume a ring that holds them (0: at once)
+    box_rows: int = 0  # rows per TMA box (0: bytes as the catalogue counts them)
+    launch_us: float = 0.0  # per step outside the kernel's instructions: counter reset, launch, the last release
     source: str = "prior"
     notes: str = ""
 
@@ -81,6 +102,22 @@ def instruction_cost(geo: Geometry, op: str, layer: int | None, args: dict[str, 
     return spec.cost(geo, layer if layer is not None else -1, args, max(1, min(ctx, geo.max_seq_len)))
 
 
+def moved_bytes(geo: Geometry, op: str, args: dict[str, int], nbytes: int, box_rows: int) -> int:
+    """The bytes an instruction moves when its rows are loaded in whole boxes of `box_rows` rows (QKV tiles: boxes of
+    RoPE pairs, per head piece); `nbytes` (the catalogue's count) when there are no boxes or no rows."""
+    if box_rows <= 0 or op not in _BOXED or "start" not in args:
+        return nbytes
+    rows = args["end"] - args["start"]
+    if rows <= 0:
+        return nbytes
+    if op == "attn_norm_qkv_rope":
+        moved = sum(2 * box_rows * -(-(j1 - j0) // box_rows) for _, j0, j1 in
+                    qkv_pair_pieces(geo.cfg, args["start"], args["end"]))
+    else:
+        moved = box_rows * -(-rows // box_rows)
+    return nbytes * moved // rows
+
+
 def nominal_us(params: CostParams, op: str, nbytes: int, active: int) -> float:
     """Duration of an instruction when `active` SMs stream at once (used by the lowering's schedulers)."""
     p = params.op(op)
@@ -111,17 +148,48 @@ class Estimate:
 
 
 def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], list[float], list[int], float]:
-    """Event simulation over queues and counters. Returns (start_us, end_us, cause, makespan_us); `cause[i]` is the
-    instruction whose completion let i start (-1 for none). Raises ValueError when the schedule cannot finish."""
+    """Event simulation over queues, counters and (v10) each SM's loader. Returns (start_us, end_us, cause,
+    makespan_us); `cause[i]` is the instruction whose completion let i start (-1 for none). Raises ValueError when the
+    schedule cannot finish."""
     geo = prog.geometry
-    n = prog.n
-    work = [0.0] * n
+    n, nw = prog.n, len(prog.queues)
+    ring = params.ring_bytes > 0
+    work = [0.0] * n  # bytes / eff streamed by the compute warps (in the fluid pool)
+    lbytes = [0.0] * n  # bytes streamed by the loader
+    leff = [1.0] * n
+    consume = [0.0] * n  # time the compute warps need to consume the loaded bytes
     over = [0.0] * n
     for i in range(n):
-        nbytes, _ = instruction_cost(geo, prog.op[i], prog.layer[i], prog.args[i], ctx) if geo else (0, 0)
-        p = params.op(prog.op[i])
-        work[i] = nbytes / p.eff
+        op = prog.op[i]
+        nbytes, _ = instruction_cost(geo, op, prog.layer[i], prog.args[i], ctx) if geo else (0, 0)
+        if geo is not None:
+            nbytes = moved_bytes(geo, op, prog.args[i], nbytes, params.box_rows)
+        p = params.op(op)
+        if ring and op in LOADER_OPS:
+            lbytes[i], leff[i] = float(nbytes), p.eff
+            consume[i] = nbytes / params.consume_bw if params.consume_bw > 0 else 0.0
+        else:
+            work[i] = nbytes / p.eff
         over[i] = p.overhead_us + params.wait_us * len(prog.waits[i])
+    # Loader bookkeeping in bytes along each queue: cum[w][k] = loader bytes of the queue before position k.
+    cum = []
+    for q in prog.queues:
+        c = [0.0]
+        for i in q:
+            c.append(c[-1] + lbytes[i])
+        cum.append(c)
+    pos_of = [0] * n
+    for q in prog.queues:
+        for k, i in enumerate(q):
+            pos_of[i] = k
+    loaded = [0.0] * nw  # bytes loaded on each worker
+    lpos = [0] * nw  # queue position the loader is on
+    limit = [params.ring_bytes] * nw  # loaded may not pass it (the ring is full)
+    seg_target = [0.0] * nw  # where the loader's current segment ends (-1: not streaming)
+    lstreaming = [False] * nw
+    loaded_at: list[float] = [math.nan] * n  # when the loader finished instruction i
+    waiting_load: dict[int, float] = {}  # instruction -> earliest end, while its bytes are still on the way
+
     start = [math.nan] * n
     end = [math.nan] * n
     cause = [-1] * n
@@ -129,13 +197,13 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
     hist_t: dict[int, list[float]] = defaultdict(list)  # per counter: completion times of adds, ascending
     hist_v: dict[int, list[int]] = defaultdict(list)  # cumulative value after each add
     hist_i: dict[int, list[int]] = defaultdict(list)  # instruction of each add
-    head = [0] * len(prog.queues)
-    free = [0.0] * len(prog.queues)
-    last = [-1] * len(prog.queues)
-    running = [False] * len(prog.queues)
-    blocked: dict[int, list[int]] = defaultdict(list)
-    timed: list[tuple[float, int, int]] = []  # (time, kind 0=start-bytes, index)
-    pool: list[tuple[float, int]] = []  # (virtual finish, index) of instructions in their byte phase
+    head = [0] * nw
+    free = [0.0] * nw
+    last = [-1] * nw
+    running = [False] * nw
+    blocked: dict[int, list[tuple[int, int]]] = defaultdict(list)  # counter -> heap of (value needed, worker)
+    timed: list[tuple[float, int, int]] = []  # (time, kind, index): 0 = byte phase / consume point, 1 = end
+    pool: list[tuple[float, int, int]] = []  # (virtual finish, kind 0 = instruction / 1 = loader, index or worker)
     t_now, v_now = 0.0, 0.0
     done = 0
 
@@ -147,7 +215,7 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
         ready, why = free[w], last[w]
         for c, v in prog.waits[i]:
             if counters[c] < v:
-                blocked[c].append(w)
+                heapq.heappush(blocked[c], (v, w))
                 return
             if v <= 0:
                 continue
@@ -161,25 +229,29 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
         start[i], cause[i] = ready, why
         heapq.heappush(timed, (ready + over[i], 0, i))
 
-    for w in range(len(prog.queues)):
-        try_start(w)
-    limit = MAX_EVENTS_FACTOR * n + 16
-    steps = 0
-    while timed or pool:
-        steps += 1
-        if steps > limit:
-            raise RuntimeError(f"cost model simulation exceeded {limit} events; this is a bug")
-        active = len(pool)
-        rate = min(params.sm_peak, params.total_bw / active) if active else 0.0
-        t_pool = t_now + (pool[0][0] - v_now) / rate if active else math.inf
-        if timed and timed[0][0] <= t_pool:
-            t, _, i = heapq.heappop(timed)
-            v_now += rate * (t - t_now)
-            t_now = t
-            heapq.heappush(pool, (v_now + work[i], i))
-            continue
-        vf, i = heapq.heappop(pool)
-        t_now, v_now = t_pool, vf
+    def load_next(w: int) -> None:
+        """Start the loader's next segment on worker w: up to the end of the instruction it is on, or the ring's
+        limit; record the instructions whose bytes are all there."""
+        q, c = prog.queues[w], cum[w]
+        k = lpos[w]
+        while k < len(q) and c[k + 1] <= loaded[w] + 1e-9:  # finished (or empty) instructions
+            i = q[k]
+            loaded_at[i] = t_now
+            if i in waiting_load:
+                heapq.heappush(timed, (max(waiting_load.pop(i), t_now), 1, i))
+            k += 1
+        lpos[w] = k
+        if k >= len(q):
+            return
+        target = min(c[k + 1], limit[w])
+        if target <= loaded[w] + 1e-9:
+            return  # the ring is full: wait for the compute warps
+        lstreaming[w] = True
+        seg_target[w] = target
+        heapq.heappush(pool, (v_now + (target - loaded[w]) / leff[q[k]], 1, w))
+
+    def finish(i: int) -> None:
+        nonlocal done
         end[i] = t_now
         done += 1
         w = prog.worker[i]
@@ -190,11 +262,54 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
             hist_t[c].append(t_now)
             hist_v[c].append(counters[c])
             hist_i[c].append(i)
-            wake.extend(blocked.pop(c, ()))
+            waiting = blocked.get(c)
+            while waiting and waiting[0][0] <= counters[c]:
+                wake.append(heapq.heappop(waiting)[1])
         running[w] = False
         for u in dict.fromkeys(wake):
             if not running[u]:
                 try_start(u)
+
+    for w in range(nw):
+        if ring:
+            load_next(w)
+        try_start(w)
+    limit_steps = MAX_EVENTS_FACTOR * n + 16 * nw + 16
+    steps = 0
+    while timed or pool:
+        steps += 1
+        if steps > limit_steps:
+            raise RuntimeError(f"cost model simulation exceeded {limit_steps} events; this is a bug")
+        active = len(pool)
+        rate = min(params.sm_peak, params.total_bw / active) if active else 0.0
+        t_pool = t_now + (pool[0][0] - v_now) / rate if active else math.inf
+        if timed and timed[0][0] <= t_pool:
+            t, kind, i = heapq.heappop(timed)
+            v_now += rate * (t - t_now)
+            t_now = t
+            if kind == 1:
+                finish(i)
+            elif ring and prog.op[i] in LOADER_OPS:  # the compute warps reach the ring: it drains as they consume
+                w = prog.worker[i]
+                limit[w] = max(limit[w], cum[w][pos_of[i] + 1] + params.ring_bytes)
+                if not lstreaming[w]:
+                    load_next(w)
+                earliest = t_now + consume[i]
+                if math.isnan(loaded_at[i]):
+                    waiting_load[i] = earliest
+                else:
+                    heapq.heappush(timed, (max(earliest, loaded_at[i]), 1, i))
+            else:
+                heapq.heappush(pool, (v_now + work[i], 0, i))
+            continue
+        vf, kind, i = heapq.heappop(pool)
+        t_now, v_now = t_pool, vf
+        if kind == 1:  # a loader segment is through
+            lstreaming[i] = False
+            loaded[i] = seg_target[i]
+            load_next(i)
+        else:
+            finish(i)
     if done < n:
         raise ValueError(f"the schedule deadlocks: {n - done} of {n} instructions never start (validate it)")
     return start, end, cause, max(end, default=0.0)
@@ -206,6 +321,7 @@ def estimate(schedule: Schedule | Program, ctx: int = 1024, params: CostParams |
     params = params or load_params()
     prog = schedule if isinstance(schedule, Program) else resolve(schedule)
     start, end, cause, span = simulate(prog, params, ctx)
+    span_step = span + params.launch_us
     per_op: dict[str, float] = defaultdict(float)
     busy = [0.0] * len(prog.queues)
     for i in range(prog.n):
@@ -218,7 +334,7 @@ def estimate(schedule: Schedule | Program, ctx: int = 1024, params: CostParams |
         i = cause[i]
     path.reverse()
     trace = make_trace(prog, start, end, ctx, params, schedule_sha256)
-    return Estimate(span / 1000, dict(per_op), [(span - b) / 1000 for b in busy], path, start, end, ctx, trace)
+    return Estimate(span_step / 1000, dict(per_op), [(span - b) / 1000 for b in busy], path, start, end, ctx, trace)
 
 
 def make_trace(prog: Program, start: list[float], end: list[float], ctx: int, params: CostParams,

@@ -24,6 +24,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from jinja2.ext import Extension
 from markupsafe import Markup
 
+from synth.runs.rundir import screened_text
 from validator.atomic import write_text_atomic
 
 #: Bounds on what one report shows (the data files keep everything).
@@ -90,7 +91,8 @@ def _ms_of(d: Any) -> float | None:
 
 @dataclass
 class Entry:
-    """One candidate on a run's leaderboard."""
+    """One candidate on a run's leaderboard. `status`: accepted, screened (the cost model left it out before
+    validation: `estimate_ms`), malformed or rejected."""
 
     candidate: str
     ms: float | None
@@ -98,6 +100,15 @@ class Entry:
     accepted: bool
     proposer: str = ""
     note: str = ""
+    status: str = ""
+    estimate_ms: float | None = None
+
+    @property
+    def verdict(self) -> str:
+        """The verdict as every page and `synth runs` print it."""
+        if self.status == "screened":
+            return screened_text(self.estimate_ms)
+        return self.status or ("accepted" if self.accepted else "rejected")
 
 
 def _entries(lb: Any) -> list[Entry]:
@@ -114,9 +125,14 @@ def _entries(lb: Any) -> list[Entry]:
         accepted = r.get("accepted")
         if accepted is None:
             accepted = r.get("verdict", "accepted") == "accepted"
-        note = _first(r, "rationale", "note") if accepted else _first(r, "reason", "error", "rationale", "note")
-        out.append(Entry(str(cand if cand is not None else k), _ms_of(r), bool(r.get("estimated", False)),
-                         bool(accepted), str(_first(r, "proposer") or ""), str(note or "")))
+        status = str(r.get("status") or ("accepted" if accepted else "rejected"))
+        if not accepted and status == "rejected" and str(r.get("reason", "")).startswith("screened"):
+            status = "screened"  # a leaderboard written before the status field
+        note = _first(r, "rationale", "note") if accepted or status == "screened" else \
+            _first(r, "reason", "error", "rationale", "note")
+        out.append(Entry(str(cand if cand is not None else k), _ms_of(r) if accepted else None,
+                         bool(r.get("estimated", False)), bool(accepted), str(_first(r, "proposer") or ""),
+                         str(note or ""), status, _num(r.get("estimate_ms"))))
     return out
 
 
@@ -129,7 +145,8 @@ class Run:
     info: dict[str, Any] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
     accepted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # refused by the validator or the GPU check, or malformed (screened ones not included)
+    screened: int = 0
     notes: list[str] = field(default_factory=list)
     baseline: str = "c0000"  # the naive baseline's candidate id (leaderboard.json "baseline")
 
@@ -211,7 +228,8 @@ def load_run(path: str | Path) -> Run:
     cands = [d for d in (p / "candidates").glob("*") if d.is_dir()] if (p / "candidates").is_dir() else []
     rejs = list((p / "rejected").glob("*.json")) if (p / "rejected").is_dir() else []
     run.accepted = max(len(cands), sum(1 for e in run.entries if e.accepted))
-    run.rejected = max(len(rejs), sum(1 for e in run.entries if not e.accepted))
+    run.screened = sum(1 for e in run.entries if e.status == "screened")
+    run.rejected = max(len(rejs) - run.screened, sum(1 for e in run.entries if not e.accepted) - run.screened)
     return run
 
 
@@ -601,10 +619,10 @@ def _candidate_number(candidate: str) -> int | None:
     return int(digits) if digits else None
 
 
-def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tuple[str, bool, bool] | None:
+def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tuple[str, bool, bool, bool] | None:
     """The synthesis curve: every accepted candidate's time at its trial number, and per proposer the best time so
-    far (a step line carried to the last trial). Returns (svg, any estimated, estimated and measured mixed), or None
-    when no candidate has a time."""
+    far (a step line carried to the last trial). Returns (svg, any estimated, estimated and measured mixed, some
+    drawn on the top edge because they lie above the axis), or None when no candidate has a time."""
     timed = sorted(((n, e) for e in entries if e.accepted and e.ms is not None
                     and (n := _candidate_number(e.candidate)) is not None), key=lambda ne: ne[0])
     if not timed:
@@ -612,6 +630,11 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
     numbers = [n for e in entries if (n := _candidate_number(e.candidate)) is not None]
     n_max = max(max(numbers), 1)
     lo, hi = min(e.ms for _, e in timed), max(e.ms for _, e in timed)  # type: ignore[type-var]
+    # A naive baseline far above the searched candidates would squash their differences into a sliver: the axis
+    # then ends above the searched ones, and what lies higher is drawn on its top edge (its legend says so).
+    searched = [e.ms for _, e in timed if e.proposer != "naive"]
+    if searched and hi > 1.2 * max(searched):  # type: ignore[type-var]
+        hi = max(searched)  # type: ignore[type-var]
     pad = (hi - lo) * 0.08 or lo * 0.05 or 1.0
     lo, hi = lo - pad, hi + pad
     x0, x1, y0, y1 = 64, width - 170, 12, height - 40
@@ -620,7 +643,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
         return round(x0 + (x1 - x0) * n / n_max, 1)
 
     def sy(ms: float) -> float:
-        return round(y1 - (y1 - y0) * (ms - lo) / (hi - lo), 1)
+        return round(y1 - (y1 - y0) * (min(ms, hi) - lo) / (hi - lo), 1)
 
     series: dict[str, dict[str, Any]] = {}
     for n, e in timed:
@@ -635,7 +658,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
         s["best"].append(best)
     for s in series.values():
         s["path"] += f"H{sx(n_max)}"
-        s["best_label"] = fmt_ms(s["best"][-1])
+        s["best_label"] = fmt_ms(s["best"][-1]) + (" ↑" if s["best"][-1] > hi else "")
     ticks = 4
     yticks = [{"y": sy(lo + (hi - lo) * k / ticks), "label": f"{lo + (hi - lo) * k / ticks:.3f}"}
               for k in range(ticks + 1)]
@@ -643,7 +666,7 @@ def curve_svg(entries: list[Entry], width: int = 720, height: int = 280) -> tupl
     estimated = {e.estimated for _, e in timed}
     svg = _render("curve.svg.j2", width=width, height=height, x0=x0, x1=x1, y0=y0, y1=y1, yticks=yticks,
                   xticks=xticks, series=list(series.values()))
-    return svg, True in estimated, len(estimated) > 1
+    return svg, True in estimated, len(estimated) > 1, any(e.ms > hi for _, e in timed)  # type: ignore[operator]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -684,13 +707,17 @@ def _validation_view(val: Any, title: str) -> dict[str, Any]:
 
 
 def _rejected_view(run: Run) -> dict[str, Any]:
+    """The rejected candidates with their counterexamples, and apart from them the screened ones (the cost model
+    left them out; nothing was found wrong with them)."""
     d = run.path / "rejected"
-    files = sorted(d.glob("*.json")) if d.is_dir() else []
-    items = []
-    for p in files[:MAX_REJECTED_SHOWN]:
-        doc = read_json(p, run.notes)
-        items.append(_one_rejected(p.stem, doc) if isinstance(doc, dict) else {"name": p.stem, "unreadable": True})
-    return {"shown": items, "total": len(files), "more": max(0, len(files) - MAX_REJECTED_SHOWN)}
+    docs = [(p.stem, read_json(p, run.notes)) for p in sorted(d.glob("*.json"))] if d.is_dir() else []
+    screened = [(name, doc) for name, doc in docs if isinstance(doc, dict) and doc.get("reason") == "screened"]
+    rest = [(name, doc) for name, doc in docs if not (isinstance(doc, dict) and doc.get("reason") == "screened")]
+    items = [_one_rejected(name, doc) if isinstance(doc, dict) else {"name": name, "unreadable": True}
+             for name, doc in rest[:MAX_REJECTED_SHOWN]]
+    rows = [[str(doc.get("candidate") or name), str(doc.get("proposer") or ""), screened_text(_num(doc.get("estimate_ms"))),
+             str(doc.get("rationale") or "")[:120]] for name, doc in screened]
+    return {"shown": items, "total": len(rest), "more": max(0, len(rest) - MAX_REJECTED_SHOWN), "screened": rows}
 
 
 def _findings_of(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -799,7 +826,8 @@ def _candidates_view(run: Run) -> list[dict[str, Any]]:
     naive = run.naive()
     order = sorted(run.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else math.inf))
     return [{"id": e.candidate, "linked": (run.path / "candidates" / e.candidate).is_dir(), "proposer": e.proposer,
-             "accepted": e.accepted, "ms": fmt_ms(e.ms, e.estimated),
+             "accepted": e.accepted, "verdict": e.verdict, "screened": e.status == "screened",
+             "ms": fmt_ms(e.ms, e.estimated),
              "speedup": f"{naive.ms / e.ms:.2f}×" if naive and naive.ms and e.ms else "", "note": e.note[:120]}
             for e in order[:200]]
 
@@ -848,7 +876,7 @@ def render_report(run: Run) -> str:
              ("naive schedule", fmt_ms(naive.ms, naive.estimated) if naive else "—"),
              ("speed-up over naive", f"{sp:.2f}×" if sp else "—"),
              ("bandwidth floor", fmt_ms(floor_ms, floor_est) + floor_note if floor_ms else "—"),
-             ("candidates", f"{run.accepted} accepted / {run.rejected} rejected")]
+             ("candidates", f"{run.accepted} accepted / {run.screened} screened / {run.rejected} rejected")]
     if isinstance(ctx, int):
         cards.append(("context", str(ctx)))
 
@@ -877,7 +905,7 @@ def render_report(run: Run) -> str:
     page = {"command": (" ".join(map(str, cmd)) if isinstance(cmd, list) else cmd) if cmd else None,
             "estimated": est_any, "cards": cards,
             "chart": {"svg": bar_chart_svg(bars), "baselines": bool(baselines), "hatched": any(b[3] for b in bars)},
-            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2]} if curve else None,
+            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2], "clipped": curve[3]} if curve else None,
             "timeline": timeline, "per_op": per_op, "critical_path": critical,
             "validation": _validation_view(validation, "Validation of the best schedule"),
             "candidates": _candidates_view(run) if run.entries else None,
@@ -896,8 +924,8 @@ def render_index(runs: list[Run]) -> str:
         b = r.best()
         sp = r.speedup()
         rows.append({"name": r.name, "model": r.model, "gpu": r.gpu, "best": fmt_ms(b.ms, b.estimated) if b else "—",
-                     "speedup": f"{sp:.2f}×" if sp else "—", "accepted": r.accepted, "rejected": r.rejected,
-                     "date": r.date})
+                     "speedup": f"{sp:.2f}×" if sp else "—", "accepted": r.accepted, "screened": r.screened,
+                     "rejected": r.rejected, "date": r.date})
     return _render("index.html.j2", title="megasynth runs", css=_static("report.css"), script="",
                    perfetto_hint=PERFETTO_HINT, rows=rows)
 

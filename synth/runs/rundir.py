@@ -9,8 +9,9 @@ Layout:
                                             patches and checks it against the recorded schedule_key) ...
   candidates/<id>/validation.json           ... its validator report ...
   candidates/<id>/timing.json               ... and its timing: {"ms", "estimated", "source", ...}
-  rejected/<id>.json                        rejected or unbuildable candidates, with the counterexample / error
-  leaderboard.json                          {"entries": [...accepted, fastest first..., ...rejected]}
+  rejected/<id>.json                        candidates not accepted: rejected (the counterexample), malformed (the
+                                            error), or screened by the cost model (its estimate; never validated)
+  leaderboard.json                          {"entries": [...accepted, fastest first..., ...screened and rejected]}
   best/{schedule,validation,timing,trace}.json   the fastest accepted candidate (trace: GPU, or the cost model's,
                                             labelled `estimated: true`)
 
@@ -56,6 +57,19 @@ def schedule_key(schedule: Schedule) -> str:
 
     doc = schedule.to_json()
     return schedule_sha256({k: doc[k] for k in ("instructions", "queues", "counters")})
+
+
+def screened_text(estimate_ms: float | None) -> str:
+    """How a candidate the cost model screened out (never validated, never timed) is shown everywhere: CLI,
+    leaderboard, report, the agent's briefing. It is not a rejection: nothing was found wrong with it."""
+    return f"screened (estimated {estimate_ms:.4f} ms)" if estimate_ms is not None else "screened"
+
+
+def status_of(record: dict[str, Any]) -> str:
+    """A rejected/ record's status: `screened` (the cost model left it out), `malformed` (it did not build), `failed`
+    (the worker process preparing it died), or `rejected` (the validator, or the GPU check, refused it)."""
+    reason = record.get("reason")
+    return {"screened": "screened", "malformed": "malformed", "worker_died": "failed"}.get(str(reason), "rejected")
 
 
 def _write_schedule(path: Path, schedule: Schedule) -> None:
@@ -218,6 +232,18 @@ class RunDir:
             write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
         return True
 
+    def best_per_proposer(self) -> dict[str, tuple[str, float]]:
+        """proposer -> (candidate, ms) of its fastest accepted candidate (estimates do not rank against GPU
+        measurements: in a run with measurements only measured candidates count)."""
+        acc = self.accepted()
+        measured = any(not t.get("estimated", True) for t in acc.values())
+        out: dict[str, tuple[str, float]] = {}
+        for cid, t in acc.items():
+            who = t.get("proposer") or "?"
+            if (not measured or not t.get("estimated", True)) and (who not in out or t["ms"] < out[who][1]):
+                out[who] = (cid, t["ms"])
+        return out
+
     def write_leaderboard(self) -> dict[str, Any]:
         """Rebuild leaderboard.json from the files on disk (so concurrent or resumed searches agree)."""
         acc = self.accepted()
@@ -233,9 +259,13 @@ class RunDir:
                          "speedup_vs_naive": round(base / t["ms"], 4) if base and t["ms"] else None})
         rows.sort(key=lambda r: r["ms"])
         for cid, r in self.rejected().items():
-            rows.append({"candidate": cid, "ms": None, "estimated": r.get("estimated", True), "accepted": False,
-                         "proposer": r.get("proposer", ""), "parent": r.get("parent"),
-                         "rationale": r.get("rationale", ""), "reason": r.get("reason", "")})
+            row = {"candidate": cid, "ms": None, "estimated": r.get("estimated", True), "accepted": False,
+                   "status": status_of(r), "proposer": r.get("proposer", ""), "parent": r.get("parent"),
+                   "rationale": r.get("rationale", ""), "reason": r.get("reason", "")}
+            if row["status"] == "screened":
+                row["estimate_ms"] = r.get("estimate_ms")
+                row["reason"] = screened_text(r.get("estimate_ms"))
+            rows.append(row)
         doc = {"model": self.info.get("model"), "baseline": BASELINE, "baseline_ms": base,
                "estimated": not measured, "entries": rows}
         write_json_atomic(self.path / "leaderboard.json", doc)

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from synth.lowering.models import ModelSpec
-from synth.lowering.strategy import Strategy
+from synth.lowering.strategy import SearchSpace, Strategy
+from synth.runs.rundir import screened_text
 from synth.search.proposers.base import Result, SearchContext
 from validator.catalogue import OP_ORDER, OPS, Geometry
 from validator.program import geometry_of
@@ -221,11 +222,14 @@ def _hardware_section(ctx: SearchContext, schedule: Schedule | None) -> str:
     return "\n".join(lines)
 
 
-def _strategy_section(best: Result | None, descr: bool) -> str:
+def _strategy_section(best: Result | None, descr: bool, space: SearchSpace | None = None) -> str:
     schema = _strip_schema(Strategy.model_json_schema(), descr)
     current = best.proposal.strategy if best is not None else Strategy()
     lines = ["## Strategy (JSON schema; your \"strategy\" holds only the knobs you change)", _compact(schema),
              "Best strategy so far: " + _compact(current.model_dump(mode="json"))]
+    if space is not None:  # the values the built-in search tries for this model and SM count (others are allowed)
+        lines.append("Searched values per knob (edges.E sets edges[E] and, for chunk:N, chunks[E] = N):")
+        lines += [f"- {k.name}: {_compact(list(k.choices))}" + (f" ({k.why})" if descr else "") for k in space.knobs]
     default = Strategy().model_dump(mode="json")
     if current.model_dump(mode="json") != default:
         lines.append("Default (naive baseline) strategy: " + _compact(default))
@@ -503,6 +507,8 @@ def _history_section(history: list[Result], rows: int) -> str:
     for r in shown:
         if r.accepted:
             verdict = f"accepted {r.ms:.4f} ms" + (" est" if r.estimated else "") if r.ms is not None else "accepted"
+        elif r.screened is not None:
+            verdict = screened_text(r.screened) + ": not validated or timed, the cost model rates it far behind"
         elif r.error:
             verdict = "not accepted (not validated): " + r.error[:160]
         else:
@@ -613,7 +619,7 @@ def build_briefing(ctx: SearchContext, spec: ModelSpec, best_schedule: Schedule 
         sections = {
             "model": _model_section(spec, best_schedule, seq),
             "hardware": _hardware_section(ctx, best_schedule),
-            "strategy": _strategy_section(ctx.best, level["descr"]),
+            "strategy": _strategy_section(ctx.best, level["descr"], SearchSpace(spec, ctx.workers)),
             "patches": "## Patch language\n" + patch_language(level["descr"]),
             "layout": _layout_section(best_schedule, level["layers"]) if best_schedule is not None else "",
             "best": _best_section(ctx, prof, level),

@@ -194,14 +194,21 @@ class Evaluator:
         return build(self.spec, self.workers, proposal)
 
     def evaluate(self, cid: str, proposal: Proposal, schedule: Schedule | None = None,
-                 report: Report | Verdict | None = None) -> Result:
-        """Lower, patch, validate, time or estimate one proposal and write it to the run folder."""
+                 report: Report | Verdict | None = None, failure: str | None = None) -> Result:
+        """Lower, patch, validate, time or estimate one proposal and write it to the run folder. `failure`: the
+        worker process preparing it died (the proposal is recorded as failed, not rebuilt here: that could take this
+        process down too)."""
         cfg = self.cfg
         t0 = time.perf_counter()
         record: dict[str, Any] = {"candidate": cid, "proposer": proposal.proposer, "parent": proposal.parent,
                                   "rationale": proposal.rationale,
                                   "strategy": proposal.strategy.model_dump(mode="json"), "patches": proposal.patches,
                                   "estimated": not self.gpu}
+        if failure is not None:
+            record.update(reason="worker_died", error=failure)
+            self.run.save_rejected(cid, record)
+            cfg.notice(f"{cid}: {failure}")
+            return Result(cid, proposal, False, error=failure)
         try:
             schedule = schedule or self.build(proposal)
         except (ScheduleError, ValueError) as exc:
@@ -217,10 +224,11 @@ class Evaluator:
             record["estimate_error"] = str(exc)
         if (self.gpu and est is not None and self.standing.best_est is not None and cid != BASELINE
                 and est.makespan_ms > cfg.prescreen * self.standing.best_est):
-            record.update(reason="screened", error=f"estimate {est.makespan_ms:.4f} ms is over {cfg.prescreen}x the "
-                          f"best estimate {self.standing.best_est:.4f} ms; not validated or timed")
+            record.update(reason="screened", estimate_ms=est.makespan_ms,
+                          error=f"estimate {est.makespan_ms:.4f} ms is over {cfg.prescreen}x the best estimate "
+                          f"{self.standing.best_est:.4f} ms; not validated or timed")
             self.run.save_rejected(cid, record)
-            return Result(cid, proposal, False, error=record["error"])
+            return Result(cid, proposal, False, error=record["error"], screened=est.makespan_ms)
         if report is None:
             report = verify(schedule, cid, Options(interleavings=cfg.interleavings, seed=cfg.seed))
         validation = {**report.to_json(), "interleavings": cfg.interleavings}
@@ -274,6 +282,18 @@ class Evaluator:
                 shutil.rmtree(self.run.path / "candidates" / cid, ignore_errors=True)
                 return Result(cid, proposal, False, counterexample={"findings": data["findings"]})
         return res
+
+    def promote_again(self, res: Result) -> None:
+        """Write best/ for an accepted candidate already on disk (a search killed between recording it and writing
+        best/ left best/ behind it); re-validated with the full interleaving count like any new best."""
+        schedule = self.run.load_candidate(res.candidate)
+        timing = self.run.accepted()[res.candidate]
+        try:
+            est = estimate(schedule, self.cfg.ctx, self.params)
+        except ValueError:
+            est = None
+        if self._promote(res.candidate, schedule, timing, est, res) is not None:
+            self.cfg.notice(f"{res.candidate}: not promoted to best/ on resume (the full replay rejects it)")
 
     def _promote(self, cid: str, schedule: Schedule, timing: dict[str, Any], est: Estimate | None,
                  res: Result) -> Report | None:

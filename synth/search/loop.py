@@ -32,7 +32,7 @@ from typing import Any
 from synth.lowering.costmodel import CostParams, load_params
 from synth.lowering.models import get_model
 from synth.lowering.strategy import parse_strategy
-from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key
+from synth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key, status_of
 from synth.search.claims import (
     HEARTBEAT_S,
     LEASE_S,
@@ -104,6 +104,8 @@ class SearchSummary:
     baseline_ms: float | None
     estimated: bool
     seconds: float
+    screened: int = 0  # left out by the cost model before validation (not counted in `rejected`)
+    best_by_proposer: dict[str, tuple[str, float]] = field(default_factory=dict)  # proposer -> (candidate, ms)
 
     @property
     def speedup(self) -> float | None:
@@ -125,7 +127,9 @@ def result_from_outcome(cid: str, doc: dict[str, Any]) -> tuple[Result, float | 
     if doc.get("accepted"):
         return (Result(cid, prop, True, rec["ms"], bool(rec.get("estimated", True)),
                        profile={"critical_path": rec.get("critical_path", [])}), rec.get("estimate_ms"))
-    return Result(cid, prop, False, error=rec.get("error"), counterexample=rec.get("findings")), None
+    screened = rec.get("estimate_ms") if rec.get("reason") == "screened" else None
+    return Result(cid, prop, False, error=rec.get("error"), counterexample=rec.get("findings"),
+                  screened=screened), None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -161,6 +165,9 @@ class Search:
         self.shared: SharedStudy | None = None
         self.known: set[int] = set()  # slots whose outcome this process has seen
         self.queue: list[Proposal] = []
+        # proposals skipped while another process was evaluating them: tried again when the proposer has nothing
+        # new (if that process dies, its claim is freed and nobody else would propose them again)
+        self.deferred: list[Proposal] = []
         self.evaluated = self.dups = self.empty_rounds = 0
         self.stopping = False
 
@@ -265,13 +272,14 @@ class Search:
                              st.best, st.history, st.baseline_ms, not self.gpu)
 
     # -- claims -------------------------------------------------------------------------------------------------
-    def _next_claim(self, batch: int) -> tuple[int, Proposal] | str:
+    def _next_claim(self, batch: int, busy: bool = False) -> tuple[int, Proposal] | str:
         """The next proposal this process holds a slot for, as (slot, proposal); WAIT when every slot under the
         budget is taken but some are still being evaluated (by this or another process); STOP when the budget is
         spent or the proposers have nothing new. Proposals another process holds or finished are skipped (one
         query each: they are not lowered)."""
         cfg = self.cfg
         assert self.proposer is not None
+        retrying = False
         while not self.stopping:
             if BASELINE not in self.standing.results:  # slot 0 is the naive baseline, whoever takes it
                 base = baseline_proposal()
@@ -283,7 +291,16 @@ class Search:
                     return self._when_full()
                 self._sync()
                 self.queue = list(self.proposer.propose(self.context(), batch))
+                if not self.queue and self.deferred:
+                    self.queue, self.deferred = self.deferred, []
+                    retrying = True
                 if not self.queue:
+                    if not busy:
+                        self._reap()  # (a process that died holding a claim must not keep this one waiting)
+                    if busy or self.claims.count(cfg.budget)[1] > 0:
+                        # candidates are still being evaluated (here or by another process): a proposer that waits
+                        # for their measurements (the descent's hill climbing) gets another turn once they are in
+                        return WAIT
                     self.empty_rounds += 1
                     if self.empty_rounds >= MAX_EMPTY_ROUNDS:
                         cfg.notice(f"the proposer had nothing new for {MAX_EMPTY_ROUNDS} rounds; stopping")
@@ -294,8 +311,15 @@ class Search:
             if got.slot is not None:
                 return got.slot, self.queue.pop(0)
             if got.holder is not None:  # another process holds or finished this proposal: the next one
-                self.queue.pop(0)
-                self._repeated()
+                skipped = self.queue.pop(0)
+                if got.holder not in self.claims.done():
+                    self.deferred.append(skipped)
+                    if retrying and not self.queue:  # every deferred one is still held: let them finish
+                        if not busy:
+                            self._reap()  # (unless their process is gone: then their claims are free again)
+                        return WAIT
+                else:
+                    self._repeated()
                 continue
             return self._when_full()
         return STOP
@@ -336,7 +360,8 @@ class Search:
                 self.proposer.observe(Result(same, proposal, old.accepted, old.ms, not self.gpu,
                                              error=f"the same schedule as {same}"))
             return
-        res = self.evaluator.evaluate(cid, proposal, schedule, prepared.verdict if prepared else None)
+        res = self.evaluator.evaluate(cid, proposal, schedule, prepared.verdict if prepared else None,
+                                      prepared.failure if prepared else None)
         self._finish(slot, res)
 
     def _finish(self, slot: int, res: Result) -> None:
@@ -370,10 +395,14 @@ class Search:
                        "gpu": gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
         self._adopt()
+        jobs = min(16, max(1, (os.cpu_count() or 2) - 1))  # the descent's cost-model processes
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
-                                         **{"seq": cfg.ctx, **cfg.llm})
+                                         ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
         self._reap()
         self._sync()
+        best, on_disk = self.standing.best, self.run.best_ms()
+        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk):
+            self.evaluator.promote_again(best)  # killed between recording it and writing best/
         bar = _Progress(cfg.budget, cfg.progress)
         self.claims.start_heartbeat(cfg.heartbeat_s)
         try:
@@ -426,7 +455,7 @@ class Search:
                 bar.update(self._sync(), self.standing.best, self.standing.baseline_ms, not self.gpu)
                 waiting = False
                 while not self._timed_out(t_start) and len(pool) < jobs:
-                    nxt = self._next_claim(max(cfg.batch, jobs))
+                    nxt = self._next_claim(max(cfg.batch, jobs), busy=len(pool) > 0)
                     if nxt == STOP:
                         self.stopping = True
                         break
@@ -449,10 +478,12 @@ class Search:
     def summary(self, evaluated: int, seconds: float) -> SearchSummary:
         acc = self.run.accepted()
         rej = self.run.rejected()
+        screened = sum(status_of(r) == "screened" for r in rej.values())
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
-        return SearchSummary(self.run.path, evaluated, len(acc), len(rej), best[0] if best else None,
+        return SearchSummary(self.run.path, evaluated, len(acc), len(rej) - screened, best[0] if best else None,
                              best[1]["ms"] if best else None,
-                             acc.get(BASELINE, {}).get("ms") or self.standing.baseline_ms, not self.gpu, seconds)
+                             acc.get(BASELINE, {}).get("ms") or self.standing.baseline_ms, not self.gpu, seconds,
+                             screened=screened, best_by_proposer=self.run.best_per_proposer())
 
 
 class _Progress:

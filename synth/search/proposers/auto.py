@@ -1,5 +1,6 @@
-"""The proposer named on the command line (`resolve_proposer`), and the two that `auto` chains: the heuristic's seeds,
-then evolution (`ChainProposer`); the LLM agent, then the built-in search once the agent stops (`FallbackProposer`)."""
+"""The proposer named on the command line (`resolve_proposer`), and how `auto` combines them: without an LLM, the
+hand-written seeds, then the multi-fidelity descent, then evolution (`ChainProposer`); with an LLM endpoint, the
+agent, then that built-in chain once the agent stops (`FallbackProposer`)."""
 
 from __future__ import annotations
 
@@ -7,33 +8,49 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from synth.lowering.costmodel import CostParams, load_params
 from synth.lowering.models import get_model
+from synth.lowering.strategy import SearchSpace
 from synth.search.proposers.base import Proposal, Proposer, Result, SearchContext
+
+#: Proposer names on the command line (`heuristic` is the old name of `seeds`).
+NAMES = ("auto", "descent", "seeds", "heuristic", "evolve", "tpe", "llm")
+#: How many hand-written seeds `auto` times next to the search (the best three measured ones).
+AUTO_SEEDS = 3
 
 
 class ChainProposer:
-    """`auto` without an LLM: the heuristic's seeds first, then evolution."""
+    """Stages in order, each until it is spent: a stage with a quota stops after that many proposals; one without
+    stops when it returns nothing and says it is `exhausted` (or has no such property: then nothing means spent).
+    A stage that returns nothing but is not exhausted is waiting for results, and so is the chain."""
 
     name = "auto"
 
-    def __init__(self, first: Proposer, then: Proposer, switch_after: int) -> None:
-        self.first, self.then, self.switch_after = first, then, switch_after
-        self.asked = 0
+    def __init__(self, stages: list[tuple[Proposer, int | None]]) -> None:
+        self.stages = stages
+        self.at = 0
+        self.given = 0  # proposals of the current stage
 
     def propose(self, ctx: SearchContext, n: int) -> list[Proposal]:
         out: list[Proposal] = []
-        if self.asked < self.switch_after:
-            out = self.first.propose(ctx, min(n, self.switch_after - self.asked))
-            self.asked += len(out)
-            if not out:
-                self.asked = self.switch_after
-        if len(out) < n:
-            out += self.then.propose(ctx, n - len(out))
+        while len(out) < n and self.at < len(self.stages):
+            stage, quota = self.stages[self.at]
+            want = n - len(out) if quota is None else min(n - len(out), quota - self.given)
+            got = stage.propose(ctx, want) if want > 0 else []
+            out += got
+            self.given += len(got)
+            spent = (quota is not None and self.given >= quota) or \
+                (not got and getattr(stage, "exhausted", True))
+            if not spent:
+                if not got:
+                    break  # waiting for results
+                continue
+            self.at, self.given = self.at + 1, 0
         return out
 
     def observe(self, result: Result) -> None:
-        self.first.observe(result)
-        self.then.observe(result)
+        for stage, _ in self.stages:
+            stage.observe(result)
 
 
 class FallbackProposer:
@@ -53,7 +70,7 @@ class FallbackProposer:
                 return out
             self.switched = True
             if self.notice:
-                self.notice("auto: the LLM agent stopped proposing; the built-in search (heuristic, then evolve) "
+                self.notice("auto: the LLM agent stopped proposing; the built-in search (seeds, descent, evolve) "
                             "takes over")
         return self.builtin.propose(ctx, n)
 
@@ -62,21 +79,42 @@ class FallbackProposer:
         self.builtin.observe(result)
 
 
-def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run_dir: Path | None = None,
-                     notice: Callable[[str], None] | None = None, **llm_options: Any) -> Proposer:
-    """Build the proposer named on the command line. `llm` needs an endpoint (OPENAI_API_KEY/OPENAI_BASE_URL);
-    `auto` uses the LLM agent when one is configured, else heuristic then evolve (saying so in one line)."""
+def builtin_chain(space: SearchSpace, seed: int, descent: Proposer) -> ChainProposer:
+    """`auto` without an LLM: the best hand-written seeds (so the run times them side by side with the search), the
+    multi-fidelity descent from the naive lowering, then evolution from everything accepted."""
     from synth.search.proposers.evolve import EvolveProposer
-    from synth.search.proposers.heuristic import SEEDS, HeuristicProposer
+    from synth.search.proposers.heuristic import HeuristicProposer
 
-    if name == "heuristic":
-        return HeuristicProposer(seed)
+    return ChainProposer([(HeuristicProposer(space, seed, hill_climb=False), AUTO_SEEDS), (descent, None),
+                          (EvolveProposer(space, seed), None)])
+
+
+def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run_dir: Path | None = None,
+                     notice: Callable[[str], None] | None = None, *, ctx: int = 1024,
+                     params: CostParams | None = None, jobs: int = 1, **llm_options: Any) -> Proposer:
+    """Build the proposer named on the command line. `llm` needs an endpoint (OPENAI_API_KEY/OPENAI_BASE_URL);
+    `auto` uses the LLM agent when one is configured, else the built-in chain (saying so in one line). `ctx`,
+    `params` and `jobs` are the descent's: the context it estimates at, the cost model, its processes."""
+    from synth.search.proposers.descent import DescentProposer
+    from synth.search.proposers.evolve import EvolveProposer
+    from synth.search.proposers.heuristic import HeuristicProposer
+
+    spec = get_model(spec_name)
+    space = SearchSpace(spec, workers)
+
+    def descent() -> DescentProposer:
+        return DescentProposer(space, spec, workers, params or load_params(), ctx, jobs=jobs)
+
+    if name in ("seeds", "heuristic"):
+        return HeuristicProposer(space, seed)
+    if name == "descent":
+        return descent()
     if name == "evolve":
-        return EvolveProposer(seed)
+        return EvolveProposer(space, seed)
     if name == "tpe":
         from synth.search.proposers.tpe import TPEProposer
 
-        return TPEProposer(seed)
+        return TPEProposer(space, seed)
     if name in ("llm", "auto"):
         try:
             from synth.search.proposers import llm
@@ -84,14 +122,14 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
             llm = None  # type: ignore[assignment]
         if llm is not None and llm.agent_configured():
             opts = llm.LLMOptions.from_env(**llm_options)
-            agent = llm.LLMProposer(get_model(spec_name), workers, opts, run_dir=run_dir)
+            agent = llm.LLMProposer(spec, workers, opts, run_dir=run_dir)
             if name == "llm":
                 return agent
-            builtin = ChainProposer(HeuristicProposer(seed), EvolveProposer(seed), len(SEEDS))
-            return FallbackProposer(agent, builtin, notice)
+            return FallbackProposer(agent, builtin_chain(space, seed, descent()), notice)
         if name == "llm":
             raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
         if notice:
-            notice("auto: no OPENAI_API_KEY / OPENAI_BASE_URL, so no LLM agent: heuristic proposer, then evolve")
-        return ChainProposer(HeuristicProposer(seed), EvolveProposer(seed), len(SEEDS))
-    raise ValueError(f"unknown proposer {name!r}; choose heuristic, evolve, tpe, llm or auto")
+            notice(f"auto: no OPENAI_API_KEY / OPENAI_BASE_URL, so no LLM agent: the {AUTO_SEEDS} best hand-written "
+                   "seeds, then the cost-model descent, then evolve")
+        return builtin_chain(space, seed, descent())
+    raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(NAMES)}")

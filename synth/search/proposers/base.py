@@ -34,6 +34,7 @@ class Result:
     error: str | None = None  # lowering/patch error (malformed) when the proposal could not be built
     counterexample: dict[str, Any] | None = None  # validator finding(s) for rejected ones, compact JSON
     profile: dict[str, Any] | None = None  # per-op time, per-SM idle, critical path of the timed/estimated run
+    screened: float | None = None  # the cost model's estimate (ms) when it screened the proposal out (not validated)
 
 
 @dataclass
@@ -59,3 +60,10 @@ class Proposer(Protocol):
     def observe(self, result: Result) -> None:
         """Learn from one evaluated proposal."""
         ...
+
+
+def strategy_key(strategy: Strategy, patches: list[dict[str, Any]] | None = None) -> str:
+    """A canonical text of a proposal, so that a proposer does not offer the same one twice."""
+    import json
+
+    return json.dumps([strategy.model_dump(mode="json"), patches or []], sort_keys=True)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from synth.lowering.strategy import Strategy
-from synth.search.proposers.base import Proposal, Result, SearchContext
-from synth.search.proposers.heuristic import mutate, random_strategy, strategy_key
+from synth.lowering.strategy import SearchSpace, Strategy
+from synth.search.proposers.base import Proposal, Result, SearchContext, strategy_key
 
 #: Knobs that change the instruction list (ids); patches only carry over when these agree.
 PLAN_KNOBS = ("tiles", "k_splits", "attn_splits")
@@ -17,7 +16,9 @@ PLAN_KNOBS = ("tiles", "k_splits", "attn_splits")
 class EvolveProposer:
     name = "evolve"
 
-    def __init__(self, seed: int = 0, population: int = 8, p_crossover: float = 0.4, p_patch: float = 0.25) -> None:
+    def __init__(self, space: SearchSpace, seed: int = 0, population: int = 8, p_crossover: float = 0.4,
+                 p_patch: float = 0.25) -> None:
+        self.space = space
         self.rng = random.Random(seed)
         self.population = population
         self.p_crossover = p_crossover
@@ -54,7 +55,7 @@ class EvolveProposer:
         while len(out) < n and tries < 50 * max(1, n):
             tries += 1
             if not pool:
-                st, patches, why, parent = random_strategy(self.rng), [], "random (no accepted parents yet)", None
+                st, patches, why, parent = self.space.random(self.rng), [], "random (no accepted parents yet)", None
             else:
                 p1 = self._pick(pool)
                 patches = list(p1.proposal.patches)
@@ -63,14 +64,14 @@ class EvolveProposer:
                     st = self._crossover(p1.proposal.strategy, p2.proposal.strategy)
                     why = f"crossover of {p1.candidate} and {p2.candidate}"
                     if self.rng.random() < 0.5:
-                        st = mutate(st, self.rng)
+                        st = self.space.mutate(st, self.rng)
                         why += " + mutation"
                 elif self.rng.random() < self.p_patch and p1.profile:
                     st = p1.proposal.strategy
                     patches = patches + self._patch(p1, ctx.workers)
                     why = f"patch of {p1.candidate}: move a critical-path instruction"
                 else:
-                    st = mutate(p1.proposal.strategy, self.rng, self.rng.choice([1, 1, 2, 3]))
+                    st = self.space.mutate(p1.proposal.strategy, self.rng, self.rng.choice([1, 1, 2, 3]))
                     why = f"mutation of {p1.candidate}"
                 parent = p1.candidate
                 d1, ds = p1.proposal.strategy.model_dump(), st.model_dump()

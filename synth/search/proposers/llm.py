@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from synth.lowering.lower import lower
 from synth.lowering.models import ModelSpec
 from synth.lowering.strategy import Strategy
+from synth.runs.rundir import screened_text
 from synth.search.briefing import DEFAULT_BUDGET, Briefing, build_briefing, normalise_profile, patch_schema
 from synth.search.proposers.base import Proposal, Result, SearchContext
 from validator.atomic import write_json_atomic
@@ -387,6 +388,7 @@ class LLMProposer:
     def _observe(self, result: Result) -> None:
         key = _canonical(result.proposal.strategy, result.proposal.patches)
         verdict = ("accepted" + (f" {result.ms:.4f} ms" if result.ms is not None else "")) if result.accepted else \
+            screened_text(result.screened) if result.screened is not None else \
             ("rejected" if result.error is None else "not validated")
         self._seen[key] = f"{result.candidate} ({verdict})"
         if result.proposal.proposer == self.name and result.candidate not in self._observed:

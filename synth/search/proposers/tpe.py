@@ -5,44 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from synth.lowering.strategy import ASSIGNMENTS, GRANULARITIES, ORDERS, Strategy
-from synth.search.proposers.base import Proposal, Result, SearchContext
-from synth.search.proposers.heuristic import (
-    ATTN_SPLIT_CHOICES,
-    CHUNK_CHOICES,
-    FINE_EDGES,
-    K_SPLIT_CHOICES,
-    TILE_CHOICES,
-    strategy_key,
-)
+from synth.lowering.strategy import SearchSpace, Strategy
+from synth.search.proposers.base import Proposal, Result, SearchContext, strategy_key
 
 MAX_TRIES = 20  # suggestions per wanted proposal before giving up on finding a new one
 
 
-def _suggest(trial: Any) -> Strategy:
-    d = Strategy().model_dump(mode="json")
-    for op, choices in TILE_CHOICES.items():
-        d["tiles"][op] = trial.suggest_categorical(f"tile:{op}", choices)
-    for op in ("o_proj_residual", "down_proj_residual"):
-        d["k_splits"][op] = trial.suggest_categorical(f"k_split:{op}", K_SPLIT_CHOICES)
-    d["attn_splits"] = trial.suggest_categorical("attn_splits", ATTN_SPLIT_CHOICES)
-    for e in FINE_EDGES:
-        g = trial.suggest_categorical(f"edge:{e}", list(GRANULARITIES[:3]))
-        if g != "all":
-            d["edges"][e] = g
-        if g == "chunk":
-            d["chunks"][e] = trial.suggest_categorical(f"chunks:{e}", CHUNK_CHOICES)
-    d["assignment"] = trial.suggest_categorical("assignment", list(ASSIGNMENTS))
-    d["order"] = trial.suggest_categorical("order", list(ORDERS))
-    return Strategy.model_validate(d)
+def _suggest(trial: Any, space: SearchSpace) -> Strategy:
+    return space.from_point({k.name: trial.suggest_categorical(k.name, list(k.choices)) for k in space.knobs})
 
 
 class TPEProposer:
     name = "tpe"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, space: SearchSpace, seed: int = 0) -> None:
         import optuna
 
+        self.space = space
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed))
         self.pending: dict[str, int] = {}  # strategy key -> trial number of this proposer's study
@@ -58,7 +37,7 @@ class TPEProposer:
             if len(out) >= n:
                 break
             trial = self.study.ask()
-            st = _suggest(trial)
+            st = _suggest(trial, self.space)
             key = strategy_key(st)
             if key in self.seen:
                 self.study.tell(trial, state=optuna.trial.TrialState.PRUNED)
