@@ -355,10 +355,10 @@ class Search:
             self.claims.release(slot)
             self._repeated()
             old = self.standing.results.get(same := candidate_id(holder))
-            if old is not None:
-                assert self.proposer is not None
-                self.proposer.observe(Result(same, proposal, old.accepted, old.ms, not self.gpu,
-                                             error=f"the same schedule as {same}"))
+            assert self.proposer is not None  # (told even before `same` has an outcome: a proposer waiting for every
+            # proposal it made to come back, as the descent does, must not wait for this one)
+            self.proposer.observe(Result(same, proposal, old.accepted if old else False, old.ms if old else None,
+                                         not self.gpu, error=f"the same schedule as {same}"))
             return
         res = self.evaluator.evaluate(cid, proposal, schedule, prepared.verdict if prepared else None,
                                       prepared.failure if prepared else None)
@@ -401,7 +401,8 @@ class Search:
         self._reap()
         self._sync()
         best, on_disk = self.standing.best, self.run.best_ms()
-        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk):
+        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk) \
+                and best.candidate in self.run.accepted():  # (another machine's best has no files here)
             self.evaluator.promote_again(best)  # killed between recording it and writing best/
         bar = _Progress(cfg.budget, cfg.progress)
         self.claims.start_heartbeat(cfg.heartbeat_s)
