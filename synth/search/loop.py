@@ -55,7 +55,7 @@ from synth.search.evaluate import (
     gpu_name,
 )
 from synth.search.pool import Pool, Prepared
-from synth.search.proposers.auto import resolve_proposer
+from synth.search.proposers.auto import close_proposer, resolve_proposer
 from synth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 from validator.errors import ScheduleError
 from validator.schedule import Schedule
@@ -414,6 +414,7 @@ class Search:
                 self._run_sequential(bar, t_start)
             self._reap()  # record the trials of outcomes whose process died before it could
         finally:
+            close_proposer(self.proposer)
             self.claims.stop()
             try:
                 self.claims.release_all()  # an interrupted process gives its slots back at once

@@ -52,6 +52,17 @@ class ChainProposer:
         for stage, _ in self.stages:
             stage.observe(result)
 
+    def close(self) -> None:
+        for stage, _ in self.stages:
+            close_proposer(stage)
+
+
+def close_proposer(proposer: Any) -> None:
+    """Release what a proposer holds (the descent's cost-model processes), if it holds anything."""
+    close = getattr(proposer, "close", None)
+    if callable(close):
+        close()
+
 
 class FallbackProposer:
     """`auto` with an LLM endpoint: the agent while it can propose; once it stops for good (call budget spent, or an
@@ -77,6 +88,10 @@ class FallbackProposer:
     def observe(self, result: Result) -> None:
         self.agent.observe(result)
         self.builtin.observe(result)
+
+    def close(self) -> None:
+        close_proposer(self.agent)
+        close_proposer(self.builtin)
 
 
 def builtin_chain(space: SearchSpace, seed: int, descent: Proposer) -> ChainProposer:

@@ -186,6 +186,10 @@ class DescentProposer:
                 out.append((f"{top[a][0]} & {top[b][0]}", self.space.from_point({**da, **db}, st)))
         return out
 
+    def close(self) -> None:
+        """Stop the cost-model processes (the search calls this when it ends)."""
+        self.model.close()
+
     def observe(self, result: Result) -> None:
         key = strategy_key(result.proposal.strategy, result.proposal.patches)
         self.seen.add(key)
