@@ -500,3 +500,27 @@ def test_default_search_on_a_fake_gpu_times_seeds_and_descent_side_by_side(tmp_p
     assert set(summary.best_by_proposer) >= {"seeds", "descent"}
     best = json.loads((summary.run_dir / "best" / "timing.json").read_text())
     assert best["ms"] == min(t["ms"] for t in acc.values()) and best["estimated"] is False
+
+
+def test_calibrate_check_run_alone_checks_the_model_without_fitting(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`synth calibrate --check-run RUN` with nothing to fit reports the committed model's error on the run's
+    GPU-measured candidates (here a fake GPU that is the model off by up to 3 %) and writes nothing."""
+    import synth.search.evaluate as evaluate
+    import synth.search.loop as loop
+    from synth.commands.calibrate import calibrate
+
+    monkeypatch.setattr(evaluate, "GpuTimer", _ModelTimer)
+    monkeypatch.setattr(loop, "gpu_name", lambda: "fake GPU")
+    summary = run_search(_cfg(tmp_path, gpu=True, budget=5, proposer="seeds", cost_params=V10))
+    prior = tmp_path / "prior" / "v10.json"
+    prior.parent.mkdir()
+    prior.write_text(json.dumps(V10.to_json()))
+    res = CliRunner().invoke(calibrate, ["--check-run", str(summary.run_dir), "--prior", str(prior)])
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.output.splitlines() if "(not fitted)" in ln)
+    med = float(line.split("median |error| ")[1].split("%")[0])
+    worst = float(line.split("max ")[1].split("%")[0])
+    assert "over 5 measured steps" in line and 0 < med <= worst <= 3.1, line
+    assert [p.name for p in prior.parent.iterdir()] == ["v10.json"] and not list(tmp_path.glob("*.json")), \
+        "a check writes no parameters"

@@ -34,7 +34,8 @@ from validator.errors import ScheduleError
 @click.option("--measured", "measured_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
               help="A megasynth-measured-steps/1 file (e.g. bench/v10/measured_steps.json): fit to its steps too.")
 @click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
-              help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates.")
+              help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates. "
+              "Alone (nothing to fit), it checks the prior (default: the committed model) and writes nothing.")
 @click.option("--holdout", type=click.FloatRange(0, 0.9), default=0.3, show_default=True,
               help="v10: this fraction of the measured steps (picked by a hash of their names) is left out of the fit "
               "and reported.")
@@ -52,6 +53,9 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         raise click.BadParameter(f"{len(schedules)} schedules for {len(traces)} traces", param_hint="--schedule")
     pairs, devices = _read_traces(traces, schedules, allow_estimated)
     base = load_params(prior)
+    if check_runs and not (traces or fit_runs or measured_files):  # check the model as it is
+        _check_only(base, list(check_runs))
+        return
     try:
         if base.ring_bytes > 0:
             doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
@@ -68,6 +72,22 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
 
         write_json_atomic(output, doc)
         click.echo(f"wrote {output}")
+
+
+def _check_only(params: Any, check_runs: list[str]) -> None:
+    """The error of `params` on the GPU-measured candidates of runs it was not fitted on, per run and in all."""
+    from synth.search.calibrate import error_summary, run_steps
+
+    skipped: list[str] = []
+    every = []
+    for run in check_runs:
+        steps = run_steps([run], skipped)
+        every += steps
+        click.echo(_errors_line(f"{run} (not fitted)", error_summary(steps, params)))
+    for why in skipped:
+        click.echo(f"note: left out {why}")
+    if len(check_runs) > 1:
+        click.echo(_errors_line("all (not fitted)", error_summary(every, params)) + " (goal: median <= 3%, max <= 10%)")
 
 
 def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_estimated: bool
