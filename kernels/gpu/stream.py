@@ -119,9 +119,9 @@ def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
 @gluon.jit
 def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
-    earlier fills are still in flight. Every load the compute warps make (counters, activations) queues behind the
-    weight tiles in flight, so an unbounded backlog would delay each instruction's start by the whole ring and leave
-    the stream idle meanwhile; a bounded one keeps HBM busy and that queue short."""
+    earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
+    behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
+    for down alone; the default is 4."""
     s = t % NS
     if INFLIGHT < NS:
         if t >= INFLIGHT:
