@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from gpu_check import VARIANTS  # noqa: E402  (the interpreter variants, named as gpu_check names them)
 
-from kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
+from kernels.gpu.interpreter import Megakernel  # noqa: E402
 from kernels.gpu.timing import time_schedule  # noqa: E402
 from kernels.weights import random_weights  # noqa: E402
 from synth.lowering.lower import lower  # noqa: E402
@@ -32,20 +33,6 @@ from synth.lowering.strategy import Strategy  # noqa: E402
 from validator.catalogue import W_BYTES  # noqa: E402
 from validator.schedule import parse_schedule  # noqa: E402
 
-VARIANTS: dict[str, Any] = {
-    "v9": KernelConfig(),
-    "v10": StreamConfig(),
-    "v10s4": StreamConfig(slots=4),
-    "v10s8": StreamConfig(slots=8),
-    "v10w4": StreamConfig(num_warps=4),
-    "v10b4": StreamConfig(boxes=4),
-    "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
-    "v10i2": StreamConfig(inflight=2),
-    "v10i3": StreamConfig(inflight=3),
-    "v10i6": StreamConfig(inflight=6),
-    "v10i8": StreamConfig(inflight=8),
-    "v10b4s3": StreamConfig(boxes=4, slots=3),
-}
 TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 64,
          "down_proj_residual": 16, "final_norm_lm_head": 1024}
 

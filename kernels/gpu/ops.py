@@ -16,6 +16,14 @@ import os
 import triton
 import triton.language as tl
 
+#: The PTX of the counter protocol and the clocks, shared by interpreter v9 (here) and v10 (kernels/gpu/stream.py).
+#: (constexpr: a jit function may only read constexpr globals)
+ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
+ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
+ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
+ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
+                                  "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
+
 if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter runs no inline PTX: plain equivalents
     # (programs run one after another there, so only single-worker schedules can be interpreted).
 
@@ -40,26 +48,22 @@ else:
     @triton.jit
     def globaltimer():
         """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
-                                         pack=1)
+        return tl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
     @triton.jit
     def smid():
-        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
     @triton.jit
     def load_acquire(ptr):
         """Acquire load at GPU scope: later loads of this thread see every write released before the value read."""
-        return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
-                                         is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
     def signal_release(ptr, add):
         """`*ptr += add` once per CTA (thread 0), with release semantics at GPU scope. Call after a CTA barrier."""
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
-            "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr, add], dtype=tl.int32, is_pure=False, pack=1)
+        return tl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=tl.int32, is_pure=False,
+                                         pack=1)
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
 from kernels.gpu.pack import OPCODES, ROW
 from validator.model import ModelConfig
 
@@ -57,28 +58,24 @@ DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0"))
 
 @gluon.jit
 def _globaltimer():
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    return gl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _smid():
-    return gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
 
 
 @gluon.jit
 def _load_acquire(ptr):
     """Acquire load at GPU scope (every thread of the partition polls; later loads see what the signaller released)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                     is_pure=False, pack=1)
+    return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _signal_release(ptr, add):
     """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
-        "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+    return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -519,6 +516,18 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
 
 
 @gluon.jit
+def _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: gl.constexpr, HD: gl.constexpr):
+    """Fold split s (heads hs, lanes ok) into the running (max, denominator, weighted sum) of attn_reduce."""
+    ls = gl.load(lse_ptr + s * NH + hs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0), mask=gl.expand_dims(ok, 1),
+                other=0.0, cache_modifier=".cg")
+    m_new = gl.maximum(mx, ls)
+    alpha = gl.exp(mx - m_new)
+    wgt = gl.exp(ls - m_new)  # an empty split (lse = -inf) weighs 0
+    return m_new, den * alpha + wgt, acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
+
+
+@gluon.jit
 def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.constexpr, HD: gl.constexpr,
                     HB: gl.constexpr, SP: gl.constexpr, num_warps: gl.constexpr):
     """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end); the first SP
@@ -533,26 +542,9 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
         den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
         acc = gl.zeros([HB, HD], gl.float32, L2)
         for s in gl.static_range(SP):
-            ok = hm & (s < splits)
-            ls = gl.load(lse_ptr + s * NH + hs, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0),
-                        mask=gl.expand_dims(ok, 1), other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(mx, ls)
-            alpha = gl.exp(mx - m_new)
-            wgt = gl.exp(ls - m_new)
-            den = den * alpha + wgt
-            acc = acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
-            mx = m_new
+            mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
         for s in range(SP, splits):
-            ls = gl.load(lse_ptr + s * NH + hs, mask=hm, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0),
-                        mask=gl.expand_dims(hm, 1), other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(mx, ls)
-            alpha = gl.exp(mx - m_new)
-            wgt = gl.exp(ls - m_new)
-            den = den * alpha + wgt
-            acc = acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
-            mx = m_new
+            mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
         den = gl.where(den > 0, den, 1.0)
         gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), acc / gl.expand_dims(den, 1),
                  mask=gl.expand_dims(hm, 1))
