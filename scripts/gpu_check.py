@@ -297,6 +297,10 @@ def main() -> int:
                                                         default_granularity="head"))
                         check_model(name, cfg, w, pairs, "qkv pair tiles 10 w=7 head", list(range(hist, hist + 4)),
                                     hist, spec.max_seq_len, kernel=kern)
+                        fused = lower(spec, 7, Strategy(attn_splits=3, fuse_attn_reduce=True,
+                                                        k_splits={"o_proj_residual": 2}, default_granularity="head"))
+                        check_model(name, cfg, w, fused, "attn_reduce_o_proj k2 w=7 head",
+                                    list(range(hist, hist + 4)), hist, spec.max_seq_len, kernel=kern)
                     if name == "tiny":
                         check_watchdog(cfg, spec, w, kernel=kern)
                 except Exception as exc:  # keep going: every other check still runs
@@ -332,6 +336,10 @@ def main() -> int:
     gu32 = {**tiles, "mlp_norm_gate_up": 32}
     best = {**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}  # + 16 splits: bench/best_schedule_...
 
+    searched = {**tiles, "attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64,
+                "down_proj_residual": 64}
+    sk4 = {"o_proj_residual": 4, "down_proj_residual": 4}
+
     def strat(**kw: Any) -> Strategy:
         return Strategy(**kw)
 
@@ -366,6 +374,19 @@ def main() -> int:
         "best_o32": lambda: strat(tiles={**best, "o_proj_residual": 32}, attn_splits=8),
         "best_d32k2": lambda: strat(tiles={**best, "down_proj_residual": 32}, attn_splits=8,
                                     k_splits={"o_proj_residual": 1, "down_proj_residual": 2}),
+        # the searched best (runs/llama-1b-noseed-h200) and attn_reduce folded into o_proj around it
+        "searched": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4),
+        "searched_fused": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True),
+        "searched_fused_head": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True,
+                                             edges={"attn_partial->attn_reduce_o_proj": "head"}),
+        "searched_fused_k2": lambda: strat(tiles=searched, attn_splits=16, fuse_attn_reduce=True,
+                                           k_splits={**sk4, "o_proj_residual": 2}),
+        "searched_fused_k8": lambda: strat(tiles=searched, attn_splits=16, fuse_attn_reduce=True,
+                                           k_splits={**sk4, "o_proj_residual": 8}),
+        "searched_fused_s8": lambda: strat(tiles=searched, attn_splits=8, k_splits=sk4, fuse_attn_reduce=True),
+        "q32_d32k2_fused": lambda: strat(tiles={**best, "attn_norm_qkv_rope": 32, "down_proj_residual": 32},
+                                         attn_splits=16, k_splits={"down_proj_residual": 2, "o_proj_residual": 4},
+                                         fuse_attn_reduce=True),
         "chunk": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk"),
         "head": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="head"),
         "chunk_cb": lambda: strat(tiles=gu32, attn_splits=4, default_granularity="chunk", assignment="cost_balanced"),

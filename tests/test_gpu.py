@@ -165,6 +165,22 @@ def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring):
     _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60, config=cfg)
 
 
+@pytest.mark.parametrize("k_split", [1, 4])
+def test_v10_attn_reduce_folded_into_o_proj(llama, k_split):
+    """o_proj merging the attention splits itself (attn_reduce_o_proj), whole K and a K-split of 8 heads, per-KV-head
+    waits on the partials; on a tiny config, a K range that leaves part of a staged chunk unused and 3 splits."""
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64, "down_proj_residual": 64}
+    strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True, k_splits={"o_proj_residual": k_split},
+                     edges={"attn_partial->attn_reduce_o_proj": "head"})
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(1000, 1006), 1000)
+    tiny = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 3},
+                   tiles={"o_proj_residual": 8}, default_granularity="tile")
+    _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60)
+
+
 def test_watchdog_turns_a_hang_into_an_error():
     from kernels.gpu import Megakernel, WatchdogError
 

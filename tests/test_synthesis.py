@@ -172,9 +172,9 @@ def test_step_fit_recovers_a_v10_model_on_steps_it_never_saw() -> None:
     from synth.search.calibrate import error_summary, fit_steps
 
     secret = replace(V10, ops={op: OpParams(eff=1.0, overhead_us=o) for op, o in zip(
-        CostParams().ops, [0.5, 2.0, 3.0, 1.5, 1.2, 2.5, 1.8, 1.0], strict=True)}, hop_us=0.9, launch_us=6.0)
-    steps = _synthetic_steps(16, secret, noise=0.005, seed=1)
-    fit_set, held = steps[:11], steps[11:]
+        CostParams().ops, [0.5, 2.0, 3.0, 1.5, 1.2, 2.4, 2.5, 1.8, 1.0], strict=True)}, hop_us=0.9, launch_us=6.0)
+    steps = _synthetic_steps(24, secret, noise=0.005, seed=1)
+    fit_set, held = steps[:17], steps[17:]  # 17 to fit: one more op (the fused merge + o_proj) than before
     prior = replace(secret, ops={op: OpParams(1.0, 0.4) for op in secret.ops}, hop_us=0.2, launch_us=1.0,
                     sm_peak=6e3, consume_bw=2e4)
     before = error_summary(held, prior)

@@ -12,7 +12,8 @@ Buffers (element counts; fp32 activations, KV cache in the model dtype):
   v_cache      [L, nKV, hd, S]     values
   attn_o_part  [P, nH, hd]         per-split normalised attention outputs (P = the schedule's largest split count)
   attn_lse     [P, nH]             per-split log-sum-exp
-  attn         [nH*hd]             merged attention output of the current layer
+  attn         [nH*hd]             merged attention output of the current layer (not used when attn_reduce is folded
+                                   into o_proj: `attn_reduce_o_proj` merges the splits it needs itself)
   act          [I]                 silu(gate) * up
   logits       [V]
 
@@ -149,11 +150,21 @@ def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
         raise ArgError(f"args.split = {args['split']} must be in [0, splits={args['splits']})")
 
 
-def _check_reduce(geo: Geometry, layer: int, args: dict[str, int]) -> None:
-    c = geo.cfg
-    _interval(args, "start", "end", c.num_attention_heads, c.group_size)
+def _check_splits(geo: Geometry, args: dict[str, int]) -> None:
     if not 1 <= args["splits"] <= geo.max_seq_len:
         raise ArgError(f"args.splits = {args['splits']} must be in [1, max_seq_len]")
+
+
+def _check_reduce(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    _interval(args, "start", "end", geo.cfg.num_attention_heads, geo.cfg.group_size)
+    _check_splits(geo, args)
+
+
+def _check_reduce_oproj(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    c = geo.cfg
+    _interval(args, "start", "end", c.hidden_size)
+    _interval(args, "k_start", "k_end", c.q_size, c.hd)  # whole heads: a head's splits are merged together
+    _check_splits(geo, args)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -194,19 +205,29 @@ def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     ]
 
 
-def _fp_reduce(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
-    c = geo.cfg
-    h0, h1, nh = a["start"], a["end"], c.num_attention_heads
+def _fp_split_reads(geo: Geometry, h0: int, h1: int, splits: int) -> list[Access]:
+    """What merging the splits of query heads [h0, h1) reads: every split's o and lse of those heads."""
+    c, nh = geo.cfg, geo.cfg.num_attention_heads
     out: list[Access] = []
-    for s in range(a["splits"]):
+    for s in range(splits):
         out.append(("read", "attn_o_part", (s * nh + h0) * c.hd, (s * nh + h1) * c.hd))
         out.append(("read", "attn_lse", s * nh + h0, s * nh + h1))
-    out.append(("write", "attn", h0 * c.hd, h1 * c.hd))
     return out
+
+
+def _fp_reduce(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    h0, h1, hd = a["start"], a["end"], geo.cfg.hd
+    return [*_fp_split_reads(geo, h0, h1, a["splits"]), ("write", "attn", h0 * hd, h1 * hd)]
 
 
 def _fp_oproj(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     return [("read", "attn", a["k_start"], a["k_end"]), ("reduce", "x", a["start"], a["end"])]
+
+
+def _fp_reduce_oproj(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    hd = geo.cfg.hd
+    return [*_fp_split_reads(geo, a["k_start"] // hd, a["k_end"] // hd, a["splits"]),
+            ("reduce", "x", a["start"], a["end"])]
 
 
 def _fp_gate_up(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
@@ -269,10 +290,22 @@ def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tup
     return kv_bytes + io, 4 * n * c.hd * c.group_size
 
 
+def _merge_cost(heads: int, hd: int, splits: int) -> tuple[int, int]:
+    """(bytes read, flops) of merging `splits` splits of `heads` query heads."""
+    return splits * heads * (hd + 1) * ACT_BYTES, 3 * splits * heads * hd
+
+
 def _cost_reduce(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
-    heads = a["end"] - a["start"]
-    hd = geo.cfg.hd
-    return (a["splits"] * heads * (hd + 1) + heads * hd) * ACT_BYTES, 3 * a["splits"] * heads * hd
+    heads, hd = a["end"] - a["start"], geo.cfg.hd
+    nbytes, flops = _merge_cost(heads, hd, a["splits"])
+    return nbytes + heads * hd * ACT_BYTES, flops
+
+
+def _cost_reduce_oproj(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    k = a["k_end"] - a["k_start"]
+    mb, mf = _merge_cost(k // geo.cfg.hd, geo.cfg.hd, a["splits"])
+    rows = a["end"] - a["start"]
+    return rows * k * W_BYTES + mb + 2 * rows * ACT_BYTES, mf + 2 * rows * k
 
 
 def _cost_embed(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
@@ -366,20 +399,30 @@ def _c_partial(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     lse.copy_((m + denom.log()).squeeze(-1))
 
 
-def _c_reduce(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+def _merged(ws, geo: Geometry, h0: int, h1: int, splits: int) -> Any:
+    """The attention output of query heads [h0, h1) merged over `splits` splits by log-sum-exp, flat."""
     c = geo.cfg
-    nh, splits = c.num_attention_heads, a["splits"]
-    h0, h1 = a["start"], a["end"]
+    nh = c.num_attention_heads
     o = ws["attn_o_part"].view(-1, nh, c.hd)[:splits, h0:h1]
     lse = ws["attn_lse"].view(-1, nh)[:splits, h0:h1]
     total = lse.logsumexp(dim=0)
     weight = (lse - total).exp().unsqueeze(-1)
-    ws["attn"][h0 * c.hd:h1 * c.hd] = (weight * o).sum(dim=0).reshape(-1)
+    return (weight * o).sum(dim=0).reshape(-1)
+
+
+def _c_reduce(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    hd = geo.cfg.hd
+    ws["attn"][a["start"] * hd:a["end"] * hd] = _merged(ws, geo, a["start"], a["end"], a["splits"])
 
 
 def _c_oproj(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     s, e, k0, k1 = a["start"], a["end"], a["k_start"], a["k_end"]
     ws["x"][s:e] += w[f"layers.{layer}.wo"][s:e, k0:k1].float() @ ws["attn"][k0:k1]
+
+
+def _c_reduce_oproj(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    s, e, k0, k1, hd = a["start"], a["end"], a["k_start"], a["k_end"], geo.cfg.hd
+    ws["x"][s:e] += w[f"layers.{layer}.wo"][s:e, k0:k1].float() @ _merged(ws, geo, k0 // hd, k1 // hd, a["splits"])
 
 
 def _c_gate_up(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
@@ -437,6 +480,15 @@ OPS: dict[str, OpSpec] = {
                _ROWS_K, _check_rows_k(lambda c: c.hidden_size, lambda c: c.q_size), _fp_oproj,
                _tile_rows_k("o_proj_residual", lambda c: c.hidden_size, lambda c: c.q_size),
                _cost_matvec(_rows, lambda g, a: a["k_end"] - a["k_start"]), _c_oproj),
+        OpSpec("attn_reduce_o_proj",
+               "attn_reduce folded into o_proj: x[start:end] += wo[start:end, k_start:k_end] @ the attention output "
+               "of columns [k_start, k_end), merged from its splits here (no `attn` buffer, one counter hop less)",
+               True, {**_ROWS_K, "k_start": "first input column, a multiple of head_dim (whole query heads)",
+                      "k_end": "end input column, a multiple of head_dim",
+                      "splits": "number of splits to merge (must match attn_partial)"},
+               _check_reduce_oproj, _fp_reduce_oproj,
+               _tile_rows_k("o_proj_residual", lambda c: c.hidden_size, lambda c: c.q_size),
+               _cost_reduce_oproj, _c_reduce_oproj),
         OpSpec("mlp_norm_gate_up", "act[start:end] = silu(w_gate @ rmsnorm(x)) * (w_up @ rmsnorm(x)), rows [start,end)",
                True, _ROWS, _check_rows(lambda c: c.intermediate_size), _fp_gate_up,
                _tile_rows("mlp_norm_gate_up", lambda c: c.intermediate_size),
@@ -480,14 +532,22 @@ def check_instruction(geo: Geometry, op: str, layer: int | None, args: Mapping[s
     return out
 
 
-def required_tiles(geo: Geometry) -> list[tuple[Any, ...]]:
-    """Every coverage key a complete decode step must produce."""
+#: Ops that merge attention splits, and the op whose output tiles the fused one produces (it covers o_proj's output;
+#: a layer whose o_proj is fused throughout needs no attn_reduce).
+MERGE_OPS = ("attn_reduce", "attn_reduce_o_proj")
+FUSED_OPROJ = "attn_reduce_o_proj"
+
+
+def required_tiles(geo: Geometry, unfused: set[int] | None = None) -> list[tuple[Any, ...]]:
+    """Every coverage key a complete decode step must produce. `unfused`: the layers with a plain o_proj
+    instruction (default: all); attn_reduce is required in those only."""
     c = geo.cfg
     keys: list[tuple[Any, ...]] = [("embed", -1)]
     for layer in range(c.num_hidden_layers):
         keys.append(("attn_norm_qkv_rope", layer))
         keys.extend(("attn_partial", layer, g) for g in range(c.num_key_value_heads))
-        keys.extend([("attn_reduce", layer), ("o_proj_residual", layer), ("mlp_norm_gate_up", layer),
-                     ("down_proj_residual", layer)])
+        if unfused is None or layer in unfused:
+            keys.append(("attn_reduce", layer))
+        keys.extend([("o_proj_residual", layer), ("mlp_norm_gate_up", layer), ("down_proj_residual", layer)])
     keys.append(("final_norm_lm_head", -1))
     return keys

@@ -5,15 +5,20 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from validator.catalogue import OPS, required_tiles
+from validator.catalogue import FUSED_OPROJ, MERGE_OPS, OPS, required_tiles
 from validator.program import Finding, Program
+
+
+def _key_name(key: tuple) -> str:
+    """A coverage key as words: 'attn_partial layer 3 kv_head 1'."""
+    return f"{key[0]}" + (f" layer {key[1]}" if len(key) > 1 and key[1] >= 0 else "") + \
+        (f" kv_head {key[2]}" if len(key) > 2 else "")
 
 
 def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]], prog: Program) -> list[Finding]:
     """Check that `tiles` (rect, instruction index) partition the rectangle `domain` exactly."""
     (r0, r1), (k0, k1) = domain
-    name = f"{key[0]}" + (f" layer {key[1]}" if len(key) > 1 and key[1] >= 0 else "") + \
-        (f" kv_head {key[2]}" if len(key) > 2 else "")
+    name = _key_name(key)
     cuts = sorted({r0, r1} | {t[0][0][0] for t in tiles} | {t[0][0][1] for t in tiles})
     out: list[Finding] = []
     by_start = sorted(tiles, key=lambda t: t[0][0][0])
@@ -66,19 +71,21 @@ def check_coverage(prog: Program) -> list[Finding]:
                                     [prog.ids[i]], prog.path(i)))
             continue
         tiles[key].append((rect, i))
-    for key in required_tiles(geo):
+    unfused = {prog.layer[i] for i in range(prog.n) if prog.op[i] == "o_proj_residual"}
+    for key in required_tiles(geo, unfused):
         if key not in tiles:
-            name = " ".join(str(k) for k in key if k != -1)
-            findings.append(Finding("coverage", f"{name}: no instruction produces it", []))
+            findings.append(Finding("coverage", f"{_key_name(key)}: no instruction produces it", []))
     for key, ts in tiles.items():
         findings.extend(_partition_findings(key, domains[key], ts, prog))
-    # attn_reduce must merge exactly the splits attn_partial produced for its heads.
-    group = geo.cfg.group_size
+    # attn_reduce (or o_proj with the merge folded in) must merge exactly the splits attn_partial produced for its
+    # heads.
+    group, hd = geo.cfg.group_size, geo.cfg.hd
     for i in range(prog.n):
-        if prog.op[i] != "attn_reduce":
+        if prog.op[i] not in MERGE_OPS:
             continue
         a = prog.args[i]
-        for g in range(a["start"] // group, (a["end"] + group - 1) // group):
+        h0, h1 = (a["k_start"] // hd, a["k_end"] // hd) if prog.op[i] == FUSED_OPROJ else (a["start"], a["end"])
+        for g in range(h0 // group, (h1 + group - 1) // group):
             dom = domains.get(("attn_partial", prog.layer[i], g))
             if dom is not None and dom[0][1] != a["splits"]:
                 findings.append(Finding("coverage", f"{prog.label(i)} merges {a['splits']} splits but attn_partial "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from validator.catalogue import OPS, Access, ArgError, Geometry, check_instruction
+from validator.catalogue import MERGE_OPS, OPS, Access, ArgError, Geometry, check_instruction
 from validator.errors import ScheduleError
 from validator.model import ModelConfig
 from validator.schedule import Schedule
@@ -76,7 +76,7 @@ def geometry_of(schedule: Schedule, file: str | None = None) -> Geometry | None:
         raise ScheduleError(f"model config is not a valid Llama config: {exc}", "$.model.config", file) from None
     splits = 1
     for ins in schedule.instructions:
-        s = ins.args.get("splits") if ins.op in ("attn_partial", "attn_reduce") else None
+        s = ins.args.get("splits") if ins.op in ("attn_partial", *MERGE_OPS) else None
         if isinstance(s, int) and not isinstance(s, bool) and s > splits:
             splits = s
     return Geometry(cfg, schedule.model.max_seq_len, min(splits, schedule.model.max_seq_len))

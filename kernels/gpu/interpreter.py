@@ -24,7 +24,7 @@ import triton.language as tl
 
 from kernels.gpu import ops
 from kernels.gpu.pack import F_A0, F_OP, OPCODES, ROW, Packed, pack
-from validator.catalogue import rope_inv_freq
+from validator.catalogue import FUSED_OPROJ, rope_inv_freq
 from validator.errors import ScheduleError
 from validator.model import ModelConfig
 from validator.schedule import Schedule
@@ -355,15 +355,18 @@ class Megakernel:
         if schedule.model is None or ModelConfig.from_hf(schedule.model.config) != self.cfg:
             raise ScheduleError("the schedule's model config differs from this Megakernel's", "$.model.config")
         p = pack(schedule)
-        if not self.v10:  # interpreter v9 computes QKV a whole head at a time
+        if not self.v10:  # interpreter v9 computes QKV a whole head at a time and has no fused merge + o_proj
             hd, qkv = OPCODES["attn_norm_qkv_rope"], self.cfg.hd
-            bad = (p.ins[:, F_OP] == hd) & (((p.ins[:, F_A0] % qkv) != 0) | ((p.ins[:, F_A0 + 1] % qkv) != 0))
-            if bad.any():
-                k = int(p.qitems[int(np.argmax(bad))])
-                at = next(j for j, ins in enumerate(schedule.instructions) if ins.id == p.ids[k])
-                raise ScheduleError(f"interpreter v9 needs QKV tiles of whole heads (multiples of head_dim {qkv}); "
-                                    f"{p.labels[k]} is not one: run it on interpreter v10 (StreamConfig)",
-                                    f"$.instructions[{at}].args")
+            pairs = (p.ins[:, F_OP] == hd) & (((p.ins[:, F_A0] % qkv) != 0) | ((p.ins[:, F_A0 + 1] % qkv) != 0))
+            fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
+            for bad, why, field in (
+                    (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {qkv}); {{}} is not one", "args"),
+                    (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op")):
+                if bad.any():
+                    k = int(p.qitems[int(np.argmax(bad))])
+                    at = next(j for j, ins in enumerate(schedule.instructions) if ins.id == p.ids[k])
+                    raise ScheduleError(f"interpreter v9 {why.format(p.labels[k])}: run it on interpreter v10 "
+                                        "(StreamConfig)", f"$.instructions[{at}].{field}")
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
                                 "than the machine deadlocks", "$.queues")

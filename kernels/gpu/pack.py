@@ -9,7 +9,8 @@ kernel. Layout (all int32):
                     `waits` and `sigs`, the first wait (counter, value) and first signal (counter, add) inline (the
                     common case needs no table access), the instruction's index (ascending-id order), and two L2
                     warm-up hints (`warm_hints`): rows of this worker's o_proj and gate/up instructions of the same
-                    layer whose weights it may start pulling into L2 before this instruction's waits (-1: none)
+                    layer whose weights it may start pulling into L2 before this instruction's waits (-1: none),
+                    and the fifth op argument (attn_reduce_o_proj's `splits`)
   waits  [NW, 2]    (counter, value) pairs, all waits of each instruction (the first is also inline)
   sigs   [NS, 2]    (counter, add) pairs, likewise
   qoff   [W + 1]    worker offsets into `ins`
@@ -29,13 +30,15 @@ from validator.schedule import Schedule
 
 #: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
 OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
-ROW = 18  # fields per instruction row
+ROW = 19  # fields per instruction row
 F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
-F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU = 11, 12, 13, 14, 15, 16, 17
+F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU, F_A4 = 11, 12, 13, 14, 15, 16, 17, 18
+#: The row field of each op argument, in the catalogue's order.
+ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
 #: The ops whose weights a worker warms into L2 while its layer's attention runs (their stream is the next thing the
 #: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
 WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
-MAX_ARGS = 4
+MAX_ARGS = len(ARG_FIELDS)
 
 for _name, _spec in OPS.items():
     if len(_spec.args) > MAX_ARGS:  # pragma: no cover - a catalogue change the kernel must follow
@@ -85,8 +88,8 @@ def pack_program(prog: Program) -> Packed:
         row[F_OP] = OPCODES[op]
         layer = prog.layer[i]
         row[F_LAYER] = layer if layer is not None else 0
-        for j, name in enumerate(OPS[op].args):
-            row[F_A0 + j] = prog.args[i][name]
+        for fld, name in zip(ARG_FIELDS, OPS[op].args, strict=False):
+            row[fld] = prog.args[i][name]
         if "splits" in prog.args[i]:
             max_splits = max(max_splits, prog.args[i]["splits"])
         row[F_ID] = prog.ids[i]

@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
-from kernels.gpu.pack import OPCODES, ROW
+from kernels.gpu.pack import F_A4, OPCODES, ROW
 from validator.model import ModelConfig
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
@@ -43,6 +43,8 @@ OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
 OP_PARTIAL: gl.constexpr = gl.constexpr(OPCODES["attn_partial"])
 OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
 OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
+OP_FUSED: gl.constexpr = gl.constexpr(OPCODES["attn_reduce_o_proj"])
+FA4: gl.constexpr = gl.constexpr(F_A4)  # the row field of an op's fifth argument
 OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
@@ -186,13 +188,15 @@ def _row6(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _row16(ins_ptr, q, ROWW: gl.constexpr):
-    """The fields of queue row q (kernels/gpu/pack.py's layout) the compute partition reads (callers clamp q into
-    the worker's queue, or to row 0 for an empty queue, whose fields are then never used)."""
+def _row17(ins_ptr, q, ROWW: gl.constexpr):
+    """The fields of queue row q (kernels/gpu/pack.py's layout) the compute partition reads: the first 16 and the
+    fifth argument (callers clamp q into the worker's queue, or to row 0 for an empty queue, whose fields are then
+    never used)."""
     row = ins_ptr + q * ROWW
     return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
             gl.load(row + 6), gl.load(row + 7), gl.load(row + 8), gl.load(row + 9), gl.load(row + 10),
-            gl.load(row + 11), gl.load(row + 12), gl.load(row + 13), gl.load(row + 14), gl.load(row + 15))
+            gl.load(row + 11), gl.load(row + 12), gl.load(row + 13), gl.load(row + 14), gl.load(row + 15),
+            gl.load(row + FA4))
 
 
 @gluon.jit
@@ -231,7 +235,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_g, d_u, base + r, base + r, kb, NKH, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                                     BOX_BYTES)
-        elif op == OP_OPROJ:
+        elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
@@ -391,6 +395,25 @@ def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
+    return _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, blk)
+
+
+@gluon.jit
+def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
+                     NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
+                     BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, blk: gl.constexpr,
+                     num_warps: gl.constexpr):
+    """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
+    is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
+    instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
+    _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, num_warps)
+    return _matvec_k(ring, ready, empty, vbuf, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, blk)
+
+
+@gluon.jit
+def _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr, NS: gl.constexpr,
+              SB: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr):
+    """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots 16 rows at a time."""
     nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
@@ -528,6 +551,38 @@ def _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: gl.constexpr, H
 
 
 @gluon.jit
+def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, HD: gl.constexpr,
+                  NCHK: gl.constexpr, BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, num_warps: gl.constexpr):
+    """vstage[:NCHK] <- the attention output of columns [k0, k1) (whole heads) merged over `splits` splits, zero past
+    k1 in the chunks the K loop reads. Heads go HBLK at a time (each block's SP split loads all in flight: one L2
+    round trip per block); a block wholly past those chunks is skipped."""
+    NHS: gl.constexpr = NCHK * BK // HD  # heads the staged chunks hold (a multiple of HBLK: stream_geometry)
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
+    heads = vstage._reinterpret(gl.float32, [NCHK * BK // HD, HD],
+                                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
+    hb = gl.arange(0, HBLK, layout=gl.SliceLayout(1, L2))
+    h0 = k0 // HD
+    h1 = k1 // HD
+    used = (k1 - k0 + BK - 1) // BK * BK  # elements the K loop reads
+    for b in gl.static_range((NHS + HBLK - 1) // HBLK):
+        if b * HBLK * HD < used:
+            hs = h0 + b * HBLK + hb
+            hm = hs < h1
+            mx = gl.full([HBLK], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
+            den = gl.zeros([HBLK], gl.float32, gl.SliceLayout(1, L2))
+            acc = gl.zeros([HBLK, HD], gl.float32, L2)
+            for s in gl.static_range(SP):
+                mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
+            for s in range(SP, splits):
+                mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
+            den = gl.where(den > 0, den, 1.0)
+            if DIAG == 0:
+                heads.slice(b * HBLK, HBLK).store(acc / gl.expand_dims(den, 1))
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.constexpr, HD: gl.constexpr,
                     HB: gl.constexpr, SP: gl.constexpr, num_warps: gl.constexpr):
     """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end); the first SP
@@ -608,7 +663,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
              NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
-             ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
+             ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
+             num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
@@ -619,12 +675,12 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
     pos = gl.load(rt_ptr + 1)
     ok = pid * 0 + 1
     t = pid * 0
-    (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx) = _row16(
+    (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = _row17(
         ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         # the next row is read one instruction ahead: its latency hides behind this instruction
         (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0,
-         n_idx) = _row16(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
+         n_idx, n_a4) = _row17(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_wait = _globaltimer()
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
@@ -643,6 +699,9 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         elif op == OP_OPROJ:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
                             True, H, EPS, NS, SB, NCHQ, BK, blk)
+        elif op == OP_FUSED:
+            t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, blk, num_warps)
         elif op == OP_GATE_UP:
             t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
                             NS, SB, NCHH, BK, blk)
@@ -670,8 +729,9 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             gl.store(tr + 2, t_end)
             gl.store(tr + 3, pid.to(gl.int64))
         qi += 1
-        (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx) = (
-            n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx)
+        (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = (
+            n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx,
+            n_a4)
 
 
 @gluon.jit
@@ -685,7 +745,7 @@ def stream_megakernel(
     INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
-    SP: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -704,7 +764,7 @@ def stream_megakernel(
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, BE, num_warps)),
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
                    NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING)),
     ], [1], [LOADER_REGS])
@@ -759,8 +819,13 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
     bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
+    # attn_reduce_o_proj merges MB heads at a time into the staged chunks, which hold NCHQ * BK / hd heads
+    heads = chunks["NCHQ"] * bk // c.hd
+    if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
+        raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
+                         "power-of-two number of heads")
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
-            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring}
+            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads)}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
@@ -772,8 +837,8 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=sc.loader_regs, num_warps=sc.num_warps)
+        TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
+        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]

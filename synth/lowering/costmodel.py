@@ -40,10 +40,11 @@ DATA = Path(__file__).parents[1] / "data" / "h200_costmodel.json"  # synth/data/
 MAX_EVENTS_FACTOR = 12  # bound on simulation events per instruction (start, consume, bytes, loader segments, end)
 #: Ops whose bytes interpreter v10's loader streams ahead of the compute warps: weights, and attention's KV history
 #: (kernels/gpu/stream.py `_loader`); the embedding row and the split reduction are read by the compute warps.
-LOADER_OPS = frozenset({"attn_norm_qkv_rope", "attn_partial", "o_proj_residual", "mlp_norm_gate_up",
-                        "down_proj_residual", "final_norm_lm_head"})
+LOADER_OPS = frozenset({"attn_norm_qkv_rope", "attn_partial", "o_proj_residual", "attn_reduce_o_proj",
+                        "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"})
 #: Matrix-vector ops whose rows the loader moves in whole boxes, and the input width (K) of each.
-_BOXED = ("attn_norm_qkv_rope", "o_proj_residual", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head")
+_BOXED = ("attn_norm_qkv_rope", "o_proj_residual", "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual",
+          "final_norm_lm_head")
 
 
 @dataclass

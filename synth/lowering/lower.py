@@ -18,7 +18,7 @@ from typing import Any
 
 from synth.lowering.models import ModelSpec
 from synth.lowering.strategy import Strategy
-from validator.catalogue import OP_ORDER, OPS, Geometry
+from validator.catalogue import FUSED_OPROJ, OP_ORDER, OPS, Geometry
 from validator.schedule import FORMAT, Schedule, parse_schedule
 
 
@@ -49,8 +49,8 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
         stages.append(Stage(op, layer, args, deps))
         return len(stages) - 1
 
-    def rows_k(op: str, rows: int, ks: int) -> list[dict[str, int]]:
-        kt = _tiles(ks, -(-ks // strategy.k_splits.get(op, 1)))
+    def rows_k(op: str, rows: int, ks: int, k_align: int = 1) -> list[dict[str, int]]:
+        kt = _tiles(ks, -(-ks // strategy.k_splits.get(op, 1)), k_align)
         return [{"start": s, "end": e, "k_start": k0, "k_end": k1} for s, e in _tiles(rows, t.get(op, 16))
                 for k0, k1 in kt]
 
@@ -60,9 +60,13 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
                                                _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), 2)], [prev])
         part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits}
                                            for g in range(c.num_key_value_heads) for s in range(splits)], [qkv])
-        red = add("attn_reduce", layer, [{"start": g * c.group_size, "end": (g + 1) * c.group_size, "splits": splits}
-                                         for g in range(c.num_key_value_heads)], [part])
-        oproj = add("o_proj_residual", layer, rows_k("o_proj_residual", c.hidden_size, c.q_size), [red])
+        if strategy.fuse_attn_reduce:  # o_proj merges the splits of its K range's heads itself
+            oproj = add(FUSED_OPROJ, layer, [{**a, "splits": splits} for a in
+                                             rows_k("o_proj_residual", c.hidden_size, c.q_size, c.hd)], [part])
+        else:
+            red = add("attn_reduce", layer, [{"start": g * c.group_size, "end": (g + 1) * c.group_size,
+                                              "splits": splits} for g in range(c.num_key_value_heads)], [part])
+            oproj = add("o_proj_residual", layer, rows_k("o_proj_residual", c.hidden_size, c.q_size), [red])
         gate = add("mlp_norm_gate_up", layer, [{"start": s, "end": e} for s, e in
                                                _tiles(c.intermediate_size, t.get("mlp_norm_gate_up", 16))], [oproj])
         prev = add("down_proj_residual", layer, rows_k("down_proj_residual", c.hidden_size, c.intermediate_size),
@@ -191,7 +195,8 @@ def _group_key(flat: Flat, geo: Geometry, i: int, granularity: str, chunks: int)
         if r < c.q_size:
             return r // c.hd // c.group_size
         return (r - c.q_size) // c.hd % c.num_key_value_heads
-    rows = {"embed": c.hidden_size, "o_proj_residual": c.hidden_size, "down_proj_residual": c.hidden_size,
+    rows = {"embed": c.hidden_size, "o_proj_residual": c.hidden_size, FUSED_OPROJ: c.hidden_size,
+            "down_proj_residual": c.hidden_size,
             "mlp_norm_gate_up": c.intermediate_size, "final_norm_lm_head": c.vocab_size}[op]
     return a["start"] * c.num_key_value_heads // rows
 

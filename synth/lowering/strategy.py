@@ -65,6 +65,10 @@ class Strategy(BaseModel):
         "o_proj_residual": 1, "down_proj_residual": 1},
         description="split of the input (K) dimension of o_proj/down_proj; partial sums are reduce-added into x")
     attn_splits: Annotated[int, Field(ge=1, le=256)] = Field(1, description="splits of the KV sequence (flash-decode)")
+    fuse_attn_reduce: bool = Field(False, description=(
+        "fold attn_reduce into o_proj: each o_proj instruction merges the attention splits of its K range's heads "
+        "itself (op attn_reduce_o_proj; K-split tiles are rounded to whole heads). One counter hop less per layer, "
+        "the merge repeated by every o_proj row tile. Interpreter v10 only"))
     edges: dict[str, Granularity] = Field(default_factory=dict, description=(
         "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
     default_granularity: Granularity = "all"
@@ -137,7 +141,8 @@ BOX_ROWS = 16
 #: Producer->consumer edges where a consumer reads only part of its producer's output, so a finer dependency can
 #: overlap the two stages (every other edge is all-to-all: a norm reads the whole of x).
 FINE_EDGES: tuple[str, ...] = ("attn_norm_qkv_rope->attn_partial", "attn_partial->attn_reduce",
-                               "attn_reduce->o_proj_residual", "mlp_norm_gate_up->down_proj_residual")
+                               "attn_reduce->o_proj_residual", "attn_partial->attn_reduce_o_proj",
+                               "mlp_norm_gate_up->down_proj_residual")
 CHUNK_COUNTS: tuple[int, ...] = (2, 4, 8, 16, 32)
 K_SPLIT_OPS: tuple[str, ...] = ("o_proj_residual", "down_proj_residual")
 #: Ops whose tile size is searched (embed is one instruction, always).
@@ -223,7 +228,8 @@ class SearchSpace:
     on them (a random point, neighbours, mutations). Everything a schedule decides that changes its speed on the
     interpreter is here: tiles per op (powers of two, one-wave tiles from the worker count, QKV pair tiles of any
     even size), K-splits of o_proj and down_proj, the attention split, the dependency granularity of every edge
-    where a finer one can overlap two stages, the assignment of instructions to SMs and the order within a queue.
+    where a finer one can overlap two stages, whether o_proj merges the attention splits itself, the assignment of
+    instructions to SMs and the order within a queue.
 
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
@@ -238,6 +244,9 @@ class SearchSpace:
                   for op in K_SPLIT_OPS]
         knobs.append(Knob("attn_splits", attn_split_choices(spec, workers), True,
                           "flash-decode splits of the KV sequence: attention on more SMs, one more merge"))
+        knobs.append(Knob("fuse_attn_reduce", (False, True), False,
+                          "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
+                          "repeated per o_proj row tile (interpreter v10)"))
         knobs += [Knob(f"edges.{e}", edge_choices(spec), True,
                        "which producers a consumer waits for: all of the stage, its KV head's, a chunk's, its tile's")
                   for e in FINE_EDGES]
