@@ -53,6 +53,8 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 #: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
 #: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector.
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
+#: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
+RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -259,7 +261,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
 @gluon.jit
 def _release(t, empty, NS: gl.constexpr):
     """Hand slot t % NS back to the loader once every compute warp is done reading it."""
-    fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
+    if RELEASE_FENCE:
+        fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
     mbarrier.arrive(empty.index(t % NS))
     return t + 1
