@@ -32,8 +32,12 @@ def main() -> int:
     args = ap.parse_args()
     config = StreamConfig() if args.kernel == "v10" else KernelConfig()
     worst = 0.0
-    for name, strategy in (("tiny", Strategy(attn_splits=2, tiles={"attn_norm_qkv_rope": 10})),
-                           ("tiny-gqa4", Strategy(attn_splits=3, k_splits={"down_proj_residual": 2}))):
+    cases = [("tiny", Strategy(attn_splits=2, tiles={"attn_norm_qkv_rope": 10})),
+             ("tiny-gqa4", Strategy(attn_splits=3, k_splits={"down_proj_residual": 2}))]
+    if args.kernel == "v10":  # the split merge inside o_proj (v10 only), a K range of part of a staged chunk
+        cases.append(("tiny-gqa4", Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 4},
+                                            default_granularity="head")))
+    for name, strategy in cases:
         if args.kernel == "v9":
             strategy = strategy.model_copy(update={"tiles": {}})
         spec = get_model(name)
