@@ -554,6 +554,22 @@ def _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: gl.constexpr, H
 
 
 @gluon.jit
+def _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH: gl.constexpr, HD: gl.constexpr, HB: gl.constexpr,
+                 SP: gl.constexpr, L2: gl.constexpr):
+    """The attention output of query heads hs (lanes hm) merged over `splits` splits, [HB, HD] in layout L2: the
+    first SP splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v8+."""
+    mx = gl.full([HB], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
+    den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
+    acc = gl.zeros([HB, HD], gl.float32, L2)
+    for s in gl.static_range(SP):
+        mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
+    for s in range(SP, splits):
+        mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
+    den = gl.where(den > 0, den, 1.0)
+    return acc / gl.expand_dims(den, 1)
+
+
+@gluon.jit
 def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, HD: gl.constexpr,
                   NCHK: gl.constexpr, BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, num_warps: gl.constexpr):
     """vstage[:NCHK] <- the attention output of columns [k0, k1) (whole heads) merged over `splits` splits, zero past
@@ -571,41 +587,24 @@ def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, 
     for b in gl.static_range((NHS + HBLK - 1) // HBLK):
         if b * HBLK * HD < used:
             hs = h0 + b * HBLK + hb
-            hm = hs < h1
-            mx = gl.full([HBLK], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
-            den = gl.zeros([HBLK], gl.float32, gl.SliceLayout(1, L2))
-            acc = gl.zeros([HBLK, HD], gl.float32, L2)
-            for s in gl.static_range(SP):
-                mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
-            for s in range(SP, splits):
-                mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
-            den = gl.where(den > 0, den, 1.0)
+            o = _merge_heads(lse_ptr, opart_ptr, hs, hs < h1, splits, d, NH, HD, HBLK, SP, L2)
             if DIAG == 0:
-                heads.slice(b * HBLK, HBLK).store(acc / gl.expand_dims(den, 1))
+                heads.slice(b * HBLK, HBLK).store(o)
     gl.thread_barrier()
 
 
 @gluon.jit
 def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.constexpr, HD: gl.constexpr,
                     HB: gl.constexpr, SP: gl.constexpr, num_warps: gl.constexpr):
-    """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end); the first SP
-    splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v8+."""
+    """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end)."""
     L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
     d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
     hb = gl.arange(0, HB, layout=gl.SliceLayout(1, L2))
     for hc in range(start, end, HB):
         hs = hc + hb
         hm = hs < end
-        mx = gl.full([HB], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
-        den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
-        acc = gl.zeros([HB, HD], gl.float32, L2)
-        for s in gl.static_range(SP):
-            mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
-        for s in range(SP, splits):
-            mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
-        den = gl.where(den > 0, den, 1.0)
-        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), acc / gl.expand_dims(den, 1),
-                 mask=gl.expand_dims(hm, 1))
+        o = _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH, HD, HB, SP, L2)
+        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), o, mask=gl.expand_dims(hm, 1))
 
 
 @gluon.jit
