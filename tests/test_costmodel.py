@@ -73,6 +73,25 @@ def test_estimate_of_a_lowered_schedule_is_consistent_and_labelled() -> None:
     assert est.critical_path[-1] == max(range(len(est.end_us)), key=lambda i: est.end_us[i])
 
 
+def test_attention_flops_lengthen_long_splits_only() -> None:
+    """With `attn_flop_rate` set, each attn_partial takes its flops / rate longer: a split over the whole context
+    (one split) pays it in full on one SM, many short splits pay a fraction each, and no other op changes."""
+    from dataclasses import replace
+
+    base = replace(load_params(), attn_flop_rate=0.0)
+    slow = replace(base, attn_flop_rate=2e3)
+    one, many = lower(TINY, 8, Strategy(attn_splits=1)), lower(TINY, 8, Strategy(attn_splits=8))
+    d_one = estimate(one, 64, slow).per_op_ms["attn_partial"] - estimate(one, 64, base).per_op_ms["attn_partial"]
+    d_many = estimate(many, 64, slow).per_op_ms["attn_partial"] - estimate(many, 64, base).per_op_ms["attn_partial"]
+    c = TINY.config
+    flops = c.num_hidden_layers * c.num_key_value_heads * 4 * 64 * c.hd * c.group_size  # every split, all layers
+    assert d_one == pytest.approx(flops / 2e3 / 1e3, rel=1e-6) and d_many == pytest.approx(d_one, rel=1e-6)
+    assert estimate(one, 64, slow).per_op_ms["mlp_norm_gate_up"] == pytest.approx(
+        estimate(one, 64, base).per_op_ms["mlp_norm_gate_up"], rel=1e-9)
+    assert estimate(one, 64, slow).makespan_ms - estimate(one, 64, base).makespan_ms > \
+        estimate(many, 64, slow).makespan_ms - estimate(many, 64, base).makespan_ms
+
+
 def test_committed_parameters_load_and_say_where_they_come_from() -> None:
     p = load_params()
     assert p.source.startswith(("prior", "fitted")) and p.notes

@@ -1,6 +1,7 @@
 """Cost model: schedule + context length -> estimated makespan, per-op time, per-SM idle, critical path, and a trace.
 
-Per instruction: a fixed overhead (dispatch, the wait's poll, staging the activation vector, epilogue) and its bytes
+Per instruction: a fixed overhead (dispatch, the wait's poll, staging the activation vector, epilogue; for attention,
+plus its flops at `attn_flop_rate`: a long split is arithmetic on one SM's CUDA cores) and its bytes
 (from the catalogue's `cost`) streamed through a fluid model of device memory: every stream gets
 `min(sm_peak, total_bw / active)` bytes/µs, scaled by its op's achieved efficiency. Counters are simulated exactly
 (monotone adds; a wait holds once the adds that completed reach its value); a wait satisfied by an add from another
@@ -66,6 +67,7 @@ class CostParams:
     consume_bw: float = 0.0  # v10: bytes/µs at which the compute warps consume a ring that holds them (0: at once)
     box_rows: int = 0  # rows per TMA box (0: bytes as the catalogue counts them)
     launch_us: float = 0.0  # per step outside the kernel's instructions: counter reset, launch, the last release
+    attn_flop_rate: float = 0.0  # fp32 flops per µs of one SM in attn_partial (CUDA cores; 0: flops not modelled)
     source: str = "prior"
     notes: str = ""
 
@@ -162,7 +164,7 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
     over = [0.0] * n
     for i in range(n):
         op = prog.op[i]
-        nbytes, _ = instruction_cost(geo, op, prog.layer[i], prog.args[i], ctx) if geo else (0, 0)
+        nbytes, flops = instruction_cost(geo, op, prog.layer[i], prog.args[i], ctx) if geo else (0, 0)
         if geo is not None:
             nbytes = moved_bytes(geo, op, prog.args[i], nbytes, params.box_rows)
         p = params.op(op)
@@ -172,6 +174,8 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
         else:
             work[i] = nbytes / p.eff
         over[i] = p.overhead_us + params.wait_us * len(prog.waits[i])
+        if op == "attn_partial" and params.attn_flop_rate > 0:  # a long split is arithmetic on one SM
+            over[i] += flops / params.attn_flop_rate
     # Loader bookkeeping in bytes along each queue: cum[w][k] = loader bytes of the queue before position k.
     cum = []
     for q in prog.queues:

@@ -242,7 +242,7 @@ def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
 # finite differences, parameters in log space, a weak pull towards the prior for those the data cannot tell).
 
 #: Parameters of the step fit: global ones and, per op, "overhead_us:<op>" / "eff:<op>".
-GLOBAL_FREE = ("hop_us", "sm_peak", "consume_bw", "launch_us")
+GLOBAL_FREE = ("hop_us", "sm_peak", "consume_bw", "launch_us", "attn_flop_rate")
 STEP_DIFF = 0.04  # finite-difference step, in log units
 PRIOR_WEIGHT = 0.03  # residual per log unit away from the prior, for each free parameter
 OP_MEAN_WEIGHT = 0.5  # weight of a traced op's mean duration against a whole step's time
@@ -264,9 +264,10 @@ class Step:
 
 def step_free_params(prior: CostParams, ops: set[str]) -> list[str]:
     """The parameters a step fit frees: hop latency, one SM's peak bandwidth, the ring's consume rate (v10), the
-    per-step launch cost, the overhead of every op present, and the efficiency of the three big streams (gate/up,
-    down, LM head)."""
-    free = [g for g in GLOBAL_FREE if g != "consume_bw" or prior.ring_bytes > 0]
+    per-step launch cost, attention's flop rate (when the prior models it), the overhead of every op present, and the
+    efficiency of the three big streams (gate/up, down, LM head)."""
+    free = [g for g in GLOBAL_FREE if (g != "consume_bw" or prior.ring_bytes > 0)
+            and (g != "attn_flop_rate" or prior.attn_flop_rate > 0)]
     free += [f"overhead_us:{op}" for op in sorted(ops) if op != "embed"]
     free += [f"eff:{op}" for op in ("mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head") if op in ops]
     return free
