@@ -534,8 +534,8 @@ def check_instruction(geo: Geometry, op: str, layer: int | None, args: Mapping[s
 
 #: Ops that merge attention splits, and the op whose output tiles the fused one produces (it covers o_proj's output;
 #: a layer whose o_proj is fused throughout needs no attn_reduce).
-MERGE_OPS = ("attn_reduce", "attn_reduce_o_proj")
 FUSED_OPROJ = "attn_reduce_o_proj"
+MERGE_OPS = ("attn_reduce", FUSED_OPROJ)
 
 
 def required_tiles(geo: Geometry, unfused: set[int] | None = None) -> list[tuple[Any, ...]]:
