@@ -33,8 +33,11 @@ from synth.lowering.strategy import Strategy  # noqa: E402
 from validator.catalogue import W_BYTES  # noqa: E402
 from validator.schedule import parse_schedule  # noqa: E402
 
+#: down in 32-row tiles with a K split of 2 (as the searched schedules; row-paired slots need 32 rows): 128
+#: instructions of 256 KB per layer, as 16-row tiles over the whole K
 TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 64,
-         "down_proj_residual": 16, "final_norm_lm_head": 1024}
+         "down_proj_residual": 32, "final_norm_lm_head": 1024}
+K_SPLITS = {"down_proj_residual": 2}
 
 
 def only(doc: dict[str, Any], op: str) -> dict[str, Any]:
@@ -69,7 +72,7 @@ def main() -> int:
     spec = get_model("llama-1b")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     w = random_weights(spec.config, seed=0, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
-    base = lower(spec, sms, Strategy(tiles=TILES, attn_splits=16)).to_json()
+    base = lower(spec, sms, Strategy(tiles=TILES, attn_splits=16, k_splits=K_SPLITS)).to_json()
     a = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
