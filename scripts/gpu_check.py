@@ -95,21 +95,8 @@ VARIANTS: dict[str, Any] = {
     "v10i6": StreamConfig(inflight=6),
     "v10i8": StreamConfig(inflight=8),
     "v10b4i2": StreamConfig(boxes=4, inflight=2),
-    # slot hand-offs through named barriers both ways (no mbarrier wait, so no compiler-inserted CTA barrier per slot)
-    "v10nb": StreamConfig(release="named"),
-    "v10kp": StreamConfig(kpair=True),  # K-split ops pair 16-row groups in a slot (one activation chunk per slot)
-    "v10nbkp": StreamConfig(release="named", kpair=True),
-    "v10nbb4kp": StreamConfig(release="named", boxes=4, kpair=True),
-    # the loader prefetches the last 16 / 32 rows of each gate/up tile into L2 when it reaches the tile
-    "v10kpl16": StreamConfig(kpair=True, l2_gate_up=16),
-    "v10kpl32": StreamConfig(kpair=True, l2_gate_up=32),
-    "v10l32": StreamConfig(l2_gate_up=32),
-    # row-paired slot loops software-pipelined: slot t + 1 read from shared memory before slot t is multiplied
-    "v10kpp": StreamConfig(kpair=True, pipelined=True),
-    "v10nbkpp": StreamConfig(release="named", kpair=True, pipelined=True),
-    "v10kpi0": StreamConfig(kpair=True, inflight=0),
-    "v10kpb4": StreamConfig(kpair=True, boxes=4),
-    "v10kplr56": StreamConfig(kpair=True, loader_regs=56),
+    "v10kp0": StreamConfig(kpair=False),  # K-split ops without row-paired slots (v10 up to run 29)
+    "v10lr56": StreamConfig(loader_regs=56),
     "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
     "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
     "pfall": KernelConfig(prefetch=1),

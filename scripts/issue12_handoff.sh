@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, fifth device call of the session: what bounds the slot turnover at ~45-55 KB/us per SM? Consumer-side
 # changes (named hand-offs, software pipelining) did not move the fake-fill rate (DIAG=3). DIAG=4: fake fills and the
 # compute warps read nothing from the slots: if the rate stays, the hand-offs (loader + barriers) bound it. Loader-side

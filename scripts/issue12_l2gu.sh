@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, third device call of the session: the ring banks only ~176 KB of a 512 KB gate/up tile, so gate/up streams
 # ~2/3 of its bytes from HBM after the attention chain, during which HBM sat mostly idle. Variants: the loader
 # prefetches the last 16 / 32 rows of each gate/up tile into L2 when it reaches the tile (l2_gate_up), with and

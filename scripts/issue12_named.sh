@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, this session's first device call: how fast do the compute warps consume a full ring, and does handing
 # slots back per warp (named barriers, release="named") instead of through a CTA barrier + one mbarrier arrive help?
 # 1. the named-release kernel on the tiny configs (smoke), 2. each op's stream alone with real fills (DIAG=0) and with

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, second device call of the session: the compute warps' consume rate. Run 29 showed it is ~30-46 KB/us per
 # SM over a full ring (fake fills), below HBM's share for down, and that Triton puts a CTA barrier before every
 # mbarrier wait. Variants: slot hand-offs through named barriers both ways (v10nb*), K-split ops with row-paired

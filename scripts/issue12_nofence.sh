@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, sixth device call of the session. Run 33: with fake fills the hand-offs alone turn slots over at 115-178
 # KB/us per SM (DIAG=4) but only ~47 once the compute warps read them (DIAG=3): the reads + arithmetic bound the
 # consumer. The software-pipelined loop (read slot t + 1 before multiplying slot t) could not help while each release

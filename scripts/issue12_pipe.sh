@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 86ba853 (bench/device_logs/run29-run34); most variants it names were removed after (perf notes).
 # Issue 12, fourth device call of the session. Run 31 showed gate/up does not speed up with half its tile prefetched
 # into L2: in the step the consumer (compute warps, ~40-46 KB/us per SM) bounds it, not HBM. Variant: the row-paired
 # slot loops software-pipelined (slot t + 1 read from shared memory before slot t is multiplied: v10kpp, and with

@@ -181,6 +181,26 @@ def test_v10_attn_reduce_folded_into_o_proj(llama, k_split):
     _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60)
 
 
+@pytest.mark.parametrize("kpair", [True, False])
+def test_v10_row_paired_k_slots(llama, kpair):
+    """o_proj, down and the LM head with row-paired slots (kpair, rows r and r + 16 per slot) and without: 48-row
+    tiles end on a 16-row group with no partner, K splits of 2 and 4; on a tiny config, 8-row tiles (the second box
+    is never filled) and a 24-row LM head."""
+    from kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 48, "mlp_norm_gate_up": 64, "down_proj_residual": 48,
+             "final_norm_lm_head": 1008}
+    strat = Strategy(tiles=tiles, attn_splits=8, k_splits={"o_proj_residual": 2, "down_proj_residual": 4})
+    cfg = StreamConfig(kpair=kpair)
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(2000, 2004), 2000, config=cfg)
+    tiny = get_model("tiny")
+    small = Strategy(attn_splits=2, k_splits={"down_proj_residual": 2},
+                     tiles={"o_proj_residual": 8, "down_proj_residual": 8, "final_norm_lm_head": 24})
+    _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(40, 44), 40, config=cfg)
+
+
 def test_watchdog_turns_a_hang_into_an_error():
     from kernels.gpu import Megakernel, WatchdogError
 

@@ -28,6 +28,18 @@ def test_v10_compiles_without_spills(model: str) -> None:
     assert stream_geometry(spec.config, StreamConfig())["NS"] >= 4, "the ring should hold at least 4 slots"
 
 
+def test_v10_without_row_paired_slots_compiles() -> None:
+    """StreamConfig(kpair=False), the K-split ops' previous slot order, stays selectable for side-by-side runs."""
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.gpu.offline import compile_v10
+    from kernels.gpu.stream import StreamConfig
+    from synth.lowering.models import get_model
+
+    spec = get_model("tiny")
+    _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(kpair=False))
+    assert res.stack == 0
+
+
 def test_v9_still_compiles() -> None:
     from kernels.gpu.interpreter import KernelConfig
     from kernels.gpu.offline import compile_v9

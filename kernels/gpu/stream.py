@@ -13,10 +13,11 @@ Each program (one per SM) runs two partitions over the same queue of packed inst
   slots in the loader's order (wait `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA
   barrier, then a release add from one thread). The split reduction and the embedding read no weights.
 
-A slot holds SB (2 or 4) [16, BK] boxes. Gate/up and QKV pair them by row (gate with up, a RoPE pair's first half
-with its second half: both multiply the same activation chunk), the other matrix-vector ops by K (the same 16 rows,
-consecutive K chunks), attention takes a K block and a V block. Both partitions walk the same rows with the same loop
-structure and helpers (`_qkv_group`, the K ranges), so they agree on the slot sequence by construction.
+A slot holds SB (2 or 4) [16, BK] boxes, paired by row so that both boxes of a pair multiply the same activation
+chunk: gate with up, a RoPE pair's first half with its second half, and (`kpair`, the default) rows r and r + 16 of
+o_proj, down and the LM head; without kpair those take the same 16 rows over consecutive K chunks. Attention takes a
+K block and a V block. Both partitions walk the same rows with the same loop structure and helpers (`_qkv_group`,
+`_load_k`'s order), so they agree on the slot sequence by construction.
 
 After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
 whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
@@ -49,12 +50,10 @@ OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
-NB0: gl.constexpr = gl.constexpr(2)  # first named barrier of the ring's slots (0: the partition's thread barrier, 1: Triton's
-#                                      warp-specialization protocol)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
 #: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector, 3 = the loader fills no
-#: slot (it arrives on the slot's barrier instead of loading): the compute warps' own rate over a full ring, 4 = 3 and
+#: slot (it arrives on the slot's mbarrier instead of loading): the compute warps' own rate over a full ring, 4 = 3 and
 #: the compute warps read nothing from the slots either: the rate of the slot hand-offs alone.
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
@@ -84,36 +83,6 @@ def _load_acquire(ptr):
 def _signal_release(ptr, add):
     """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
     return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _bar_arrive(bid, nthreads):
-    """`bar.arrive bid, nthreads`: this warp's threads count toward named barrier bid, without waiting."""
-    return gl.inline_asm_elementwise("bar.arrive $1, $2; mov.u32 $0, 0;", "=r,r,r", [bid, nthreads], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _bar_sync(bid, nthreads):
-    """`bar.sync bid, nthreads`: wait until nthreads threads (this warp's included) arrived at named barrier bid."""
-    return gl.inline_asm_elementwise("bar.sync $1, $2; mov.u32 $0, 0;", "=r,r,r", [bid, nthreads], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_l2(ptr, off, nbytes):
-    """Hint bytes [off * 2, off * 2 + nbytes) of bf16 array ptr into L2 (cp.async.bulk.prefetch.L2: no registers, no
-    wait, never faults); from a one-warp partition, each lane one 4 KB piece at a time."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    CH: gl.constexpr = 4096
-    lanes = gl.arange(0, 32, layout=lay) * CH
-    base = ptr.to(gl.pointer_type(gl.int8)) + off * 2
-    for b in range(0, nbytes, 32 * CH):
-        o = b + lanes
-        size = gl.minimum(gl.maximum(nbytes - o, 0), CH)
-        gl.inline_asm_elementwise("{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; "
-                                  "@%p0 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                                  "=r,l,r", [base + o, size], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -152,42 +121,26 @@ def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
 
 
 @gluon.jit
-def _claim(t, ready, empty, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr):
+def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
     earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
     behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
     for down alone; the default is 4."""
     s = t % NS
-    if NBT > 0:
-        if t >= NS:  # the first NS fills find their slots free
-            _bar_sync(NB0 + NS + s, t * 0 + NBT)
-    else:
-        if INFLIGHT < NS:
-            if t >= INFLIGHT:
-                u = t - INFLIGHT
-                mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
-        mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
+    if INFLIGHT < NS:
+        if t >= INFLIGHT:
+            u = t - INFLIGHT
+            mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
+    mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
     return s
 
 
 @gluon.jit
-def _publish(t, u1, ready, NS: gl.constexpr, NBT: gl.constexpr):
-    """release="named": for each fill u < u1 from t on, wait until its bytes landed (its mbarrier), then let the compute
-    warps at it (bar.arrive on the slot's "full" named barrier). Called with u1 = t + 1 right after a fill is issued
-    once INFLIGHT fills are in flight, so at most INFLIGHT are; and at the end of the queue for the rest."""
-    u = t
-    while u < u1:
-        mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
-        _bar_arrive(NB0 + u % NS, u * 0 + NBT)
-        u += 1
-
-
-@gluon.jit
-def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr,
+def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
                 SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr):
     """Slot t % NS <- rows ra (of da) and, when okb, rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)
     from column c0."""
-    s = _claim(t, ready, empty, NS, NBT, INFLIGHT)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
@@ -198,17 +151,14 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
             c = c0 + (kb + j) * BK
             tma.async_copy_global_to_shared(da, [ra, c], bar, ring.index(SB * s + 2 * j), pred=ok)
             tma.async_copy_global_to_shared(db, [rb, c], bar, ring.index(SB * s + 2 * j + 1), pred=ok & okb)
-    if NBT > 0:
-        if t + 1 >= INFLIGHT:
-            _publish(t + 1 - INFLIGHT, t + 2 - INFLIGHT, ready, NS, NBT)
     return t + 1
 
 
 @gluon.jit
-def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
              BK: gl.constexpr, BOX_BYTES: gl.constexpr):
     """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1)."""
-    s = _claim(t, ready, empty, NS, NBT, INFLIGHT)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
@@ -216,46 +166,42 @@ def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, NBT: gl.const
         _expect(bar, gl.minimum((k1 - c + BK - 1) // BK, SB), SB, BOX_BYTES)
         for j in gl.static_range(SB):
             tma.async_copy_global_to_shared(d, [r, c + j * BK], bar, ring.index(SB * s + j), pred=c + j * BK < k1)
-    if NBT > 0:
-        if t + 1 >= INFLIGHT:
-            _publish(t + 1 - INFLIGHT, t + 2 - INFLIGHT, ready, NS, NBT)
     return t + 1
 
 
 @gluon.jit
-def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
               BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr):
     """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
     kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    s = _claim(t, ready, empty, NS, NBT, INFLIGHT)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
     else:
         mbarrier.expect(bar, 2 * BOX_BYTES)
-        tma.async_copy_global_to_shared(dk, [row, 0], bar, ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD],
-                                                                                           kv_layout))
-        tma.async_copy_global_to_shared(dv, [row, 0], bar, ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD],
-                                                                                               kv_layout))
-    if NBT > 0:
-        if t + 1 >= INFLIGHT:
-            _publish(t + 1 - INFLIGHT, t + 2 - INFLIGHT, ready, NS, NBT)
+        kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+        vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+        tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
+        tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
     return t + 1
 
 
 @gluon.jit
-def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr,
+def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr):
+    """The slots of W[a0:a1, k0:k1] (rows from base): with KP, rows r and r + 16 over the same K chunks (the second
+    box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows."""
     if KP:
         nkb = (k1 - k0 + BK - 1) // BK
         for r in range(a0, a1, 2 * BR):
             for kb in range(0, nkb, SB // 2):
                 t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                                NS, NBT, INFLIGHT, SB, BK, BOX_BYTES)
+                                NS, INFLIGHT, SB, BK, BOX_BYTES)
     else:
         for r in range(a0, a1, BR):
             for c in range(k0, k1, SB * BK):
-                t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK, BOX_BYTES)
+                t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
     return t
 
 
@@ -279,10 +225,10 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready, empty,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            ROWW: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, L2GU: gl.constexpr):
+            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -305,128 +251,72 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 head, j, n = _qkv_group(p, pend, HALF)
                 ra = base + head * HD + j
                 for kb in range(0, NKH, SB // 2):
-                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK,
-                                    BOX_BYTES)
+                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
-            if L2GU > 0:  # the tile's last rows, beyond what the ring holds: into L2 now, while HBM is idle
-                r0 = gl.maximum(a1 - L2GU, a0)
-                _prefetch_l2(wg_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
-                _prefetch_l2(wu_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
             for r in range(a0, a1, BR):
                 for kb in range(0, NKH, SB // 2):
-                    t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK,
-                                    BOX_BYTES)
+                    t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
-            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK, BOX_BYTES, KP)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP)
         elif op == OP_DOWN:
-            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK, BOX_BYTES,
-                        KP)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 row0 = (layer * NKV + a0) * S
                 for b0 in range(lo, hi, BTK):
-                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BTK, HD, BOX_BYTES)
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
-            t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, NBT, INFLIGHT, SB, BK,
+            t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, KP)
         qi += 1
         op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
-    if NBT > 0:  # the last fills' bytes: publish them too
-        _publish(gl.maximum(t + 1 - INFLIGHT, 0), t, ready, NS, NBT)
 
 
 # -- compute partition -------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _slot_wait(t, ready, NS: gl.constexpr, NBT: gl.constexpr):
-    """Wait until fill t's bytes are in slot t % NS: on its mbarrier, or (release="named") on the slot's "full" named
-    barrier, which the loader arrives at once the mbarrier completed. An mbarrier wait makes the compiler put a CTA
-    barrier before it (Triton models the wait as a write of the barrier array); a named barrier is inline asm."""
-    s = t % NS
-    if NBT > 0:
-        _bar_sync(NB0 + s, t * 0 + NBT)
-    else:
-        mbarrier.wait(ready.index(s), (t // NS) & 1)
-    return s
-
-
-@gluon.jit
-def _release(t, empty, NS: gl.constexpr, NBT: gl.constexpr):
+def _release(t, empty, NS: gl.constexpr):
     """Hand slot t % NS back to the loader once every compute warp is done reading it."""
     if RELEASE_FENCE:
         fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
-    if NBT > 0:  # each warp arrives once its own threads are done: no CTA barrier before the hand-back
-        _bar_arrive(NB0 + NS + t % NS, t * 0 + NBT)
-    else:
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(t % NS))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(t % NS))
     return t + 1
 
 
 @gluon.jit
-def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr,
+def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl.constexpr, NS: gl.constexpr,
                   SB: gl.constexpr):
     """acc1/acc2 += box a/b rows x v over the slot's K chunks kb .. kb + SB/2 - 1 (those below nkb); box b only when
     okb (otherwise it was not loaded)."""
-    s = _slot_wait(t, ready, NS, NBT)
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
     for j in gl.static_range(SB // 2):
         if (kb + j < nkb) & (DIAG != 1) & (DIAG != 4):
             v = gl.expand_dims(_vchunk(vbuf, kb + j, blk), 0)
             acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
             if okb:
                 acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
-    return _release(t, empty, NS, NBT), acc1, acc2
+    return _release(t, empty, NS), acc1, acc2
 
 
 @gluon.jit
-def _pair_rows(t, ring, ready, empty, vbuf, nkb, okb, blk: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr,
-               SB: gl.constexpr, BK: gl.constexpr, PIPE: gl.constexpr):
-    """(acc1, acc2) = box a / box b rows x v over K chunks 0 .. nkb - 1, consuming nkb * 2 / SB slots from t.
-
-    PIPE (SB == 2, one K chunk per slot): software-pipelined across slots, slot t + 1's boxes and activation chunk
-    are read from shared memory before slot t's are multiplied, so the reads overlap the arithmetic and the slot
-    hand-offs; box b is read whatever okb (a box not filled holds stale bytes, and its rows are never stored)."""
-    acc1 = gl.zeros([BR, BK], gl.float32, blk)
-    acc2 = gl.zeros([BR, BK], gl.float32, blk)
-    if PIPE and SB == 2 and (DIAG == 0 or DIAG == 3):
-        s = _slot_wait(t, ready, NS, NBT)
-        wa = ring.index(2 * s).load(blk)
-        wb = ring.index(2 * s + 1).load(blk)
-        v = _vchunk(vbuf, 0, blk)
-        for kb in range(1, nkb):
-            s = _slot_wait(t + 1, ready, NS, NBT)
-            na = ring.index(2 * s).load(blk)
-            nb = ring.index(2 * s + 1).load(blk)
-            nv = _vchunk(vbuf, kb, blk)
-            acc1 += wa.to(gl.float32) * gl.expand_dims(v, 0)
-            acc2 += wb.to(gl.float32) * gl.expand_dims(v, 0)
-            t = _release(t, empty, NS, NBT)
-            wa = na
-            wb = nb
-            v = nv
-        acc1 += wa.to(gl.float32) * gl.expand_dims(v, 0)
-        acc2 += wb.to(gl.float32) * gl.expand_dims(v, 0)
-        t = _release(t, empty, NS, NBT)
-    else:
-        for kb in range(0, nkb, SB // 2):
-            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk, NS, NBT, SB)
-    return t, acc1, acc2
-
-
-@gluon.jit
-def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr):
+def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr):
     """acc += the slot's 16 rows x v over K chunks ci .. ci + SB - 1 (those below nkb)."""
-    s = _slot_wait(t, ready, NS, NBT)
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
     for j in gl.static_range(SB):
         # a box past the K range was not loaded (its slot part is stale): never touch it
         if (ci + j < nkb) & (DIAG != 1) & (DIAG != 4):
             acc += ring.index(SB * s + j).load(blk).to(gl.float32) * gl.expand_dims(_vchunk(vbuf, ci + j, blk), 0)
-    return _release(t, empty, NS, NBT), acc
+    return _release(t, empty, NS), acc
 
 
 @gluon.jit
@@ -460,8 +350,8 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
 @gluon.jit
 def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
             pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            EPS: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-            blk: gl.constexpr, PIPE: gl.constexpr):
+            EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+            blk: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
     HALF: gl.constexpr = HD // 2
@@ -473,7 +363,10 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
     pend = a1 // 2
     while p < pend:
         head, j, n = _qkv_group(p, pend, HALF)
-        t, acc1, acc2 = _pair_rows(t, ring, ready, empty, vbuf, NKH, p < pend, blk, NS, NBT, SB, BK, PIPE)
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(0, NKH, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, kb >= 0, blk, NS, SB)
         y1 = gl.sum(acc1, axis=1) * rstd
         y2 = gl.sum(acc2, axis=1) * rstd
         jj = j + i16
@@ -500,15 +393,18 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
 
 @gluon.jit
 def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
-                EPS: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-                blk: gl.constexpr, PIPE: gl.constexpr):
+                EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+                blk: gl.constexpr):
     """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
     NKH: gl.constexpr = (H + BK - 1) // BK
     ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
-        t, acc1, acc2 = _pair_rows(t, ring, ready, empty, vbuf, NKH, r < a1, blk, NS, NBT, SB, BK, PIPE)
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(0, NKH, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, kb >= 0, blk, NS, SB)
         g = gl.sum(acc1, axis=1) * rstd
         u = gl.sum(acc2, axis=1) * rstd
         rows = r + i16
@@ -518,47 +414,51 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
 
 @gluon.jit
 def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
-                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr,
-                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr, PIPE: gl.constexpr):
+                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
     (v = rmsnorm(x) * final_norm, plain stores); each slot holds two consecutive K chunks of the same 16 rows."""
     ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk)
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
-    return _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, NBT, SB, BK, KP,
-                     blk, PIPE)
+    return _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, KP, blk)
 
 
 @gluon.jit
 def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
-                     NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
+                     NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
                      BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-                     PIPE: gl.constexpr, num_warps: gl.constexpr):
+                     num_warps: gl.constexpr):
     """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
     is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
     instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
     _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, num_warps)
-    return _matvec_k(ring, ready, empty, vbuf, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, NBT, SB, BK, KP, blk, PIPE)
+    return _matvec_k(ring, ready, empty, vbuf, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk)
 
 
 @gluon.jit
 def _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr, NS: gl.constexpr,
-              NBT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-              PIPE: gl.constexpr):
-    """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots 16 rows at a time."""
+              SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr):
+    """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots in `_load_k`'s order: 32 rows at a
+    time with KP (one activation chunk per slot for both 16-row boxes, as gate/up), else 16."""
     nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     if KP:
         for r in range(a0, a1, 2 * BR):
-            t, acc1, acc2 = _pair_rows(t, ring, ready, empty, vbuf, nkb, r + BR < a1, blk, NS, NBT, SB, BK, PIPE)
+            acc1 = gl.zeros([BR, BK], gl.float32, blk)
+            acc2 = gl.zeros([BR, BK], gl.float32, blk)
+            two = r + BR < a1
+            for kb in range(0, nkb, SB // 2):
+                t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, two, blk, NS, SB)
             _store_rows(out_ptr, r + i16, gl.sum(acc1, axis=1) * scale, a1, RESIDUAL)
-            _store_rows(out_ptr, r + BR + i16, gl.sum(acc2, axis=1) * scale, a1, RESIDUAL)
+            if two:
+                _store_rows(out_ptr, r + BR + i16, gl.sum(acc2, axis=1) * scale, a1, RESIDUAL)
     else:
         for r in range(a0, a1, BR):
             acc = gl.zeros([BR, BK], gl.float32, blk)
             for ci in range(0, nkb, SB):
-                t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, NBT, SB)
+                t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
             _store_rows(out_ptr, r + i16, gl.sum(acc, axis=1) * scale, a1, RESIDUAL)
     return t
 
@@ -600,7 +500,7 @@ def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
 @gluon.jit
 def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, t, ring, ready, empty,
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
-                     GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
+                     GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
                      KV_RING: gl.constexpr, num_warps: gl.constexpr):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
@@ -642,7 +542,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
         cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
         cur_v = gl.expand_dims(cur_v.to(gl.float32), 0)
         for b0 in range(lo, hi, BTK):
-            s = _slot_wait(t, ready, NS, NBT)
+            s = t % NS
+            mbarrier.wait(ready.index(s), (t // NS) & 1)
             kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
             vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
             for hb in gl.static_range(BTK // BT):
@@ -651,7 +552,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
                 k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
                 v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
                 m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
-            t = _release(t, empty, NS, NBT)
+            t = _release(t, empty, NS)
     else:
         kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
         km = gl.expand_dims(lo + tk < hi, 1)
@@ -802,10 +703,10 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              timeout_ns, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-             NS: gl.constexpr, NBT: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
+             NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             KP: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr):
+             KP: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
@@ -831,27 +732,27 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, NBT, SB, NCHH, BK, blk, PIPE)
+                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
-                                 empty, NH, NKV, HD, S, G, GP, SCALE, NS, NBT, SB, BTK, KV_RING, num_warps)
+                                 empty, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, NBT, SB, NCHQ, BK, KP, blk, PIPE)
+                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk)
         elif op == OP_FUSED:
             t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
-                                 NH, HD, NS, NBT, SB, NCHQ, BK, SP, MB, KP, blk, PIPE, num_warps)
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, num_warps)
         elif op == OP_GATE_UP:
             t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
-                            NS, NBT, SB, NCHH, BK, blk, PIPE)
+                            NS, SB, NCHH, BK, blk)
         elif op == OP_DOWN:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, NBT, SB, NCHI, BK, KP, blk, PIPE)
+                            True, H, EPS, NS, SB, NCHI, BK, KP, blk)
         elif op == OP_LM_HEAD:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, NBT, SB, NCHH, BK, KP, blk, PIPE)
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk)
         gl.thread_barrier()
         si = soff * 0
         while si < sn:
@@ -878,16 +779,16 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 @gluon.jit
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr, NBT: gl.constexpr,
+    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
     INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    L2GU: gl.constexpr, PIPE: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -905,16 +806,15 @@ def stream_megakernel(
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS, NBT,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, PIPE, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, NBT, INFLIGHT, SB, BK, BTK, KV_RING, KP, L2GU)),
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
+                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP)),
     ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
 
-NAMED_SLOTS = 16 - 2  # named barriers 2..15 (0 and 1 are the compiler's), two per slot with release="named"
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 SMEM_RESERVE = 12 * 1024  # mbarriers and the compiler's scratch (reductions, layout conversions in attention)
 
@@ -932,18 +832,9 @@ class StreamConfig:
     inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
-    #: how a compute warp hands a slot back: "mbarrier" (a CTA barrier of the compute warps, then one arrive) or
-    #: "named" (each warp `bar.arrive`s on the slot's named barrier and goes on; the loader `bar.sync`s on it)
-    release: str = "mbarrier"
-    #: the K-split ops (o_proj, down, LM head) fill a slot with rows r and r + 16 over the same K chunks (one
-    #: activation chunk for both, as gate/up), instead of consecutive K chunks of the same 16 rows
-    kpair: bool = False
-    #: rows at the end of each gate/up tile the loader prefetches into L2 (cp.async.bulk.prefetch) when it reaches the
-    #: tile, while the attention chain leaves HBM idle: the part the ring cannot bank (0: none)
-    l2_gate_up: int = 0
-    #: the row-paired slot loops (gate/up, QKV, and the K-split ops with kpair) read slot t + 1 from shared memory
-    #: before multiplying slot t (2 boxes per slot only)
-    pipelined: bool = False
+    #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
+    #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
+    kpair: bool = True
     be: int = 1024  # embedding copy block
 
 
@@ -965,10 +856,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
     slot_bytes = sc.boxes * 16 * bk * 2
     fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
-    if sc.release not in ("mbarrier", "named"):
-        raise ValueError(f"release must be 'mbarrier' or 'named', got {sc.release!r}")
-    if sc.release == "named":
-        fit = min(fit, NAMED_SLOTS // 2)  # two hardware named barriers per slot (full, empty)
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
@@ -994,11 +881,10 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"],
-        NBT=(sc.num_warps + 1) * 32 if sc.release == "named" else 0,
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
-        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair, L2GU=sc.l2_gate_up, PIPE=sc.pipelined,
+        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
         num_warps=sc.num_warps)
 
 
