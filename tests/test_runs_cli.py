@@ -390,3 +390,26 @@ def test_gpu_run_is_labelled_measured_not_estimated(tmp_path: Path) -> None:
     visible = re.sub(r"<script.*?</script>", "", html, flags=re.S)
     assert "estimated" not in visible and "Hatched" not in visible
     assert "p10–p90 0.023–0.026" in html and "GPU (NVIDIA H200)" in html and 'class="meas"' in html
+
+
+def test_merge_takes_best_from_a_folder_that_promoted_one_of_the_tied_fastest(tmp_path: Path) -> None:
+    """Two machines found the same fastest time: the leaderboard lists the lower id first, but only the machine that
+    got there first promoted its own to best/ (a search promotes only a strictly faster candidate). The merge takes
+    best/ from that folder instead of writing none."""
+    from synth.runs.merge import promoted_fastest
+    from synth.runs.rundir import RunDir
+    from validator.atomic import write_json_atomic
+
+    folders = []
+    for name, best in (("a", "c0005"), ("b", "c0002")):
+        d = tmp_path / name / "run"
+        write_json_atomic(d / "best" / "timing.json", {"candidate": best, "schedule_key": f"k{best}"})
+        folders.append(RunDir(d))
+    wanted = {c: {"record": {"schedule_key": f"k{c}"}} for c in ("c0002", "c0003", "c0005")}
+    ranked = [{"candidate": "c0003", "ms": 1.0}, {"candidate": "c0005", "ms": 1.0}, {"candidate": "c0002", "ms": 1.2}]
+    cid, holder = promoted_fastest(ranked, folders, wanted)
+    assert (cid, holder.path if holder else None) == ("c0005", folders[0].path)
+    # a best/ whose schedule is not the study's does not count; with no folder holding a tied one, the first is named
+    wanted["c0005"]["record"]["schedule_key"] = "other"
+    assert promoted_fastest(ranked, folders, wanted) == ("c0003", None)
+    assert promoted_fastest([], folders, wanted) == (None, None)

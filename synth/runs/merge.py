@@ -4,8 +4,8 @@ The study (its claims, `synth.search.claims`) says which candidates exist and wh
 hold their files. Each done claim's files are copied from the folder whose candidate has the claim's schedule key; a
 candidate no folder has is written from the study's record (timing and validation; the schedule is rebuilt from its
 strategy and patches when it is read, see `RunDir.load_candidate`). Files that the study does not know (a process
-killed in the middle of a candidate) are left out. best/ comes from the folder that promoted the fastest candidate,
-and the leaderboard is rebuilt from the merged files.
+killed in the middle of a candidate) are left out. best/ comes from the folder that promoted the fastest candidate
+(of candidates tied for the fastest, one a folder promoted), and the leaderboard is rebuilt from the merged files.
 """
 
 from __future__ import annotations
@@ -121,21 +121,33 @@ def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> M
                 merged.left_out.append(f"{r.path}/{cid}")
 
     board = out.write_leaderboard()
-    top = next((e["candidate"] for e in board["entries"] if e["accepted"]), None)
-    if top is not None:
-        merged.best = top
-        key = wanted[top]["record"].get("schedule_key")
-        for r in sources:
-            best = _read_json(r.path / "best" / "timing.json")
-            if best.get("candidate") == top and best.get("schedule_key") == key:
-                shutil.copytree(r.path / "best", dest / "best")
-                break
-        else:
-            merged.notes.append(f"no folder has {top} (the fastest) in best/, so best/ is not written")
+    merged.best, holder = promoted_fastest([e for e in board["entries"] if e["accepted"]], sources, wanted)
+    if holder is not None:
+        shutil.copytree(holder.path / "best", dest / "best")
+    elif merged.best is not None:
+        merged.notes.append(f"no folder has {merged.best} (the fastest) in best/, so best/ is not written")
     write_json_atomic(dest / "run.json", {**sources[0].info, "storage": without_password(url),
                                           "merged_from": [str(r.path) for r in sources],
                                           "merged": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")})
     return merged
+
+
+def promoted_fastest(ranked: list[dict[str, Any]], sources: list[RunDir], wanted: dict[str, dict[str, Any]]
+                     ) -> tuple[str | None, RunDir | None]:
+    """The merged run's best: of the accepted leaderboard entries tied for the fastest (`ranked`, fastest first), the
+    first that a folder holds in best/ with the study's schedule key, and that folder; else the first of them and
+    None. Ties matter: a search promotes only a strictly faster candidate, so of two machines that found the same
+    time, the later one never wrote its own to best/."""
+    if not ranked:
+        return None, None
+    fastest = [e["candidate"] for e in ranked if e["ms"] == ranked[0]["ms"]]
+    for cid in fastest:
+        key = (wanted.get(cid, {}).get("record") or {}).get("schedule_key")
+        for r in sources:
+            best = _read_json(r.path / "best" / "timing.json")
+            if best.get("candidate") == cid and best.get("schedule_key") == key:
+                return cid, r
+    return fastest[0], None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
