@@ -417,7 +417,8 @@ def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a
                 RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
                 NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
-    (v = rmsnorm(x) * final_norm, plain stores); each slot holds two consecutive K chunks of the same 16 rows."""
+    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk with
+    KP, else consecutive K chunks of the same 16 rows)."""
     ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk)
     scale = 1.0
     if NORM:
