@@ -94,7 +94,8 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Res
 
     consts = stream.stream_constexprs(c, max_seq_len, config, False)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    wdesc = f"tensordesc<bf16[16, {consts['BK']}],{layout!r}>"
+    box, wlayout = stream.weight_box(stream.stream_geometry(c, config))
+    wdesc = f"tensordesc<bf16{box},{wlayout!r}>"
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{layout!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_qkv", "d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_k": kvdesc,
              "d_v": kvdesc}

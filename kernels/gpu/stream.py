@@ -33,7 +33,13 @@ from typing import Any
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
 from kernels.gpu.pack import F_A4, OPCODES, ROW
@@ -50,6 +56,11 @@ OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
+SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-core path: 128 B rows, 128 B swizzle
+#: Ring tiles and the staged operand on the tensor-core path (`StreamConfig.mma`): what wgmma reads from shared memory
+MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+#: The same bytes as the TMA destination of one weight box: [16 rows, BK / 64 sub-chunks, 64] (row 4 r + q of a tile)
+MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
 #: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector, 3 = the loader fills no
@@ -83,6 +94,22 @@ def _load_acquire(ptr):
 def _signal_release(ptr, add):
     """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
     return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _prefetch_l2(ptr, off, nbytes):
+    """Hint bytes [off * 2, off * 2 + nbytes) of bf16 array ptr into L2 (cp.async.bulk.prefetch.L2: no registers, no
+    wait, never faults); from the one-warp loader, each lane one 4 KB piece at a time."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    CH: gl.constexpr = 4096
+    lanes = gl.arange(0, 32, layout=lay) * CH
+    base = ptr.to(gl.pointer_type(gl.int8)) + off * 2
+    for b in range(0, nbytes, 32 * CH):
+        o = b + lanes
+        size = gl.minimum(gl.maximum(nbytes - o, 0), CH)
+        gl.inline_asm_elementwise("{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; "
+                                  "@%p0 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+                                  "=r,l,r", [base + o, size], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -136,8 +163,21 @@ def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
 
 
 @gluon.jit
+def _copy_box(d, r, c, bar, ring, box, ok, NBOX: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr):
+    """Ring box `box` (of NBOX) <- rows [r, r + 16) of d over K [c, c + BK): one [16, BK] copy; on the tensor-core
+    path d is viewed [rows, K / 64, 64] and the box [16, BK / 64, 64] lands (128 B swizzle) as a [16 * BK / 64, 64]
+    wgmma tile whose row 4 r + q is row r's q-th 64-column sub-chunk. Sub-chunks past K are zero-filled (and counted
+    by the mbarrier's transaction bytes, like the rest)."""
+    if MMA:
+        boxes = ring._reinterpret(gl.bfloat16, [NBOX, BR, BK // SUB, SUB], MMA_BOX)
+        tma.async_copy_global_to_shared(d, [r, c // SUB, 0], bar, boxes.index(box), pred=ok)
+    else:
+        tma.async_copy_global_to_shared(d, [r, c], bar, ring.index(box), pred=ok)
+
+
+@gluon.jit
 def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr):
+                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
     """Slot t % NS <- rows ra (of da) and, when okb, rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)
     from column c0."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
@@ -149,8 +189,8 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
         for j in gl.static_range(SB // 2):
             ok = kb + j < nkb
             c = c0 + (kb + j) * BK
-            tma.async_copy_global_to_shared(da, [ra, c], bar, ring.index(SB * s + 2 * j), pred=ok)
-            tma.async_copy_global_to_shared(db, [rb, c], bar, ring.index(SB * s + 2 * j + 1), pred=ok & okb)
+            _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
+            _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
     return t + 1
 
 
@@ -189,7 +229,7 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
 
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr):
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): with KP, rows r and r + 16 over the same K chunks (the second
     box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows."""
     if KP:
@@ -197,7 +237,7 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
         for r in range(a0, a1, 2 * BR):
             for kb in range(0, nkb, SB // 2):
                 t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                                NS, INFLIGHT, SB, BK, BOX_BYTES)
+                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     else:
         for r in range(a0, a1, BR):
             for c in range(k0, k1, SB * BK):
@@ -225,10 +265,11 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, L2GU: gl.constexpr,
+            L2W: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -252,18 +293,27 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 ra = base + head * HD + j
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    INFLIGHT, SB, BK, BOX_BYTES)
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
+            if L2GU > 0:  # the tile's last rows, beyond what the ring holds: into L2 while the chain leaves HBM idle
+                if L2W:  # after this SM's fills in flight have landed, so the hints queue behind nothing needed sooner
+                    for u in range(gl.maximum(t - INFLIGHT, 0), t):
+                        mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
+                r0 = gl.maximum(a1 - L2GU, a0)
+                _prefetch_l2(wg_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
+                _prefetch_l2(wu_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
             for r in range(a0, a1, BR):
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    INFLIGHT, SB, BK, BOX_BYTES)
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
-            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
         elif op == OP_DOWN:
-            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 lo = a1 * (pos + 1) // a2
@@ -273,7 +323,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                     t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, KP)
+                        BOX_BYTES, KP, MMA)
         qi += 1
         op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
 
@@ -320,6 +370,74 @@ def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS:
 
 
 @gluon.jit
+def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+               BK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+    """The dot products of one row-paired slot sequence (box a's and box b's 16 rows over K chunks 0 .. nkb - 1) with
+    the staged vector: (t, y_a, y_b), [16] each in SliceLayout(1, blk). y_b is meaningless unless okb."""
+    if MMA:
+        t, y1, y2 = _pair_rows_mma(t, ring, ready, empty, vstage, nkb, blk, NS, SB, BK, num_warps)
+    else:
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(0, nkb, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk, NS, SB)
+        y1 = gl.sum(acc1, axis=1)
+        y2 = gl.sum(acc2, axis=1)
+    return t, y1, y2
+
+
+@gluon.jit
+def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                   BK: gl.constexpr, num_warps: gl.constexpr):
+    """`_pair_rows` on the tensor cores. A slot's two boxes are one [128, 64] wgmma operand (row 4 i + q of a box is
+    its row i over K columns [64 q, 64 q + 64) of the chunk), the staged chunk is [64, 8]: column q the hi bf16 half
+    of the vector's sub-chunk q, column 4 + q its lo half (x - hi), so a row's dot product is the sum over q of its
+    columns q and 4 + q: fp32-like accuracy from bf16 operands, in an MMA whose M and N the matvec leaves idle anyway.
+    One wgmma in flight: slot t - 1 goes back to the loader once slot t's is issued and t - 1's has completed."""
+    NQ: gl.constexpr = BK // SUB
+    M: gl.constexpr = SB * NQ * BR
+    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, 8, 16])
+    slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
+    acc = gl.zeros([M, 2 * NQ], gl.float32, accl)
+    for kb in range(0, nkb):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        if (DIAG != 1) & (DIAG != 4):
+            acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
+        t += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
+    cols = gl.arange(0, 2 * NQ, layout=gl.SliceLayout(0, accl))
+    sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)
+    r = gl.sum(gl.where(sel, acc, 0.0), axis=1)
+    yl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+    y = gl.convert_layout(gl.sum(gl.reshape(r, [SB, BR, NQ]), axis=2), yl)  # [box, row]: a sum within each warp
+    box = gl.expand_dims(gl.arange(0, SB, layout=gl.SliceLayout(1, yl)), 1)
+    y1 = gl.sum(gl.where(box == 0, y, 0.0), axis=0)
+    y2 = gl.sum(gl.where(box == 1, y, 0.0), axis=0)
+    return t, gl.convert_layout(y1, gl.SliceLayout(1, blk)), gl.convert_layout(y2, gl.SliceLayout(1, blk))
+
+
+@gluon.jit
+def _store_operand(xs, v, NCHK: gl.constexpr, BK: gl.constexpr):
+    """xs[:NCHK] <- v ([NCHK, BK] fp32) as `_pair_rows_mma`'s B operand: per chunk, [8, 64] bf16 rows q = hi halves
+    of its 64-element sub-chunks, rows 4 + q = lo halves; then a proxy fence (wgmma reads through the async proxy)."""
+    NQ: gl.constexpr = BK // SUB
+    v3 = gl.reshape(v, [NCHK, NQ, SUB])
+    hi = v3.to(gl.bfloat16)
+    lo = (v3 - hi.to(gl.float32)).to(gl.bfloat16)
+    op = gl.reshape(gl.permute(gl.join(hi, lo), (0, 3, 1, 2)), [NCHK * 2 * NQ, SUB])
+    xs._reinterpret(gl.bfloat16, [NCHK * 2 * NQ, SUB], MMA_SMEM).store(op)
+    fence_async_shared()
+
+
+@gluon.jit
 def _vchunk(vbuf, i, blk: gl.constexpr):
     """Chunk i (BK fp32) of the staged activation vector, laid out to broadcast over a box's rows."""
     return vbuf.index(i).load(gl.SliceLayout(0, blk))
@@ -327,7 +445,7 @@ def _vchunk(vbuf, i, blk: gl.constexpr):
 
 @gluon.jit
 def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
-           blk: gl.constexpr):
+           blk: gl.constexpr, MMA: gl.constexpr):
     """vstage[:NCHK] <- src[k0:k1] as [NCHK, BK] chunks (times the norm weight when NORM), zero-padded; returns the
     sum of squares of src[k0:k1] (the RMS norm's, when NORM: its rstd is applied to the dot products at the end).
     One load of the whole vector (every chunk in flight at once) and one reduction: the stage costs one L2 round
@@ -342,7 +460,10 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
         ss = gl.sum(gl.sum(v * v, axis=1), axis=0)
         v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
     if (DIAG != 1) & (DIAG != 2):
-        vstage.slice(0, NCHK).store(v)
+        if MMA:
+            _store_operand(vstage, v, NCHK, BK)
+        else:
+            vstage.slice(0, NCHK).store(v)
     gl.thread_barrier()
     return ss
 
@@ -351,24 +472,21 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
 def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
             pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-            blk: gl.constexpr):
+            blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     p = a0 // 2
     pend = a1 // 2
     while p < pend:
         head, j, n = _qkv_group(p, pend, HALF)
-        acc1 = gl.zeros([BR, BK], gl.float32, blk)
-        acc2 = gl.zeros([BR, BK], gl.float32, blk)
-        for kb in range(0, NKH, SB // 2):
-            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, kb >= 0, blk, NS, SB)
-        y1 = gl.sum(acc1, axis=1) * rstd
-        y2 = gl.sum(acc2, axis=1) * rstd
+        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
+        y1 = y1 * rstd
+        y2 = y2 * rstd
         jj = j + i16
         m = i16 < n
         if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
@@ -394,19 +512,16 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
 @gluon.jit
 def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
                 EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-                blk: gl.constexpr):
+                blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
     """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
-        acc1 = gl.zeros([BR, BK], gl.float32, blk)
-        acc2 = gl.zeros([BR, BK], gl.float32, blk)
-        for kb in range(0, NKH, SB // 2):
-            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, NKH, kb >= 0, blk, NS, SB)
-        g = gl.sum(acc1, axis=1) * rstd
-        u = gl.sum(acc2, axis=1) * rstd
+        t, g, u = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, r < a1, blk, NS, SB, BK, MMA, num_warps)
+        g = g * rstd
+        u = u * rstd
         rows = r + i16
         gl.store(act_ptr + rows, g / (1.0 + gl.exp(-g)) * u, mask=rows < a1)
     return t
@@ -415,46 +530,47 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
 @gluon.jit
 def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
                 RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr):
+                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
+                num_warps: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
     (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk with
     KP, else consecutive K chunks of the same 16 rows)."""
-    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk)
+    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA)
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
-    return _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, KP, blk)
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, KP,
+                     blk, MMA, num_warps)
 
 
 @gluon.jit
 def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
                      NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
                      BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     MMA: gl.constexpr, num_warps: gl.constexpr):
     """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
     is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
     instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
-    _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, num_warps)
-    return _matvec_k(ring, ready, empty, vbuf, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk)
+    _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, MMA, num_warps)
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk,
+                     MMA, num_warps)
 
 
 @gluon.jit
-def _matvec_k(ring, ready, empty, vbuf, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr, NS: gl.constexpr,
-              SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr):
+def _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr,
+              NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
+              MMA: gl.constexpr, num_warps: gl.constexpr):
     """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots in `_load_k`'s order: 32 rows at a
     time with KP (one activation chunk per slot for both 16-row boxes, as gate/up), else 16."""
     nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     if KP:
         for r in range(a0, a1, 2 * BR):
-            acc1 = gl.zeros([BR, BK], gl.float32, blk)
-            acc2 = gl.zeros([BR, BK], gl.float32, blk)
             two = r + BR < a1
-            for kb in range(0, nkb, SB // 2):
-                t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, two, blk, NS, SB)
-            _store_rows(out_ptr, r + i16, gl.sum(acc1, axis=1) * scale, a1, RESIDUAL)
+            t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA, num_warps)
+            _store_rows(out_ptr, r + i16, y1 * scale, a1, RESIDUAL)
             if two:
-                _store_rows(out_ptr, r + BR + i16, gl.sum(acc2, axis=1) * scale, a1, RESIDUAL)
+                _store_rows(out_ptr, r + BR + i16, y2 * scale, a1, RESIDUAL)
     else:
         for r in range(a0, a1, BR):
             acc = gl.zeros([BR, BK], gl.float32, blk)
@@ -612,14 +728,21 @@ def _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH: gl.constexpr, HD: gl
 
 @gluon.jit
 def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, HD: gl.constexpr,
-                  NCHK: gl.constexpr, BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, num_warps: gl.constexpr):
+                  NCHK: gl.constexpr, BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, MMA: gl.constexpr,
+                  num_warps: gl.constexpr):
     """vstage[:NCHK] <- the attention output of columns [k0, k1) (whole heads) merged over `splits` splits, zero past
     k1 in the chunks the K loop reads. Heads go HBLK at a time (each block's SP split loads all in flight: one L2
-    round trip per block); a block wholly past those chunks is skipped."""
+    round trip per block); a block wholly past those chunks is skipped. On the tensor-core path the heads go to fp32
+    scratch in chunks [NCHK, 2 NCHK) of the staging buffer first (stream_geometry leaves room), then into the
+    operand."""
     NHS: gl.constexpr = NCHK * BK // HD  # heads the staged chunks hold (a multiple of HBLK: stream_geometry)
     L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
-    heads = vstage._reinterpret(gl.float32, [NCHK * BK // HD, HD],
-                                gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    if MMA:
+        scratch = vstage._reinterpret(gl.float32, [2 * NCHK, BK], flat).slice(NCHK, NCHK)
+    else:
+        scratch = vstage
+    heads = scratch._reinterpret(gl.float32, [NCHK * BK // HD, HD], flat)
     d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
     hb = gl.arange(0, HBLK, layout=gl.SliceLayout(1, L2))
     h0 = k0 // HD
@@ -632,6 +755,11 @@ def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, 
             if (DIAG != 1) & (DIAG != 2):
                 heads.slice(b * HBLK, HBLK).store(o)
     gl.thread_barrier()
+    if MMA:
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        if (DIAG != 1) & (DIAG != 2):
+            _store_operand(vstage, scratch._reinterpret(gl.float32, [NCHK, BK], flat).load(blk), NCHK, BK)
+        gl.thread_barrier()
 
 
 @gluon.jit
@@ -707,7 +835,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             KP: gl.constexpr, num_warps: gl.constexpr):
+             KP: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
@@ -733,7 +861,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk)
+                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
                                  empty, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
@@ -741,19 +869,19 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk)
+                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk, MMA, num_warps)
         elif op == OP_FUSED:
             t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
-                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, num_warps)
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, MMA, num_warps)
         elif op == OP_GATE_UP:
             t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
-                            NS, SB, NCHH, BK, blk)
+                            NS, SB, NCHH, BK, blk, MMA, num_warps)
         elif op == OP_DOWN:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHI, BK, KP, blk)
+                            True, H, EPS, NS, SB, NCHI, BK, KP, blk, MMA, num_warps)
         elif op == OP_LM_HEAD:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk)
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk, MMA, num_warps)
         gl.thread_barrier()
         si = soff * 0
         while si < sn:
@@ -780,7 +908,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 @gluon.jit
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -789,17 +917,25 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    num_warps: gl.constexpr,
+    MMA: gl.constexpr, L2GU: gl.constexpr, L2W: gl.constexpr, num_warps: gl.constexpr,
 ):
-    ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
+    if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
+    else:
+        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
-    vstage = gl.allocate_shared_memory(gl.float32, [NCH, BK],
-                                       gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-    vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
-                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
+    if MMA:
+        vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH, 2 * BK // SUB, SUB], MMA_SMEM)
+        vbuf = vstage
+    else:
+        vstage = gl.allocate_shared_memory(gl.float32, [NCH, BK],
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
+                                   gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
@@ -808,9 +944,9 @@ def stream_megakernel(
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
-                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP)),
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready,
+                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, L2GU, L2W)),
     ], [1], [LOADER_REGS])
 
 
@@ -836,6 +972,14 @@ class StreamConfig:
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
     #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
     kpair: bool = True
+    #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it)
+    #: instead of loading them into registers for CUDA-core FMAs; needs kpair and 2 boxes per slot (otherwise the
+    #: CUDA-core path runs) and makes BK 256 (perf notes, v10 session 4)
+    mma: bool = True
+    #: rows at the end of each gate/up tile the loader hints into L2 (cp.async.bulk.prefetch) when it reaches the tile,
+    #: after its own fills in flight have landed when `l2_after_fills` (0: none)
+    l2_gate_up: int = 0
+    l2_after_fills: bool = True
     be: int = 1024  # embedding copy block
 
 
@@ -849,12 +993,17 @@ def _pow2_ceil(n: int) -> int:
 
 def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
-    bk = min(sc.bk, 256, _pow2_floor(c.hidden_size))
-    chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
-                                                       ("NCHI", c.intermediate_size))}
-    nch = max(chunks.values())
     if sc.boxes not in (2, 4):
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    # the tensor-core path views each weight matrix [rows, K / 64, 64] for TMA: every K a multiple of 64
+    mma = sc.mma and sc.kpair and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
+                                                                              c.intermediate_size))
+    # the tensor-core path's box is four [16, 64] TMA boxes (a 64-row wgmma tile); past K they are zero-filled
+    bk = 256 if mma else min(sc.bk, 256, _pow2_floor(c.hidden_size))
+    chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
+                                                       ("NCHI", c.intermediate_size))}
+    # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks
+    nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0)
     slot_bytes = sc.boxes * 16 * bk * 2
     fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
     slots = sc.slots or fit
@@ -872,7 +1021,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
         raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
                          "power-of-two number of heads")
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
-            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads)}
+            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
+            "MMA": mma}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
@@ -886,23 +1036,34 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        num_warps=sc.num_warps)
+        MMA=geo["MMA"], L2GU=sc.l2_gate_up, L2W=sc.l2_after_fills, num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
                        ) -> list[Any]:
     """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
-    wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with a [16, BK] box, then the K and V
+    wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
     caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    box, wlayout = weight_box(geo)
     out = []
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
         t = w[name]
         t2 = t.reshape(-1, t.shape[-1])
-        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [16, geo["BK"]], layout))
+        if geo["MMA"]:
+            t2 = t2.reshape(t2.shape[0], -1, 64)
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), box, wlayout))
     for cache in (k_cache, v_cache):
         t2 = cache.reshape(-1, c.hd)
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd], layout))
     return out
+
+
+def weight_box(geo: dict[str, Any]) -> tuple[list[int], Any]:
+    """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled, or on the tensor-core path [16, BK / 64,
+    64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one wgmma tile)."""
+    if geo["MMA"]:
+        return [16, geo["BK"] // 64, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return [16, geo["BK"]], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
