@@ -4,15 +4,17 @@ Interpreter v10's eight compute warps read each ring slot together, and Triton p
 wait, so they move in lockstep twice per slot: ~47 KB/us per SM over a full ring (gate/up, `MEGASYNTH_V10_DIAG=3`).
 This standalone kernel measures the alternative before anyone rebuilds the interpreter around it. One loader warp
 "fills" slots by arriving on their mbarriers (no bytes move: the consumers' own rate), and the ring's [16, 256] bf16
-box pairs are multiplied by a staged fp32 vector as gate/up does, either
+box pairs are multiplied by a staged vector as gate/up does, in one of three ways:
 
-- ``lockstep``: one 8-warp partition, every warp a part of every slot (v10's way), or
+- ``lockstep``: one 8-warp partition, every warp a part of every slot (v10's way);
 - ``warps``: eight one-warp partitions, warp c taking slots c, c + 8, ... alone. A one-warp partition's compiler
-  barrier spans one warp, and each warp hands its slot back itself (its lane 0 arrives on the slot's mbarrier).
+  barrier spans one warp, and each warp hands its slot back itself (its lane 0 arrives on the slot's mbarrier);
+- ``mma2`` / ``mma4``: the tensor cores read the slot (`StreamConfig.mma`'s way): 2 or 4 boxes as a [128 or 256, 64]
+  wgmma operand (128 B swizzle) times a staged [64, 8] bf16 operand, one wgmma in flight (run 40: 114 / 147 KB/us).
 
 Prints KB/us per SM for each; writes $OUT/consumer_bench.json.
 
-    python scripts/consumer_bench.py [--slots-per-sm 4096]
+    python scripts/consumer_bench.py [--slots-per-sm 4096] [--compile-only]
 """
 
 from __future__ import annotations

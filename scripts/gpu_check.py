@@ -96,12 +96,7 @@ VARIANTS: dict[str, Any] = {
     "v10i8": StreamConfig(inflight=8),
     "v10b4i2": StreamConfig(boxes=4, inflight=2),
     "v10kp0": StreamConfig(kpair=False),  # K-split ops without row-paired slots (v10 up to run 29)
-    "v10fma": StreamConfig(mma=False),  # CUDA-core FMAs over the ring's slots (v10 up to run 39)
-    "v10l16": StreamConfig(l2_gate_up=16),  # gate/up's last rows hinted into L2 after the SM's fills land
-    "v10l32": StreamConfig(l2_gate_up=32),
-    "v10l48": StreamConfig(l2_gate_up=48),
-    "v10l32n": StreamConfig(l2_gate_up=32, l2_after_fills=False),
-    "v10fmal32": StreamConfig(mma=False, l2_gate_up=32),
+    "v10mma": StreamConfig(mma=True),  # the tensor cores read the ring's slots (wgmma), runs 41-43
     "v10lr56": StreamConfig(loader_regs=56),
     "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
     "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),

@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Run 43 ran this at commit 1de8ce8, run 41 on the four-box version just before it; mma was the default then, so its
+# "v10" is today's v10mma and its "v10fma" today's v10.
 # Tensor-core consumer (StreamConfig.mma): one device call. A smoke test on a tiny config first (bounded), then every
 # correctness check of gpu_check for v10 (now wgmma) and v10fma, and the searched fused schedule timed side by side
 # (fma, mma) at ctx 1024 and 4096 with a trace of the mma kernel.

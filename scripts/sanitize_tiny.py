@@ -1,6 +1,6 @@
 """A few decode steps of the tiny configs, for compute-sanitizer (memcheck, racecheck) on the GPU.
 
-    compute-sanitizer --tool memcheck python scripts/sanitize_tiny.py [--kernel v10|v9]
+    compute-sanitizer --tool memcheck python scripts/sanitize_tiny.py [--kernel v10|v9] [--mma]
     compute-sanitizer --tool racecheck python scripts/sanitize_tiny.py
 
 Plain launches (no CUDA graph) with a long watchdog, since the sanitizer slows the kernel by orders of magnitude; each
@@ -29,8 +29,9 @@ from synth.lowering.strategy import Strategy  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", choices=["v10", "v9"], default="v10")
+    ap.add_argument("--mma", action="store_true", help="v10 with the tensor-core consumer (StreamConfig.mma)")
     args = ap.parse_args()
-    config = StreamConfig() if args.kernel == "v10" else KernelConfig()
+    config = StreamConfig(mma=args.mma) if args.kernel == "v10" else KernelConfig()
     worst = 0.0
     cases = [("tiny", Strategy(attn_splits=2, tiles={"attn_norm_qkv_rope": 10})),
              ("tiny-gqa4", Strategy(attn_splits=3, k_splits={"down_proj_residual": 2}))]

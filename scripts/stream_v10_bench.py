@@ -62,7 +62,7 @@ def weight_bytes(doc: dict[str, Any], spec: Any) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "stream_v10_out"))
-    ap.add_argument("--variants", default="v10,v10kp0,v10b4")
+    ap.add_argument("--variants", default="v10,v10mma,v10kp0")
     ap.add_argument("--ops", default="mlp_norm_gate_up,down_proj_residual,final_norm_lm_head,attn_norm_qkv_rope,"
                                      "o_proj_residual")
     ap.add_argument("--reps", type=int, default=30)

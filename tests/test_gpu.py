@@ -201,6 +201,32 @@ def test_v10_row_paired_k_slots(llama, kpair):
     _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(40, 44), 40, config=cfg)
 
 
+def test_v10_tensor_core_consumer(llama):
+    """StreamConfig(mma=True), wgmma on the ring's slots: the searched fused shape and a 48-row tile whose last 16-row
+    group has no partner; on tiny configs, BK past the hidden size (zero-filled boxes), odd QKV pair tiles, a fused
+    K split of 3 and 8-row tiles (the second box is never filled); tiny-mha (intermediate 160) falls back to FMAs."""
+    from kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = StreamConfig(mma=True)
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64, "down_proj_residual": 48,
+             "final_norm_lm_head": 1008}
+    strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True,
+                     k_splits={"o_proj_residual": 4, "down_proj_residual": 4})
+    mk = _decode_and_compare(spec, lower(spec, sms, strat), w, range(2500, 2504), 2500, config=cfg)
+    assert mk.kcfg.mma
+    gqa4 = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 3},
+                   tiles={"attn_norm_qkv_rope": 10, "o_proj_residual": 8}, default_granularity="head")
+    _decode_and_compare(gqa4, lower(gqa4, 7, odd), _weights(gqa4.config, 8), range(60, 64), 60, config=cfg)
+    for name in ("tiny", "tiny-mha"):
+        tiny = get_model(name)
+        small = Strategy(attn_splits=2, k_splits={"down_proj_residual": 2},
+                         tiles={"o_proj_residual": 8, "down_proj_residual": 8, "final_norm_lm_head": 24})
+        _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(20, 24), 20, config=cfg)
+
+
 def test_watchdog_turns_a_hang_into_an_error():
     from kernels.gpu import Megakernel, WatchdogError
 

@@ -40,6 +40,38 @@ def test_v10_without_row_paired_slots_compiles() -> None:
     assert res.stack == 0
 
 
+@pytest.mark.parametrize("model", ["tiny-gqa4", "llama-1b"])
+def test_v10_tensor_core_path_compiles(model: str) -> None:
+    """StreamConfig(mma=True): the compute warps issue wgmma on the ring's slots, with no spills and within shared
+    memory (the staging buffer also holds the attention merge's fp32 scratch)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.gpu.offline import compile_v10
+    from kernels.gpu.stream import SMEM_LIMIT, StreamConfig
+    from synth.lowering.models import get_model
+
+    spec = get_model(model)
+    kernel, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(mma=True))
+    assert res.stack == 0 and res.shared <= SMEM_LIMIT
+    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in kernel.asm["ptx"]
+
+
+def test_tensor_core_path_geometry() -> None:
+    """mma applies only where every K is a multiple of 64 (the [rows, K/64, 64] TMA view), with row-paired 2-box slots;
+    it makes BK 256 and leaves room for the merge scratch after the attention chunks."""
+    from kernels.gpu.stream import StreamConfig, stream_geometry, weight_box
+    from synth.lowering.models import get_model
+
+    geo = stream_geometry(get_model("llama-1b").config, StreamConfig(mma=True))
+    assert geo["MMA"] and geo["BK"] == 256 and geo["NCH"] >= 2 * geo["NCHQ"]
+    assert weight_box(geo)[0] == [16, 4, 64]
+    tiny = stream_geometry(get_model("tiny").config, StreamConfig(mma=True))  # hidden 128 < BK: zero-filled
+    assert tiny["MMA"] and tiny["BK"] == 256 and tiny["NCH"] == 2
+    assert not stream_geometry(get_model("tiny-mha").config, StreamConfig(mma=True))["MMA"]  # intermediate 160
+    assert not stream_geometry(get_model("llama-1b").config, StreamConfig(mma=True, kpair=False))["MMA"]
+    assert not stream_geometry(get_model("llama-1b").config, StreamConfig())["MMA"]  # off by default
+    assert weight_box(stream_geometry(get_model("llama-1b").config, StreamConfig()))[0] == [16, 256]
+
+
 def test_v9_still_compiles() -> None:
     from kernels.gpu.interpreter import KernelConfig
     from kernels.gpu.offline import compile_v9

@@ -400,8 +400,7 @@ class Megakernel:
             from kernels.gpu.stream import stream_constexprs, stream_megakernel
 
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
-                    self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *self.descs, w["w_gate"],
-                    w["w_up"], self.x,
+                    self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *self.descs, self.x,
                     self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits,
                     self.cos, self.sin, self.timeout_ns]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)

@@ -19,6 +19,10 @@ o_proj, down and the LM head; without kpair those take the same 16 rows over con
 K block and a V block. Both partitions walk the same rows with the same loop structure and helpers (`_qkv_group`,
 `_load_k`'s order), so they agree on the slot sequence by construction.
 
+With `StreamConfig.mma` the compute warps multiply on the tensor cores instead: each box is a wgmma operand read where
+TMA put it and the staged vector a bf16 hi/lo operand (`_pair_rows_mma`); measured not faster in the whole step, so
+off by default (perf notes, v10 session 4).
+
 After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
 whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
 drains, so the kernel always ends. The host then raises `WatchdogError`.
@@ -94,22 +98,6 @@ def _load_acquire(ptr):
 def _signal_release(ptr, add):
     """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
     return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_l2(ptr, off, nbytes):
-    """Hint bytes [off * 2, off * 2 + nbytes) of bf16 array ptr into L2 (cp.async.bulk.prefetch.L2: no registers, no
-    wait, never faults); from the one-warp loader, each lane one 4 KB piece at a time."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    CH: gl.constexpr = 4096
-    lanes = gl.arange(0, 32, layout=lay) * CH
-    base = ptr.to(gl.pointer_type(gl.int8)) + off * 2
-    for b in range(0, nbytes, 32 * CH):
-        o = b + lanes
-        size = gl.minimum(gl.maximum(nbytes - o, 0), CH)
-        gl.inline_asm_elementwise("{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; "
-                                  "@%p0 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-                                  "=r,l,r", [base + o, size], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -265,11 +253,10 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready, empty,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, L2GU: gl.constexpr,
-            L2W: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -297,13 +284,6 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
-            if L2GU > 0:  # the tile's last rows, beyond what the ring holds: into L2 while the chain leaves HBM idle
-                if L2W:  # after this SM's fills in flight have landed, so the hints queue behind nothing needed sooner
-                    for u in range(gl.maximum(t - INFLIGHT, 0), t):
-                        mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
-                r0 = gl.maximum(a1 - L2GU, a0)
-                _prefetch_l2(wg_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
-                _prefetch_l2(wu_ptr, (base + r0).to(gl.int64) * H, (a1 - r0) * H * 2)
             for r in range(a0, a1, BR):
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -908,7 +888,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 @gluon.jit
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -917,7 +897,7 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, L2GU: gl.constexpr, L2W: gl.constexpr, num_warps: gl.constexpr,
+    MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -945,8 +925,8 @@ def stream_megakernel(
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
                     SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wg_ptr, wu_ptr, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, L2GU, L2W)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
+                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA)),
     ], [1], [LOADER_REGS])
 
 
@@ -972,14 +952,12 @@ class StreamConfig:
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
     #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
     kpair: bool = True
-    #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it)
-    #: instead of loading them into registers for CUDA-core FMAs; needs kpair and 2 boxes per slot (otherwise the
-    #: CUDA-core path runs) and makes BK 256 (perf notes, v10 session 4)
-    mma: bool = True
-    #: rows at the end of each gate/up tile the loader hints into L2 (cp.async.bulk.prefetch) when it reaches the tile,
-    #: after its own fills in flight have landed when `l2_after_fills` (0: none)
-    l2_gate_up: int = 0
-    l2_after_fills: bool = True
+    #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
+    #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
+    #: drains a ring 1.65x as fast; the whole step is not bound by that and measured +0.5 % (ctx 1024) / +1.1 % (4096),
+    #: so it is off by default (perf notes, v10 session 4). Needs kpair, 2 boxes per slot and every K a multiple of 64
+    #: (otherwise the CUDA-core path runs); makes BK 256.
+    mma: bool = False
     be: int = 1024  # embedding copy block
 
 
@@ -1036,7 +1014,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], L2GU=sc.l2_gate_up, L2W=sc.l2_after_fills, num_warps=sc.num_warps)
+        MMA=geo["MMA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
