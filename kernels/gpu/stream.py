@@ -69,10 +69,15 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 #: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
 #: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector, 3 = the loader fills no
 #: slot (it arrives on the slot's mbarrier instead of loading): the compute warps' own rate over a full ring, 4 = 3 and
-#: the compute warps read nothing from the slots either: the rate of the slot hand-offs alone.
+#: the compute warps read nothing from the slots either: the rate of the slot hand-offs alone; for attention
+#: (scripts/attn_bench.py): 5 = no arithmetic over the K/V blocks, 6 = q and this step's K/V row are not loaded,
+#: 7 = no merge of the position lanes at the end (zeros are stored).
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
+#: Experiment (scripts/issue12_attn_merge.sh): 1 merges attention's position lanes with Triton's reduction over the
+#: warp axis, as before session 4.
+OLD_MERGE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_OLD_MERGE", "0")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -256,7 +261,7 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, IFQ: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -280,7 +285,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 ra = base + head * HD + j
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                                    IFQ, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
@@ -596,6 +601,7 @@ def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
 
 @gluon.jit
 def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, t, ring, ready, empty,
+                     scratch,
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
                      GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
                      KV_RING: gl.constexpr, num_warps: gl.constexpr):
@@ -621,7 +627,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
     qmask = gl.expand_dims(gq < G, 1)
     qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
-    q = gl.load(q_ptr + qoffs, mask=qmask, other=0.0, cache_modifier=".cg") * SCALE
+    q = gl.load(q_ptr + qoffs, mask=qmask & (DIAG != 6), other=0.0, cache_modifier=".cg") * SCALE
     q3 = gl.expand_dims(q, 1)
     tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
     dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
@@ -633,7 +639,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     if KV_RING:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
-        cur = (pos >= lo) & (pos < hi)
+        cur = (pos >= lo) & (pos < hi) & (DIAG != 6)
         cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
         cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
         cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
@@ -646,9 +652,10 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             for hb in gl.static_range(BTK // BT):
                 t0 = b0 + hb * BT
                 now = gl.expand_dims(t0 + tk == pos, 1)
-                k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                if DIAG != 5:
+                    k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                    v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                    m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
             t = _release(t, empty, NS)
     else:
         kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
@@ -662,17 +669,37 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
             vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
             m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
-    mx = gl.max(m_i, axis=1)  # [GP]
-    w = gl.exp(m_i - gl.expand_dims(mx, 1))
-    den = gl.sum(l_i * w, axis=1)
-    o = gl.sum(acc * gl.expand_dims(w, 2), axis=1)  # [GP, HD] in LQ
-    empty_split = hi <= lo
-    safe = gl.where(den > 0, den, 1.0)
-    lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
-    o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LQ)), 1)
-    o = gl.where(empty_split, 0.0, o)
-    rows = split * NH + h0 + gq
-    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(dq, 0), o, mask=qmask)
+    # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory (the
+    # staging buffer, free between instructions) into a layout where each (head, dim) output has one owner thread:
+    # Triton's reduction over the warp axis would leave the result replicated in every warp (perf notes, session 4).
+    LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
+                                                                        num_warps // min(GP, num_warps)], [2, 1, 0])
+    LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
+    if DIAG == 7:
+        o = gl.zeros([GP, HD], gl.float32, LO)
+        lse = gl.zeros([GP], gl.float32, gl.SliceLayout(1, LS))
+    else:
+        mx = gl.max(m_i, axis=1)  # [GP]
+        w = gl.exp(m_i - gl.expand_dims(mx, 1))
+        den = gl.sum(l_i * w, axis=1)
+        if OLD_MERGE:
+            o = gl.convert_layout(gl.sum(acc * gl.expand_dims(w, 2), axis=1), LO)
+        else:
+            part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+            flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+            parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
+            parts.store(part)
+            gl.thread_barrier()
+            o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        empty_split = hi <= lo
+        safe = gl.where(den > 0, den, 1.0)
+        lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
+        o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1)
+        o = gl.where(empty_split, 0.0, o)
+    go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+    do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
+    rows = split * NH + h0 + go
+    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(do, 0), o, mask=gl.expand_dims(go < G, 1))
     gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
     gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
     return t
@@ -844,7 +871,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                         sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
-                                 empty, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
+                                 empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
@@ -897,7 +924,7 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, num_warps: gl.constexpr,
+    MMA: gl.constexpr, IFQ: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -926,7 +953,7 @@ def stream_megakernel(
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
                     SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
-                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA)),
+                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, IFQ)),
     ], [1], [LOADER_REGS])
 
 
@@ -947,6 +974,7 @@ class StreamConfig:
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
     inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
+    inflight_qkv: int = 0  # the same bound while it streams QKV's weights (0: `inflight`)
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
@@ -980,8 +1008,10 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     bk = 256 if mma else min(sc.bk, 256, _pow2_floor(c.hidden_size))
     chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
                                                        ("NCHI", c.intermediate_size))}
-    # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks
-    nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0)
+    # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks; attention
+    # merges its position lanes through the buffer too ([GP, num_warps, hd] fp32)
+    gp = max(2, 1 << (c.group_size - 1).bit_length())
+    nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
     slot_bytes = sc.boxes * 16 * bk * 2
     fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
     slots = sc.slots or fit
@@ -1014,7 +1044,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], num_warps=sc.num_warps)
+        MMA=geo["MMA"], IFQ=min(sc.inflight_qkv or sc.inflight or geo["NS"], geo["NS"]), num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
