@@ -97,9 +97,6 @@ VARIANTS: dict[str, Any] = {
     "v10b4i2": StreamConfig(boxes=4, inflight=2),
     "v10kp0": StreamConfig(kpair=False),  # K-split ops without row-paired slots (v10 up to run 29)
     "v10mma": StreamConfig(mma=True),  # the tensor cores read the ring's slots (wgmma), runs 41-43
-    "v10q6": StreamConfig(inflight_qkv=6),  # more of QKV's weights in flight (session 4)
-    "v10q8": StreamConfig(inflight_qkv=8),
-    "v10q11": StreamConfig(inflight_qkv=11),
     "v10lr56": StreamConfig(loader_regs=56),
     "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
     "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),

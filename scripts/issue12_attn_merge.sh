@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 6e8e177 (run 46); MEGASYNTH_V10_OLD_MERGE was removed after (the old merge lives in 8e5aa6e).
 # Attention's position-lane merge through an explicit per-warp partial in shared memory (session 4) against Triton's
 # reduction over the warp axis (MEGASYNTH_V10_OLD_MERGE=1, the code before): the chain's instructions alone
 # (scripts/attn_bench.py) and the whole step on the searched fused schedule, every step checked against the reference;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 6e8e177 (run 47); the v10q* variants (StreamConfig.inflight_qkv) were removed after: no effect.
 # With the cheaper attention merge: more of QKV's weights in flight (StreamConfig.inflight_qkv 6 / 8 / 11, others
 # stay at 4), and the searched fused schedule with 8 attention splits or per-head edges, side by side (each variant
 # checked against the reference at one position).

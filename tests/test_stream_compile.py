@@ -72,6 +72,20 @@ def test_tensor_core_path_geometry() -> None:
     assert weight_box(stream_geometry(get_model("llama-1b").config, StreamConfig()))[0] == [16, 256]
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-mha", "tiny-gqa4", "llama-1b", "llama-3b", "llama-8b"])
+def test_staging_buffer_holds_attentions_lane_partials(model: str) -> None:
+    """Attention merges its position lanes through the staging buffer ([GP, num_warps, hd] fp32 per instruction), so
+    the buffer must hold them even where the activation vectors are short (tiny configs, 4 warps)."""
+    from kernels.gpu.stream import StreamConfig, stream_constexprs, stream_geometry
+    from synth.lowering.models import get_model
+
+    spec = get_model(model)
+    for sc in (StreamConfig(), StreamConfig(num_warps=4), StreamConfig(mma=True)):
+        geo = stream_geometry(spec.config, sc)
+        gp = stream_constexprs(spec.config, spec.max_seq_len, sc, False)["GP"]
+        assert geo["stage_bytes"] >= gp * sc.num_warps * spec.config.hd * 4
+
+
 def test_v9_still_compiles() -> None:
     from kernels.gpu.interpreter import KernelConfig
     from kernels.gpu.offline import compile_v9

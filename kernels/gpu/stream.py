@@ -75,9 +75,6 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
-#: Experiment (scripts/issue12_attn_merge.sh): 1 merges attention's position lanes with Triton's reduction over the
-#: warp axis, as before session 4.
-OLD_MERGE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_OLD_MERGE", "0")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -261,7 +258,7 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, IFQ: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
@@ -285,7 +282,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
                 ra = base + head * HD + j
                 for kb in range(0, NKH, SB // 2):
                     t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    IFQ, SB, BK, BOX_BYTES, MMA)
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
@@ -682,15 +679,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
         mx = gl.max(m_i, axis=1)  # [GP]
         w = gl.exp(m_i - gl.expand_dims(mx, 1))
         den = gl.sum(l_i * w, axis=1)
-        if OLD_MERGE:
-            o = gl.convert_layout(gl.sum(acc * gl.expand_dims(w, 2), axis=1), LO)
-        else:
-            part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
-            flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-            parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
-            parts.store(part)
-            gl.thread_barrier()
-            o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
+        parts.store(part)
+        gl.thread_barrier()
+        o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
         empty_split = hi <= lo
         safe = gl.where(den > 0, den, 1.0)
         lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
@@ -924,7 +918,7 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, IFQ: gl.constexpr, num_warps: gl.constexpr,
+    MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -953,7 +947,7 @@ def stream_megakernel(
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
                     SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
-                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, IFQ)),
+                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA)),
     ], [1], [LOADER_REGS])
 
 
@@ -974,7 +968,6 @@ class StreamConfig:
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
     inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
-    inflight_qkv: int = 0  # the same bound while it streams QKV's weights (0: `inflight`)
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
@@ -1044,7 +1037,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], IFQ=min(sc.inflight_qkv or sc.inflight or geo["NS"], geo["NS"]), num_warps=sc.num_warps)
+        MMA=geo["MMA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
