@@ -75,6 +75,10 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
+#: Experiment (scripts/issue12_rope_pair.sh): 0 = attention folds a slot's two position blocks one at a time, 1 = both
+#: in one online-softmax update; 1 = QKV loads RoPE's cos/sin after its K loop (as before), 0 = before.
+ATTN_PAIR: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ATTN_PAIR", "1")))
+LATE_ROPE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_LATE_ROPE", "0")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -466,14 +470,20 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
     pend = a1 // 2
     while p < pend:
         head, j, n = _qkv_group(p, pend, HALF)
-        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
-        y1 = y1 * rstd
-        y2 = y2 * rstd
         jj = j + i16
         m = i16 < n
+        # the rotation's cos/sin before the K loop: their round trip overlaps the stream instead of following it
+        rot = m & (head < NH + NKV)
+        if LATE_ROPE == 0:
+            cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+            sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
+        if LATE_ROPE:
+            cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+            sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        y1 = y1 * rstd
+        y2 = y2 * rstd
         if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
-            cs = gl.load(cos_ptr + pos * HALF + jj, mask=m, other=0.0)
-            sn = gl.load(sin_ptr + pos * HALF + jj, mask=m, other=0.0)
             o1 = y1 * cs - y2 * sn
             o2 = y2 * cs + y1 * sn
             if head < NH:
@@ -646,13 +656,23 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             mbarrier.wait(ready.index(s), (t // NS) & 1)
             kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
             vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-            for hb in gl.static_range(BTK // BT):
-                t0 = b0 + hb * BT
-                now = gl.expand_dims(t0 + tk == pos, 1)
+            if (BTK == 2 * BT) & (ATTN_PAIR != 0):
                 if DIAG != 5:
-                    k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                    v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                    m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                    nowa = gl.expand_dims(b0 + tk == pos, 1)
+                    nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
+                    ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
+                    va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
+                    kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
+            else:
+                for hb in gl.static_range(BTK // BT):
+                    t0 = b0 + hb * BT
+                    now = gl.expand_dims(t0 + tk == pos, 1)
+                    if DIAG != 5:
+                        k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
             t = _release(t, empty, NS)
     else:
         kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
@@ -697,6 +717,24 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
     gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
     return t
+
+
+@gluon.jit
+def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constexpr):
+    """`_attn_block` for positions t0 + [0, 2 BT): position lane i takes positions t0 + i and t0 + BT + i in one
+    online-softmax update (one rescale of the lane's sum for two positions, and both dot products in flight)."""
+    sa = gl.sum(q3 * gl.expand_dims(ka, 0), axis=2)  # [GP, BT]
+    sb = gl.sum(q3 * gl.expand_dims(kb, 0), axis=2)
+    sa = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), sa, float("-inf"))
+    sb = gl.where(gl.expand_dims(t0 + BT + ts_s < hi, 0), sb, float("-inf"))
+    m_new = gl.maximum(m_i, gl.maximum(sa, sb))
+    alpha = gl.exp(m_i - m_new)
+    pa = gl.exp(sa - m_new)
+    pb = gl.exp(sb - m_new)
+    l_i = l_i * alpha + pa + pb
+    acc = (acc * gl.expand_dims(alpha, 2) + gl.expand_dims(pa, 2) * gl.expand_dims(va, 0)
+           + gl.expand_dims(pb, 2) * gl.expand_dims(vb, 0))
+    return m_new, l_i, acc
 
 
 @gluon.jit
