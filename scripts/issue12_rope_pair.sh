@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit ea5786c (run 50); the two switches were removed after (both changes kept).
 # Two chain tweaks side by side on the searched fused schedule (each process checked against the reference at one
 # position): RoPE's cos/sin loaded before QKV's K loop (MEGASYNTH_V10_LATE_ROPE=0) and attention folding a slot's two
 # position blocks in one online-softmax update (MEGASYNTH_V10_ATTN_PAIR=1); A = neither (the code before), B = both,

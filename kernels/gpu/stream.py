@@ -75,10 +75,6 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
-#: Experiment (scripts/issue12_rope_pair.sh): 0 = attention folds a slot's two position blocks one at a time, 1 = both
-#: in one online-softmax update; 1 = QKV loads RoPE's cos/sin after its K loop (as before), 0 = before.
-ATTN_PAIR: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ATTN_PAIR", "1")))
-LATE_ROPE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_LATE_ROPE", "0")))
 
 
 # -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
@@ -474,13 +470,9 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
         m = i16 < n
         # the rotation's cos/sin before the K loop: their round trip overlaps the stream instead of following it
         rot = m & (head < NH + NKV)
-        if LATE_ROPE == 0:
-            cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
-            sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
         t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
-        if LATE_ROPE:
-            cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
-            sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
         y1 = y1 * rstd
         y2 = y2 * rstd
         if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
@@ -656,7 +648,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             mbarrier.wait(ready.index(s), (t // NS) & 1)
             kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
             vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-            if (BTK == 2 * BT) & (ATTN_PAIR != 0):
+            if BTK == 2 * BT:  # both blocks in one update (perf notes, session 4: -1.3 % at ctx 4096)
                 if DIAG != 5:
                     nowa = gl.expand_dims(b0 + tk == pos, 1)
                     nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
