@@ -398,6 +398,37 @@ def test_resume_rewrites_a_best_that_a_kill_left_behind(tmp_path: Path) -> None:
     assert json.loads((first.run_dir / "best" / "validation.json").read_text())["interleavings"] == 50
 
 
+def test_a_best_recorded_by_a_process_that_died_before_writing_best_is_written_at_the_end(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    """One of several processes sharing a run records a new best, then dies before it writes best/ (CI caught this in
+    the SIGKILL test of tests/test_distributed.py): whoever ends the search last writes best/ for it."""
+    from synth.search import loop
+    from synth.search.evaluate import Evaluator
+
+    original_promote, original_catch_up = Evaluator._promote, loop.Search._catch_up_best
+    state = {"dying": True, "promoted": 0}
+
+    def promote(self, cid, *args, **kwargs):  # every new best after the first is "lost" with its process
+        if state["dying"] and state["promoted"] >= 1:
+            return None
+        state["promoted"] += 1
+        return original_promote(self, cid, *args, **kwargs)
+
+    def catch_up(self) -> None:
+        if self.evaluated:  # the end of the loop (the start, before any candidate, still loses them)
+            state["dying"] = False
+        original_catch_up(self)
+
+    monkeypatch.setattr(Evaluator, "_promote", promote)
+    monkeypatch.setattr(loop.Search, "_catch_up_best", catch_up)
+    summary = run_search(_cfg(tmp_path, budget=5))
+    run = RunDir(summary.run_dir)
+    fastest = min(run.accepted().items(), key=lambda kv: kv[1]["ms"])
+    timing = json.loads((summary.run_dir / "best" / "timing.json").read_text())
+    assert timing["candidate"] == fastest[0] and timing["ms"] == fastest[1]["ms"]
+    assert state["promoted"] >= 2  # the first best, then the catch-up at the end
+
+
 _PARALLEL = """
 import sys
 from pathlib import Path

@@ -399,11 +399,7 @@ class Search:
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
                                          ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
         self._reap()
-        self._sync()
-        best, on_disk = self.standing.best, self.run.best_ms()
-        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk) \
-                and best.candidate in self.run.accepted():  # (another machine's best has no files here)
-            self.evaluator.promote_again(best)  # killed between recording it and writing best/
+        self._catch_up_best()
         bar = _Progress(cfg.budget, cfg.progress)
         self.claims.start_heartbeat(cfg.heartbeat_s)
         try:
@@ -413,6 +409,7 @@ class Search:
             else:
                 self._run_sequential(bar, t_start)
             self._reap()  # record the trials of outcomes whose process died before it could
+            self._catch_up_best()  # ... and write best/ for a faster one that such a process recorded
         finally:
             close_proposer(self.proposer)
             self.claims.stop()
@@ -423,6 +420,16 @@ class Search:
             bar.close()
             self.run.write_leaderboard()
         return self.summary(self.evaluated, time.monotonic() - t_start)
+
+    def _catch_up_best(self) -> None:
+        """Write best/ for the fastest candidate recorded in the shared study when best/ is behind it: a process
+        killed between recording a new best and writing best/ (on a resume, or one of several processes sharing the
+        run, at the end) leaves its candidate on disk and in the study but not in best/."""
+        self._sync()
+        best, on_disk = self.standing.best, self.run.best_ms()
+        if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk) \
+                and best.candidate in self.run.accepted():  # (another machine's best has no files here)
+            self.evaluator.promote_again(best)
 
     def _timed_out(self, t_start: float) -> bool:
         limit = self.cfg.time_limit
