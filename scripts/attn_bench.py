@@ -17,11 +17,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from stream_v10_bench import only  # noqa: E402  (one op's instructions alone)
 
 from kernels.gpu.interpreter import Megakernel  # noqa: E402
 from kernels.gpu.stream import StreamConfig  # noqa: E402
@@ -37,15 +38,6 @@ TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp
          "down_proj_residual": 64, "final_norm_lm_head": 256}
 STRATEGY = Strategy(tiles=TILES, attn_splits=16, k_splits={"o_proj_residual": 4, "down_proj_residual": 4},
                     fuse_attn_reduce=True)
-
-
-def only(doc: dict[str, Any], op: str, signals: bool) -> dict[str, Any]:
-    """The schedule's instructions of `op` alone, in their queues, with no waits (and no signals unless `signals`:
-    they then count up counters nobody waits on, which is legal)."""
-    keep = {i["id"]: {**i, "waits": [], "signals": i["signals"] if signals else []}
-            for i in doc["instructions"] if i["op"] == op}
-    return {**doc, "counters": doc["counters"] if signals else 0, "instructions": list(keep.values()),
-            "queues": [[j for j in q if j in keep] for q in doc["queues"]]}
 
 
 def main() -> int:

@@ -40,10 +40,12 @@ TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp
 K_SPLITS = {"down_proj_residual": 2}
 
 
-def only(doc: dict[str, Any], op: str) -> dict[str, Any]:
-    """The schedule's instructions of `op` alone, in their queues, with no waits or signals."""
-    keep = {i["id"]: {**i, "waits": [], "signals": []} for i in doc["instructions"] if i["op"] == op}
-    return {**doc, "counters": 0, "instructions": list(keep.values()),
+def only(doc: dict[str, Any], op: str, signals: bool = False) -> dict[str, Any]:
+    """The schedule's instructions of `op` alone, in their queues, with no waits (and no signals unless `signals`:
+    they then count up counters nobody waits on, which is legal)."""
+    keep = {i["id"]: {**i, "waits": [], "signals": i["signals"] if signals else []}
+            for i in doc["instructions"] if i["op"] == op}
+    return {**doc, "counters": doc["counters"] if signals else 0, "instructions": list(keep.values()),
             "queues": [[j for j in q if j in keep] for q in doc["queues"]]}
 
 

@@ -1020,6 +1020,11 @@ def _pow2_ceil(n: int) -> int:
     return 1 << (max(1, int(n)) - 1).bit_length()
 
 
+def _group_lanes(c: ModelConfig) -> int:
+    """GP: the query heads of one KV head, padded to a power of two (at least 2) for attention's layouts."""
+    return max(2, _pow2_ceil(c.group_size))
+
+
 def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
     if sc.boxes not in (2, 4):
@@ -1033,7 +1038,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
                                                        ("NCHI", c.intermediate_size))}
     # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks; attention
     # merges its position lanes through the buffer too ([GP, num_warps, hd] fp32)
-    gp = max(2, 1 << (c.group_size - 1).bit_length())
+    gp = _group_lanes(c)
     nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
     slot_bytes = sc.boxes * 16 * bk * 2
     fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
@@ -1062,7 +1067,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
-        GP=max(2, 1 << (c.group_size - 1).bit_length()), NS=geo["NS"],
+        GP=_group_lanes(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
