@@ -23,6 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
@@ -87,6 +88,7 @@ VARIANTS: dict[str, Any] = {
     "v10": StreamConfig(),  # interpreter v10: TMA ring fed by a loader warp that runs ahead of the waits
     "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
     "v10s8": StreamConfig(slots=8),
+    "v10s11": StreamConfig(slots=11),  # the ring before session 5 (a 12 KB shared-memory reserve left 11 slots)
     "v10b4": StreamConfig(boxes=4),  # 4 boxes (32 KB) per slot: half the handshakes per byte
     "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself (v10 up to run 18)
     "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
@@ -222,6 +224,28 @@ def stage_spans(trace: dict[str, Any], layers: tuple[int, ...] = (0, 7)) -> str:
                          f"mean {d / n:6.2f}")
         prev = b
     return "\n".join(lines)
+
+
+def loader_leads(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any], str]:
+    """v10's ring run-ahead in the last traced step, per (op, layer): medians over the stage's instructions of how
+    long before the compute warps started each instruction (after its wait) the loader reached it and issued its
+    last fill (µs; negative = the fills were still being issued when it started). Raw rows go to the JSON."""
+    p = mk.packed
+    raw, lraw = mk.raw_trace(p), mk.raw_loader_trace(p)
+    rows: dict[tuple[str, Any], list[tuple[float, float]]] = {}
+    for i, (r, lr) in enumerate(zip(raw, lraw, strict=True)):
+        if int(r[2]) and int(lr[1]):
+            rows.setdefault((p.ops[i], p.layers[i]), []).append(((int(r[1]) - int(lr[0])) / 1e3,
+                                                                 (int(r[1]) - int(lr[1])) / 1e3))
+    lines = []
+    for (op, layer), v in rows.items():
+        if layer is None or layer in layers:
+            reach, last = (float(np.median([x[k] for x in v])) for k in (0, 1))
+            lines.append(f"  {op:20s} L{layer}: loader reached it {reach:6.2f} us before its start, last fill "
+                         f"issued {last:6.2f} us before (n {len(v)})")
+    data = {"ids": list(p.ids), "ops": list(p.ops), "layers": list(p.layers), "raw": raw.tolist(),
+            "loader_raw": lraw.tolist()}
+    return data, "\n".join(lines)
 
 
 def floor_bytes(cfg: ModelConfig, ctx: int) -> int:
@@ -448,6 +472,10 @@ def main() -> int:
                 RESULTS.setdefault("trace_summary", {})[lname] = {k: v for k, v in summ.items() if k != "per_sm"}
                 log(f"trace {lname}: " + format_summary(summ))
                 log(stage_spans(tr))
+                if isinstance(mk.kcfg, StreamConfig):
+                    ldata, ltext = loader_leads(mk)
+                    (out / f"loader_{lname}.json").write_text(json.dumps(ldata))
+                    log(ltext)
             except Exception as exc:
                 RESULTS["errors"].append(f"trace: {exc!r}\n{traceback.format_exc()}")
                 log(f"ERROR trace: {exc!r}")

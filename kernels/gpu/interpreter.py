@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from kernels.gpu import ops
-from kernels.gpu.pack import F_A0, F_OP, OPCODES, ROW, Packed, pack
+from kernels.gpu.pack import F_A0, F_OP, OPCODES, ROW, TRACE_FIELDS, Packed, pack
 from validator.catalogue import FUSED_OPROJ, rope_inv_freq
 from validator.errors import ScheduleError
 from validator.model import ModelConfig
@@ -37,6 +37,7 @@ OP_OPROJ: tl.constexpr = tl.constexpr(OPCODES["o_proj_residual"])
 OP_GATE_UP: tl.constexpr = tl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: tl.constexpr = tl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: tl.constexpr = tl.constexpr(OPCODES["final_norm_lm_head"])
+TRACE_W: tl.constexpr = tl.constexpr(TRACE_FIELDS)  # int64 fields per trace row
 ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
 
 
@@ -200,7 +201,7 @@ def _megakernel(
                 si += 1
             if TRACE:
                 t_end = ops.globaltimer()
-                tr = trace_ptr + idx.to(tl.int64) * 4
+                tr = trace_ptr + idx.to(tl.int64) * TRACE_W
                 tl.store(tr, t_wait)
                 tl.store(tr + 1, t_start)
                 tl.store(tr + 2, t_end)
@@ -381,7 +382,7 @@ class Megakernel:
             "err": torch.zeros(max(p.workers, 1) * ERR_FIELDS, **i32),
             "opart": torch.zeros(p.max_splits * c.q_size, dtype=torch.float32, device=dev),
             "lse": torch.zeros(p.max_splits * c.num_attention_heads, dtype=torch.float32, device=dev),
-            "trace": torch.zeros((max(p.n, 1), 4), dtype=torch.int64, device=dev),
+            "trace": torch.zeros((max(p.n, 1), TRACE_FIELDS), dtype=torch.int64, device=dev),
             "graph": None,
         }
         return p
@@ -515,7 +516,15 @@ class Megakernel:
         """[N, 4] int64 (wait start, start, end ns; worker) of the last traced run, by instruction index."""
         p = packed or self.packed
         assert p is not None
-        return p.device["trace"][:p.n].cpu().numpy()
+        return p.device["trace"][:p.n, :4].cpu().numpy()
+
+    def raw_loader_trace(self, packed: Packed | None = None) -> np.ndarray:
+        """[N, 2] int64 ns of the last traced run on v10, by instruction index: when the loader reached the
+        instruction (every earlier fill of its worker issued) and when it issued the instruction's last fill (both
+        the same for an instruction without fills). Zeros on v9."""
+        p = packed or self.packed
+        assert p is not None
+        return p.device["trace"][:p.n, 4:].cpu().numpy()
 
     def traced_step(self, token: int, pos: int, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""

@@ -85,14 +85,15 @@ def compile_v9(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Reso
     return _compile(mk._megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})
 
 
-def compile_v10(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Resources]:
-    """Interpreter v10 (`StreamConfig`) for sm_90, its TMA descriptors typed as the host builds them."""
+def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False) -> tuple[Any, Resources]:
+    """Interpreter v10 (`StreamConfig`) for sm_90, its TMA descriptors typed as the host builds them (the
+    trace-enabled build with `trace`)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from kernels.gpu import stream
 
-    consts = stream.stream_constexprs(c, max_seq_len, config, False)
+    consts = stream.stream_constexprs(c, max_seq_len, config, trace)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     box, wlayout = stream.weight_box(stream.stream_geometry(c, config))
     wdesc = f"tensordesc<bf16{box},{wlayout!r}>"

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
-from kernels.gpu.pack import F_A4, OPCODES, ROW
+from kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
 from validator.model import ModelConfig
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
@@ -56,6 +56,8 @@ OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
 OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
 OP_FUSED: gl.constexpr = gl.constexpr(OPCODES["attn_reduce_o_proj"])
 FA4: gl.constexpr = gl.constexpr(F_A4)  # the row field of an op's fifth argument
+F_IDXC: gl.constexpr = gl.constexpr(F_IDX)  # the row field of the instruction's trace row (`_row17`'s idx)
+TRACE_W: gl.constexpr = gl.constexpr(TRACE_FIELDS)  # int64 fields per trace row (kernels/gpu/pack.py)
 OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
@@ -255,12 +257,14 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
-    The next row is read one instruction ahead, so its latency hides behind the current instruction's issue."""
+    The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
+    TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
+    its own last fill was issued: how far the ring ran ahead of the compute warps."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -273,6 +277,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
     op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
+        if TRACE:
+            t_reach = _globaltimer()
         if op == OP_QKV:
             base = layer * QKV
             p = a0 // 2
@@ -306,6 +312,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, KP, MMA)
+        if TRACE:
+            tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + F_IDXC).to(gl.int64) * TRACE_W
+            gl.store(tr + 4, t_reach)
+            gl.store(tr + 5, _globaltimer())
         qi += 1
         op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
 
@@ -436,11 +446,13 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, blk))
     idx = gl.expand_dims(rr, 1) * BK + gl.expand_dims(cc, 0)
     m = idx < k1 - k0
+    if NORM:  # the norm weight's load goes with the vector's, not after the CTA reduction of the sum of squares
+        w = gl.load(nw_ptr + idx, mask=m, other=0.0)
     v = gl.load(src_ptr + k0 + idx, mask=m, other=0.0, cache_modifier=".cg")
     ss = 0.0
     if NORM:
         ss = gl.sum(gl.sum(v * v, axis=1), axis=0)
-        v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
+        v = v * w
     if (DIAG != 1) & (DIAG != 2):
         if MMA:
             _store_operand(vstage, v, NCHK, BK)
@@ -820,8 +832,9 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                 elapsed = t0 - t0
                 abort = pid * 0
                 while (cur < v0) & (elapsed < timeout_ns) & (abort == 0):
-                    cur = _load_acquire(counters_ptr + c0)
+                    # the abort flag's load goes first: the acquire holds back every later load
                     abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
+                    cur = _load_acquire(counters_ptr + c0)
                     elapsed = _globaltimer() - t0
                 if cur < v0:
                     _report_stuck(err_ptr, pid, iid, c0, cur, v0)
@@ -841,9 +854,9 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                     elapsed = t0 - t0
                     abort = pid * 0
                     while (short > 0) & (elapsed < timeout_ns) & (abort == 0):
+                        abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
                         curs = _load_acquire(counters_ptr + cs)
                         short = gl.sum((curs < nd).to(gl.int32), axis=0)
-                        abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
                         elapsed = _globaltimer() - t0
                     if short > 0:
                         bad = gl.min(gl.where(curs < nd, lanes, wn), axis=0)
@@ -925,7 +938,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             si += 1
         if TRACE:
             t_end = _globaltimer()
-            tr = trace_ptr + idx.to(gl.int64) * 4
+            tr = trace_ptr + idx.to(gl.int64) * TRACE_W
             gl.store(tr, t_wait)
             gl.store(tr + 1, t_start)
             gl.store(tr + 2, t_end)
@@ -976,15 +989,17 @@ def stream_megakernel(
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
                     SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty, H, IS,
-                   NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
+                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE)),
     ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
 
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
-SMEM_RESERVE = 12 * 1024  # mbarriers and the compiler's scratch (reductions, layout conversions in attention)
+#: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
+#: (scripts/compile_check.py; the reserve was 12 KB up to session 5, one ring slot less)
+SMEM_RESERVE = 2 * 1024
 
 
 @dataclass(frozen=True)
