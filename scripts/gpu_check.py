@@ -100,14 +100,6 @@ VARIANTS: dict[str, Any] = {
     "v10kp0": StreamConfig(kpair=False),  # K-split ops without row-paired slots (v10 up to run 29)
     "v10mma": StreamConfig(mma=True),  # the tensor cores read the ring's slots (wgmma), runs 41-43
     "v10lr56": StreamConfig(loader_regs=56),
-    # a prefetcher warp runs `ahead` slots before the loader, into L2 (session 5)
-    "v10pf4": StreamConfig(ahead=4),
-    "v10pf8": StreamConfig(ahead=8),
-    "v10pf12": StreamConfig(ahead=12),
-    "v10pf24": StreamConfig(ahead=24),
-    "v10pf48": StreamConfig(ahead=48),
-    "v10mmapf12": StreamConfig(mma=True, ahead=12),
-    "v10mmapf24": StreamConfig(mma=True, ahead=24),
     "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
     "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
     "pfall": KernelConfig(prefetch=1),

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at 1083d00 (the prefetcher was removed after: both versions cost far more than they saved).
 # Session 5, runs 54-55: the prefetcher partition (StreamConfig.ahead): a second walker warp prefetches each ring
 # slot's rows into L2 at most `ahead` slots before the loader claims the slot, so HBM keeps streaming while the ring
 # is full (run 53's loader trace: the loaders sit ~10 us per layer with a full ring during attention and o_proj).

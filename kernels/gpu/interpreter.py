@@ -212,11 +212,6 @@ def _megakernel(
                      n_sa0, n_idx, n_warm_o, n_warm_gu)
 
 
-def _prog_offset(counters: int) -> int:
-    """Where the loaders' progress words start in the counter buffer: past the counters, on a 16-byte boundary."""
-    return -(-max(counters, 1) // 4) * 4
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -383,16 +378,13 @@ class Megakernel:
             "ins": torch.tensor(p.ins.reshape(-1), **i32), "waits": torch.tensor(p.waits.reshape(-1), **i32),
             "sigs": torch.tensor(p.sigs.reshape(-1), **i32), "qoff": torch.tensor(p.qoff, **i32),
             "qitems": torch.tensor(p.qitems, **i32),
-            # the counters, then (from a 16-byte boundary, so a new schedule needs no new specialization) one word per
-            # worker where v10's loader publishes its claims for the prefetcher: one memset resets both per step
-            "counters": torch.zeros(_prog_offset(p.counters) + max(p.workers, 1), **i32),
+            "counters": torch.zeros(max(p.counters, 1), **i32),
             "err": torch.zeros(max(p.workers, 1) * ERR_FIELDS, **i32),
             "opart": torch.zeros(p.max_splits * c.q_size, dtype=torch.float32, device=dev),
             "lse": torch.zeros(p.max_splits * c.num_attention_heads, dtype=torch.float32, device=dev),
             "trace": torch.zeros((max(p.n, 1), TRACE_FIELDS), dtype=torch.int64, device=dev),
             "graph": None,
         }
-        p.device["prog"] = p.device["counters"][_prog_offset(p.counters):]
         return p
 
     def set_schedule(self, schedule: Schedule) -> Packed:
@@ -411,8 +403,7 @@ class Megakernel:
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
                     self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *self.descs, self.x,
                     self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits,
-                    self.cos, self.sin, self.timeout_ns, d["prog"], w["wqkv"], w["wo"], w["w_gate"], w["w_up"],
-                    w["w_down"], w["lm_head"]]
+                    self.cos, self.sin, self.timeout_ns]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
@@ -517,7 +508,6 @@ class Megakernel:
         return out
 
     def counters(self, packed: Packed | None = None) -> np.ndarray:
-        """The schedule's counters after the last run."""
         p = packed or self.packed
         assert p is not None
         return p.device["counters"][:p.counters].cpu().numpy()

@@ -26,8 +26,7 @@ ARG_TYPES = {
     "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16",
     "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
     "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",
-    "sin_ptr": "*fp32", "timeout_ns": "i64", "prog_ptr": "*i32", "w_qkv": "*bf16", "w_o": "*bf16", "w_g": "*bf16",
-    "w_u": "*bf16", "w_d": "*bf16", "w_lm": "*bf16",
+    "sin_ptr": "*fp32", "timeout_ns": "i64",
 }
 SM90 = GPUTarget("cuda", 90, 32)
 

@@ -21,9 +21,6 @@ import triton.language as tl
 ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
 ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
 ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
-#: L2 prefetch of the 128-byte line at $1 when $2 != 0: a hint, nothing waits for it
-ASM_PREFETCH_L2 = tl.constexpr("{ .reg .pred %p<1>; setp.ne.b32 %p0, $2, 0; @%p0 prefetch.global.L2 [$1]; "
-                               "mov.u32 $0, 0; }")
 ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
                                   "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
 

@@ -45,8 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.gpu.ops import (ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_PREFETCH_L2, ASM_SIGNAL_RELEASE,
-                              ASM_SMID)
+from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
 from kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
 from validator.model import ModelConfig
 
@@ -141,7 +140,7 @@ def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
 
 
 @gluon.jit
-def _claim(t, ready, empty, prog_ptr, NS: gl.constexpr, INFLIGHT: gl.constexpr, AHEAD: gl.constexpr):
+def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
     earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
     behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
@@ -152,39 +151,7 @@ def _claim(t, ready, empty, prog_ptr, NS: gl.constexpr, INFLIGHT: gl.constexpr, 
             u = t - INFLIGHT
             mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
     mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
-    if AHEAD > 0:  # the prefetcher paces itself on this
-        gl.store(prog_ptr, t + 1)
     return s
-
-
-@gluon.jit
-def _pace(t, c, prog_ptr, AHEAD: gl.constexpr, timeout_ns):
-    """Prefetcher: wait until the loader has claimed slot t - AHEAD (`c` caches the last progress read), so that
-    prefetches run at most AHEAD slots ahead of the ring's fills. It only paces a hint: after timeout_ns it goes on."""
-    if t - AHEAD >= c:
-        t0 = _globaltimer()
-        elapsed = t0 - t0
-        while (t - AHEAD >= c) & (elapsed < timeout_ns):
-            c = gl.load(prog_ptr, volatile=True)
-            elapsed = _globaltimer() - t0
-    return c
-
-
-@gluon.jit
-def _prefetch_rows(pa, pb, ra, rb, na, nb, col, nbytes, KD: gl.constexpr, NL: gl.constexpr):
-    """L2 prefetch of rows [ra, ra + na) of matrix pa and [rb, rb + nb) of pb ([rows, KD] bf16) from column col,
-    nbytes (<= NL * 128) each: lanes 0-15 take pa's rows, 16-31 pb's (na, nb <= 16), one `prefetch.global.L2` per
-    128-byte line (the LSU path: a bulk prefetch would queue in the SM's TMA unit ahead of the loader's fills)."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    lane = gl.arange(0, 32, layout=lay)
-    isb = lane >= BR
-    i = lane % BR
-    row = gl.where(isb, rb, ra) + i
-    ok = gl.where(isb, i < nb, i < na)
-    ptr = gl.where(isb, pb, pa) + row.to(gl.int64) * KD + col
-    for j in gl.static_range(NL):
-        gl.inline_asm_elementwise(ASM_PREFETCH_L2, "=r,l,r", [ptr + j * 64, (ok & (j * 128 < nbytes)).to(gl.int32)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -202,19 +169,10 @@ def _copy_box(d, r, c, bar, ring, box, ok, NBOX: gl.constexpr, BK: gl.constexpr,
 
 @gluon.jit
 def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr,
-                pf, pa, pb, na, nb, KD: gl.constexpr, AHEAD: gl.constexpr, PF: gl.constexpr):
+                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
     """Slot t % NS <- rows ra (of da) and, when okb, rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)
-    from column c0. In the prefetcher (PF; pf = (progress pointer, cached progress, timeout)): the same rows (na of
-    pa, nb of pb, [rows, KD] bf16) into L2 instead, at most AHEAD slots ahead of the loader."""
-    if PF:
-        prog_ptr, c, tmo = pf
-        c = _pace(t, c, prog_ptr, AHEAD, tmo)
-        col = c0 + kb * BK
-        _prefetch_rows(pa, pb, ra, rb, na, gl.where(okb, nb, 0), col,
-                       gl.minimum(gl.minimum(nkb - kb, SB // 2) * BK, KD - col) * 2, KD, SB * BK // 128)
-        return t + 1, (prog_ptr, c, tmo)
-    s = _claim(t, ready, empty, pf[0], NS, INFLIGHT, AHEAD)
+    from column c0."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
@@ -225,21 +183,14 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
             c = c0 + (kb + j) * BK
             _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
             _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
-    return t + 1, pf
+    return t + 1
 
 
 @gluon.jit
 def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-             BK: gl.constexpr, BOX_BYTES: gl.constexpr, pf, pd, nr, KD: gl.constexpr, AHEAD: gl.constexpr,
-             PF: gl.constexpr):
-    """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1); in the
-    prefetcher, the nr rows from r of pd into L2 (as `_issue_pair`)."""
-    if PF:
-        prog_ptr, cc, tmo = pf
-        cc = _pace(t, cc, prog_ptr, AHEAD, tmo)
-        _prefetch_rows(pd, pd, r, r, nr, 0, c, gl.minimum(SB * BK, k1 - c) * 2, KD, SB * BK // 64)
-        return t + 1, (prog_ptr, cc, tmo)
-    s = _claim(t, ready, empty, pf[0], NS, INFLIGHT, AHEAD)
+             BK: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
@@ -247,25 +198,15 @@ def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.
         _expect(bar, gl.minimum((k1 - c + BK - 1) // BK, SB), SB, BOX_BYTES)
         for j in gl.static_range(SB):
             tma.async_copy_global_to_shared(d, [r, c + j * BK], bar, ring.index(SB * s + j), pred=c + j * BK < k1)
-    return t + 1, pf
+    return t + 1
 
 
 @gluon.jit
 def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr, pf, pk, pv, nrows,
-              AHEAD: gl.constexpr, PF: gl.constexpr):
-    """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD]); in the
-    prefetcher, the first nrows of them (pk, pv: the caches) into L2."""
+              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
     kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    if PF:
-        prog_ptr, c, tmo = pf
-        c = _pace(t, c, prog_ptr, AHEAD, tmo)
-        # the block as 16 pieces of BTK / 16 positions per cache (lanes 0-15 K, 16-31 V)
-        PIECE: gl.constexpr = BTK // BR * HD
-        npc = (nrows * HD + PIECE - 1) // PIECE
-        _prefetch_rows(pk, pv, 0, 0, npc, npc, row * HD, PIECE * 2, PIECE, PIECE * 2 // 128)
-        return t + 1, (prog_ptr, c, tmo)
-    s = _claim(t, ready, empty, pf[0], NS, INFLIGHT, AHEAD)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     if DIAG >= 3:
         mbarrier.arrive(bar)
@@ -275,28 +216,25 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
         vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
         tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
         tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
-    return t + 1, pf
+    return t + 1
 
 
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr,
-            pf, pw, KD: gl.constexpr, AHEAD: gl.constexpr, PF: gl.constexpr):
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): with KP, rows r and r + 16 over the same K chunks (the second
-    box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows (pw: W's pointer, [rows, KD])."""
+    box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows."""
     if KP:
         nkb = (k1 - k0 + BK - 1) // BK
         for r in range(a0, a1, 2 * BR):
             for kb in range(0, nkb, SB // 2):
-                t, pf = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready,
-                                    empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA, pf, pw, pw, gl.minimum(a1 - r, BR),
-                                    gl.minimum(a1 - r - BR, BR), KD, AHEAD, PF)
+                t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
+                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     else:
         for r in range(a0, a1, BR):
             for c in range(k0, k1, SB * BK):
-                t, pf = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, pf,
-                                 pw, gl.minimum(a1 - r, BR), KD, AHEAD, PF)
-    return t, pf
+                t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
+    return t
 
 
 @gluon.jit
@@ -320,19 +258,13 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 @gluon.jit
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
-            w_qkv, w_o, w_g, w_u, w_d, w_lm, kc_ptr, vc_ptr, prog_ptr, timeout_ns,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
-            AHEAD: gl.constexpr, PF: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
-    its own last fill was issued: how far the ring ran ahead of the compute warps.
-
-    With PF the same walk is the prefetcher (`StreamConfig.ahead`): each slot's rows go into L2 (bulk prefetches of
-    the raw w_* / cache pointers), at most AHEAD slots ahead of the loader's claims (the loader publishes them in
-    prog_ptr[pid]), so that the stream keeps going from HBM while the ring is full and the compute warps wait."""
+    its own last fill was issued: how far the ring ran ahead of the compute warps."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -341,12 +273,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
     t = qi * 0
-    pf = (prog_ptr + pid, t, timeout_ns)
     pos = gl.load(rt_ptr + 1)
     op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
-        if TRACE & (not PF):
+        if TRACE:
             t_reach = _globaltimer()
         if op == OP_QKV:
             base = layer * QKV
@@ -356,34 +287,32 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 head, j, n = _qkv_group(p, pend, HALF)
                 ra = base + head * HD + j
                 for kb in range(0, NKH, SB // 2):
-                    t, pf = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        INFLIGHT, SB, BK, BOX_BYTES, MMA, pf, w_qkv, w_qkv, n, n, H, AHEAD, PF)
+                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
             for r in range(a0, a1, BR):
-                nr = gl.minimum(a1 - r, BR)
                 for kb in range(0, NKH, SB // 2):
-                    t, pf = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        INFLIGHT, SB, BK, BOX_BYTES, MMA, pf, w_g, w_u, nr, nr, H, AHEAD, PF)
+                    t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
-            t, pf = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
-                            KP, MMA, pf, w_o, NH * HD, AHEAD, PF)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
         elif op == OP_DOWN:
-            t, pf = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
-                            KP, MMA, pf, w_d, IS, AHEAD, PF)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 row0 = (layer * NKV + a0) * S
                 for b0 in range(lo, hi, BTK):
-                    t, pf = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD,
-                                      BOX_BYTES, pf, kc_ptr, vc_ptr, gl.minimum(hi - b0, BTK), AHEAD, PF)
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
-            t, pf = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                            BOX_BYTES, KP, MMA, pf, w_lm, H, AHEAD, PF)
-        if TRACE & (not PF):
+            t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
+                        BOX_BYTES, KP, MMA)
+        if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + F_IDXC).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
             gl.store(tr + 5, _globaltimer())
@@ -1025,14 +954,14 @@ def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-    timeout_ns, prog_ptr, w_qkv, w_o, w_g, w_u, w_d, w_lm,
+    timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
     INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, AHEAD: gl.constexpr, num_warps: gl.constexpr,
+    MMA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1054,32 +983,15 @@ def stream_megakernel(
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    # (each call spells out the partitions' arguments: constexprs would lose their kind in a tuple variable)
-    if AHEAD > 0:
-        gl.warp_specialize([
-            (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
-                     attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H,
-                     IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB,
-                     SP, MB, BE, KP, MMA, num_warps)),
-            (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                     empty, w_qkv, w_o, w_g, w_u, w_d, w_lm, kc_ptr, vc_ptr, prog_ptr, timeout_ns, H, IS, NH, NKV, HD, S, ROWW,
-                     NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE, AHEAD, False)),
-            (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                     empty, w_qkv, w_o, w_g, w_u, w_d, w_lm, kc_ptr, vc_ptr, prog_ptr, timeout_ns, H, IS, NH, NKV, HD, S, ROWW,
-                     NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE, AHEAD, True)),
-        ], [1, 1], [LOADER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
-                     attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H,
-                     IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB,
-                     SP, MB, BE, KP, MMA, num_warps)),
-            (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                     empty, w_qkv, w_o, w_g, w_u, w_d, w_lm, kc_ptr, vc_ptr, prog_ptr, timeout_ns, H, IS, NH, NKV, HD, S, ROWW,
-                     NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE, AHEAD, False)),
-        ], [1], [LOADER_REGS])
+    gl.warp_specialize([
+        (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+                    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+                    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
+                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE)),
+    ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -1102,9 +1014,6 @@ class StreamConfig:
     slots: int = 0  # ring slots; 0: as many as fit
     inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
-    #: a second walker warp prefetches each slot's rows into L2 at most `ahead` slots before the loader claims the
-    #: slot, so that HBM keeps streaming while the ring is full and the compute warps wait (0: no prefetcher)
-    ahead: int = 0
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
     #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
@@ -1178,7 +1087,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], AHEAD=max(0, sc.ahead), num_warps=sc.num_warps)
+        MMA=geo["MMA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
