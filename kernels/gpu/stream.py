@@ -56,7 +56,7 @@ OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
 OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
 OP_FUSED: gl.constexpr = gl.constexpr(OPCODES["attn_reduce_o_proj"])
 FA4: gl.constexpr = gl.constexpr(F_A4)  # the row field of an op's fifth argument
-F_IDXC: gl.constexpr = gl.constexpr(F_IDX)  # the row field of the instruction's trace row (`_row17`'s idx)
+FIDX: gl.constexpr = gl.constexpr(F_IDX)  # the row field of the instruction's trace row (`_row17`'s idx)
 TRACE_W: gl.constexpr = gl.constexpr(TRACE_FIELDS)  # int64 fields per trace row (kernels/gpu/pack.py)
 OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
@@ -313,7 +313,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, KP, MMA)
         if TRACE:
-            tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + F_IDXC).to(gl.int64) * TRACE_W
+            tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
             gl.store(tr + 5, _globaltimer())
         qi += 1
