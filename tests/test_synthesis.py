@@ -402,11 +402,16 @@ def test_a_best_recorded_by_a_process_that_died_before_writing_best_is_written_a
                                                                                           monkeypatch) -> None:
     """One of several processes sharing a run records a new best, then dies before it writes best/ (CI caught this in
     the SIGKILL test of tests/test_distributed.py): whoever ends the search last writes best/ for it."""
-    from synth.search import loop
+    from synth.search import evaluate, loop
     from synth.search.evaluate import Evaluator
 
     original_promote, original_catch_up = Evaluator._promote, loop.Search._catch_up_best
-    state = {"dying": True, "promoted": 0}
+    state = {"dying": True, "promoted": 0, "estimates": 0}
+    real_estimate = evaluate.estimate
+
+    def falling(*args, **kwargs):  # every candidate estimated faster than the last, whatever the committed model
+        state["estimates"] += 1
+        return replace(real_estimate(*args, **kwargs), makespan_ms=1.0 - 0.01 * state["estimates"])
 
     def promote(self, cid, *args, **kwargs):  # every new best after the first is "lost" with its process
         if state["dying"] and state["promoted"] >= 1:
@@ -421,6 +426,7 @@ def test_a_best_recorded_by_a_process_that_died_before_writing_best_is_written_a
 
     monkeypatch.setattr(Evaluator, "_promote", promote)
     monkeypatch.setattr(loop.Search, "_catch_up_best", catch_up)
+    monkeypatch.setattr(evaluate, "estimate", falling)
     summary = run_search(_cfg(tmp_path, budget=5))
     run = RunDir(summary.run_dir)
     fastest = min(run.accepted().items(), key=lambda kv: kv[1]["ms"])
