@@ -255,8 +255,8 @@ def test_trace_export():
     s = summarize(tr)
     assert s["instructions"] == len(evs) and s["critical_path"]
     if mk.v10:  # the loader's side of the trace: it reaches each instruction, then issues its fills, on the same clock
+        from synth.lowering.costmodel import LOADER_OPS
+
         raw, lr, ops = mk.raw_trace(), mk.raw_loader_trace(), mk.packed.ops
-        weights = {"attn_norm_qkv_rope", "o_proj_residual", "attn_reduce_o_proj", "mlp_norm_gate_up",
-                   "down_proj_residual", "final_norm_lm_head"}
         assert all(0 < reach <= last for reach, last in lr.tolist())
-        assert all(lr[i][1] <= raw[i][2] for i, op in enumerate(ops) if op in weights)  # fills before its end
+        assert all(lr[i][1] <= raw[i][2] for i, op in enumerate(ops) if op in LOADER_OPS)  # fills before its end
