@@ -28,6 +28,19 @@ def test_v10_compiles_without_spills(model: str) -> None:
     assert stream_geometry(spec.config, StreamConfig())["NS"] >= 4, "the ring should hold at least 4 slots"
 
 
+def test_v10_trace_build_fits_too() -> None:
+    """The trace-enabled build (`Megakernel.traced_step`: timestamps from both partitions, the loader's included)
+    fits the same budget: the shared-memory reserve is small (SMEM_RESERVE), so a trace build could tip it over."""
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.gpu.offline import compile_v10
+    from kernels.gpu.stream import SMEM_LIMIT, StreamConfig
+    from synth.lowering.models import get_model
+
+    spec = get_model("llama-1b")
+    _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(), trace=True)
+    assert res.stack == 0 and res.shared <= SMEM_LIMIT
+
+
 def test_v10_without_row_paired_slots_compiles() -> None:
     """StreamConfig(kpair=False), the K-split ops' previous slot order, stays selectable for side-by-side runs."""
     pytest.importorskip("triton.experimental.gluon")
