@@ -93,6 +93,9 @@ VARIANTS: dict[str, Any] = {
     "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself (v10 up to run 18)
     "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
     "v10i2": StreamConfig(inflight=2),
+    "v10pl": StreamConfig(poll="lead"),  # only the first compute warp polls a counter (session 6; now the default)
+    "v10pli2": StreamConfig(poll="lead", inflight=2),
+    "v10pa": StreamConfig(poll="all"),  # every compute warp polls (up to session 5)
     "v10i3": StreamConfig(inflight=3),
     "v10i6": StreamConfig(inflight=6),
     "v10i8": StreamConfig(inflight=8),

@@ -227,16 +227,41 @@ def test_v10_tensor_core_consumer(llama):
         _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(20, 24), 20, config=cfg)
 
 
-def test_watchdog_turns_a_hang_into_an_error():
+@pytest.mark.parametrize("poll", ["lead", "all"])
+@pytest.mark.parametrize("extra_wait", [False, True])
+def test_watchdog_turns_a_hang_into_an_error(poll, extra_wait):
+    """A wait that can never hold ends the kernel with WatchdogError instead of hanging, whoever polls (with
+    poll="lead" only the first warp times out, and the other warps must still meet it at every later barrier), for a
+    lone wait and for an instruction with several (the vector poll)."""
     from kernels.gpu import Megakernel, WatchdogError
+    from kernels.gpu.stream import StreamConfig
 
     spec = get_model("tiny")
     doc = lower(spec, 6).to_json()
     victim = doc["instructions"][40]
-    victim["waits"] = [{"counter": victim["waits"][0]["counter"], "value": 99_999}]
-    mk = Megakernel(parse_schedule(doc), _weights(spec.config, 5), max_seq_len=spec.max_seq_len, timeout_s=0.3)
+    stuck = {"counter": victim["waits"][0]["counter"], "value": 99_999}
+    victim["waits"] = victim["waits"] + [stuck] if extra_wait else [stuck]
+    config = StreamConfig(poll=poll) if torch.cuda.get_device_capability()[0] >= 9 else None
+    mk = Megakernel(parse_schedule(doc), _weights(spec.config, 5), max_seq_len=spec.max_seq_len, timeout_s=0.3,
+                    config=config)
     with pytest.raises(WatchdogError, match=r"stuck at #40 .* needs 99999"):
         mk.step(1, 2)
+
+
+def test_v10_poll_modes(llama):
+    """Both pollers of interpreter v10 on schedules whose instructions wait on several counters (chunk and per-head
+    edges: the vector poll) and on one (all-joins): the first warp alone (the default) and every compute warp."""
+    from kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(tiles={"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64}, attn_splits=8,
+                     edges={"mlp_norm_gate_up->down_proj_residual": "chunk",
+                            "attn_norm_qkv_rope->attn_partial": "head"})
+    sched = lower(spec, sms, strat)
+    assert max(len(i.waits) for i in sched.instructions) > 1
+    for poll in ("lead", "all"):
+        _decode_and_compare(spec, sched, w, range(1500, 1503), 1500, config=StreamConfig(poll=poll))
 
 
 def test_trace_export():

@@ -115,3 +115,21 @@ def test_too_many_slots_is_a_clear_error() -> None:
 
     with pytest.raises(ValueError, match="ring slots"):
         stream_geometry(get_model("llama-1b").config, StreamConfig(slots=64))
+
+
+def test_v10_polls_counters_from_the_first_warp_by_default() -> None:
+    """StreamConfig.poll: by default only the first compute warp issues a counter's acquire load (the others wait at
+    a CTA barrier); "all" (every warp polls, up to session 6) stays selectable; any other value is refused."""
+    pytest.importorskip("triton.experimental.gluon")
+    from kernels.gpu.offline import compile_v10
+    from kernels.gpu.stream import StreamConfig, stream_geometry
+    from synth.lowering.models import get_model
+
+    spec = get_model("tiny")
+    lead, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig())
+    every, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig(poll="all"))
+    first_warp = "setp.lt.u32 %p0, %t0, 32; mov.u32"
+    assert first_warp in lead.asm["ptx"] and "@%p0 ld.acquire.gpu.global.b32" in lead.asm["ptx"]
+    assert first_warp not in every.asm["ptx"] and "ld.acquire.gpu.global.b32" in every.asm["ptx"]
+    with pytest.raises(ValueError, match="poll must be"):
+        stream_geometry(spec.config, StreamConfig(poll="one"))

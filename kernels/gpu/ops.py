@@ -21,6 +21,11 @@ import triton.language as tl
 ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
 ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
 ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
+#: The same load by the first warp of the CTA only; every other thread reads INT32_MAX (so never waits) and waits at
+#: the CTA barrier that must follow (interpreter v10's `poll="lead"`)
+ASM_LOAD_ACQUIRE_LEAD = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; "
+                                     "setp.lt.u32 %p0, %t0, 32; mov.u32 $0, 2147483647; "
+                                     "@%p0 ld.acquire.gpu.global.b32 $0, [$1]; }")
 ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
                                   "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
 

@@ -45,7 +45,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels.gpu.ops import ASM_GLOBALTIMER, ASM_LOAD_ACQUIRE, ASM_SIGNAL_RELEASE, ASM_SMID
+from kernels.gpu.ops import (
+    ASM_GLOBALTIMER,
+    ASM_LOAD_ACQUIRE,
+    ASM_LOAD_ACQUIRE_LEAD,
+    ASM_SIGNAL_RELEASE,
+    ASM_SMID,
+)
 from kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
 from validator.model import ModelConfig
 
@@ -75,6 +81,11 @@ ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field)
 #: (scripts/attn_bench.py): 5 = no arithmetic over the K/V blocks, 6 = q and this step's K/V row are not loaded,
 #: 7 = no merge of the position lanes at the end (zeros are stored).
 DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
+#: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
+#: loop reading one word each round is the kind of L2 hot spot `StreamConfig.poll` removes for the counters, and an
+#: abort only follows a watchdog timeout (0.1 s and up). MEGASYNTH_V10_ABORT_AFTER_NS=0: read it every round (up to
+#: session 6).
+ABORT_AFTER_NS: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ABORT_AFTER_NS", "20000")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
 
@@ -96,6 +107,16 @@ def _smid():
 def _load_acquire(ptr):
     """Acquire load at GPU scope (every thread of the partition polls; later loads see what the signaller released)."""
     return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _poll(ptr, LEAD: gl.constexpr):
+    """A counter poll: every thread's acquire load, or (LEAD) the first warp's only, the other threads reading
+    INT32_MAX; a LEAD poll must be followed by a CTA barrier before any thread reads what the counter guards."""
+    if LEAD:
+        return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE_LEAD, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return _load_acquire(ptr)
 
 
 @gluon.jit
@@ -821,20 +842,22 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 
 @gluon.jit
 def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
-          num_warps: gl.constexpr):
+          LEAD: gl.constexpr, num_warps: gl.constexpr):
     """Spin until every wait of the instruction holds; on a timeout (or another worker's abort) report and return 0,
-    after which the worker no longer waits."""
+    after which the worker no longer waits. With LEAD only the first warp polls (one request per poll per SM instead
+    of one per warp on a counter every worker of a stage polls) and the others wait at a CTA barrier; the first
+    warp's `ok` is then the one that matters (the others never poll)."""
     if ok != 0:
         if wn == 1:
-            cur = _load_acquire(counters_ptr + c0)
+            cur = _poll(counters_ptr + c0, LEAD)
             if cur < v0:
                 t0 = _globaltimer()
                 elapsed = t0 - t0
                 abort = pid * 0
                 while (cur < v0) & (elapsed < timeout_ns) & (abort == 0):
                     # the abort flag's load goes first: the acquire holds back every later load
-                    abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
-                    cur = _load_acquire(counters_ptr + c0)
+                    abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0, cache_modifier=".cg")
+                    cur = _poll(counters_ptr + c0, LEAD)
                     elapsed = _globaltimer() - t0
                 if cur < v0:
                     _report_stuck(err_ptr, pid, iid, c0, cur, v0)
@@ -847,15 +870,16 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                 lm = lanes < wn
                 cs = gl.load(waits_ptr + 2 * (woff + lanes), mask=lm, other=0)
                 nd = gl.load(waits_ptr + 2 * (woff + lanes) + 1, mask=lm, other=0)
-                curs = _load_acquire(counters_ptr + cs)
+                curs = _poll(counters_ptr + cs, LEAD)
                 short = gl.sum((curs < nd).to(gl.int32), axis=0)
                 if short > 0:
                     t0 = _globaltimer()
                     elapsed = t0 - t0
                     abort = pid * 0
                     while (short > 0) & (elapsed < timeout_ns) & (abort == 0):
-                        abort = gl.load(err_ptr + ABORT, cache_modifier=".cg")
-                        curs = _load_acquire(counters_ptr + cs)
+                        abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0,
+                                        cache_modifier=".cg")
+                        curs = _poll(counters_ptr + cs, LEAD)
                         short = gl.sum((curs < nd).to(gl.int32), axis=0)
                         elapsed = _globaltimer() - t0
                     if short > 0:
@@ -865,7 +889,12 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                                       gl.sum(gl.where(sel, curs, 0), axis=0), gl.sum(gl.where(sel, nd, 0), axis=0))
                         ok = pid * 0
                 wb += WB
-            gl.thread_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
+            if not LEAD:
+                gl.thread_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
+    if LEAD:
+        # outside `ok != 0`: after a timeout only the first warp's ok is 0, and every warp must reach the barrier
+        if wn > 0:
+            gl.thread_barrier()  # the other warps' reads come after the first warp's acquires
     return ok
 
 
@@ -879,7 +908,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             KP: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+             KP: gl.constexpr, MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
@@ -898,7 +927,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
          n_idx, n_a4) = _row17(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_wait = _globaltimer()
-        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
+        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, POLL_LEAD,
+                   num_warps)
         if TRACE:
             t_start = _globaltimer()
         if op == OP_EMBED:
@@ -961,7 +991,7 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, num_warps: gl.constexpr,
+    MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -988,7 +1018,8 @@ def stream_megakernel(
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, num_warps)),
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, POLL_LEAD,
+                    num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE)),
     ], [1], [LOADER_REGS])
@@ -1025,6 +1056,11 @@ class StreamConfig:
     #: (otherwise the CUDA-core path runs); makes BK 256.
     mma: bool = False
     be: int = 1024  # embedding copy block
+    #: who polls a counter: the "lead" warp alone while the others wait at a CTA barrier, or "all" compute threads
+    #: (each warp one request per poll round: 1056 requests per round on an all-join counter instead of 132, all at
+    #: one L2 slice). Measured (perf notes, v10 session 6): the hops between stages 4.7 -> 2.3 us per layer, the
+    #: llama-1b step -4.6 %
+    poll: str = "lead"
 
 
 def _pow2_floor(n: int) -> int:
@@ -1044,6 +1080,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
     if sc.boxes not in (2, 4):
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    if sc.poll not in ("all", "lead"):
+        raise ValueError(f"poll must be 'all' or 'lead', got {sc.poll!r}")
     # the tensor-core path views each weight matrix [rows, K / 64, 64] for TMA: every K a multiple of 64
     mma = sc.mma and sc.kpair and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
                                                                               c.intermediate_size))
@@ -1087,7 +1125,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], num_warps=sc.num_warps)
+        MMA=geo["MMA"], POLL_LEAD=sc.poll == "lead", num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]

@@ -1,0 +1,71 @@
+"""Time one schedule under several interpreter-v10 configs side by side, for any model; each config's step is first
+checked against the PyTorch reference at one position. Variants are NAME=field=value,... of `StreamConfig`
+(`scripts/compile_check.py`'s syntax), rounds repeat the whole list (processes and rounds differ by up to 1 %):
+
+    python scripts/config_bench.py --model llama-8b --schedule runs/llama-8b-ring12-h200/best/schedule.json \\
+        --ctx 1024 --rounds 2 i4=inflight=4 i2=inflight=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from compile_check import parse_variant  # noqa: E402
+
+from kernels.gpu.interpreter import Megakernel  # noqa: E402
+from kernels.gpu.stream import StreamConfig  # noqa: E402
+from kernels.gpu.timing import time_schedule  # noqa: E402
+from kernels.reference import decode_step  # noqa: E402
+from kernels.weights import random_weights  # noqa: E402
+from synth.lowering.models import get_model  # noqa: E402
+from validator.schedule import load_schedule  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--schedule", required=True)
+    ap.add_argument("--ctx", default="1024", help="comma-separated context lengths")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--json", default=None, help="where to write the timings")
+    ap.add_argument("variants", nargs="+", help="NAME=key=value,... (StreamConfig fields)")
+    args = ap.parse_args()
+    spec = get_model(args.model)
+    cfg = spec.config
+    sched = load_schedule(args.schedule)
+    w = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
+    variants = [parse_variant(v, StreamConfig) for v in args.variants]
+    rows = []
+    for rnd in range(args.rounds):
+        for name, sc in variants:
+            mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=sc)
+            gen = torch.Generator(device="cuda").manual_seed(5)
+            mk.k_cache.normal_(generator=gen)
+            mk.v_cache.normal_(generator=gen)
+            pos = min(1500, spec.max_seq_len - 1)
+            kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+            got = mk.step(77, pos)
+            ref = decode_step(cfg, w, kref, vref, 77, pos)
+            rel = float((got - ref).norm() / ref.norm())
+            del kref, vref
+            for ctx in (int(c) for c in args.ctx.split(",")):
+                r = time_schedule(mk, None, ctx)
+                r.update({"model": args.model, "variant": name, "round": rnd, "rel_l2": rel})
+                rows.append(r)
+                print(f"{args.model} {name:8s} ctx {ctx:5d}: {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f} "
+                      f"p90 {r['p90_ms']:.3f}) rel L2 {rel:.1e}{'' if rel <= 2e-2 else '  FAIL'}", flush=True)
+            del mk
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
