@@ -251,6 +251,29 @@ def loader_leads(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any
     return data, "\n".join(lines)
 
 
+def phases(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any], str]:
+    """Where v10's instructions spend their time in the last traced step, per (op, layer): medians over the stage's
+    instructions of the stage of the activations (from the wait's end; 0 without one), the op's body after it (the
+    ring's slots, the arithmetic, the epilogue's stores) and the signals (their release), µs. Raw rows go to the
+    JSON."""
+    p = mk.packed
+    raw, ph = mk.raw_trace(p), mk.raw_phase_trace(p)
+    rows: dict[tuple[str, Any], list[tuple[float, float, float]]] = {}
+    for i, (r, f) in enumerate(zip(raw, ph, strict=True)):
+        start, end, staged, done = int(r[1]), int(r[2]), int(f[0]), int(f[1])
+        if end and done:
+            staged = staged or start
+            rows.setdefault((p.ops[i], p.layers[i]), []).append(((staged - start) / 1e3, (done - staged) / 1e3,
+                                                                 (end - done) / 1e3))
+    lines = []
+    for (op, layer), v in rows.items():
+        if layer is None or layer in layers:
+            st, body, sig = (float(np.median([x[k] for x in v])) for k in range(3))
+            lines.append(f"  {op:20s} L{layer}: stage {st:5.2f} us, body {body:6.2f}, signals {sig:5.2f} "
+                         f"(n {len(v)})")
+    return {"phase_raw": ph.tolist()}, "\n".join(lines)
+
+
 def floor_bytes(cfg: ModelConfig, ctx: int) -> int:
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * cfg.hd * 2
     return cfg.weight_bytes(2) + kv
@@ -414,6 +437,14 @@ def main() -> int:
         "searched_fused_k8": lambda: strat(tiles=searched, attn_splits=16, fuse_attn_reduce=True,
                                            k_splits={**sk4, "o_proj_residual": 8}),
         "searched_fused_s8": lambda: strat(tiles=searched, attn_splits=8, k_splits=sk4, fuse_attn_reduce=True),
+        # session 6's searched best on the lead-poll kernel (runs/llama-1b-lead-h200, c0027), and with per-head waits
+        # from QKV to attention and from attention to the merge + o_proj
+        "lead_best": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True,
+                                   assignment="critical_path"),
+        "lead_best_head": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True,
+                                        assignment="critical_path",
+                                        edges={"attn_norm_qkv_rope->attn_partial": "head",
+                                               "attn_partial->attn_reduce_o_proj": "head"}),
         "q32_d32k2_fused": lambda: strat(tiles={**best, "attn_norm_qkv_rope": 32, "down_proj_residual": 32},
                                          attn_splits=16, k_splits={"down_proj_residual": 2, "o_proj_residual": 4},
                                          fuse_attn_reduce=True),
@@ -477,8 +508,11 @@ def main() -> int:
                 log(stage_spans(tr))
                 if isinstance(mk.kcfg, StreamConfig):
                     ldata, ltext = loader_leads(mk)
-                    (out / f"loader_{lname}.json").write_text(json.dumps(ldata))
+                    pdata, ptext = phases(mk)
+                    (out / f"loader_{lname}.json").write_text(json.dumps({**ldata, **pdata}))
                     log(ltext)
+                    log(ptext)
+                    RESULTS.setdefault("phases", {})[lname] = ptext
             except Exception as exc:
                 RESULTS["errors"].append(f"trace: {exc!r}\n{traceback.format_exc()}")
                 log(f"ERROR trace: {exc!r}")

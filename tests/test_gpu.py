@@ -285,3 +285,11 @@ def test_trace_export():
         raw, lr, ops = mk.raw_trace(), mk.raw_loader_trace(), mk.packed.ops
         assert all(0 < reach <= last for reach, last in lr.tolist())
         assert all(lr[i][1] <= raw[i][2] for i, op in enumerate(ops) if op in LOADER_OPS)  # fills before its end
+        # the compute side's phases: staged (ops with a stage), then the op's end, then the signals, within its span
+        ph = mk.raw_phase_trace()
+        staged = {"attn_norm_qkv_rope", "mlp_norm_gate_up", "o_proj_residual", "attn_reduce_o_proj",
+                  "down_proj_residual", "final_norm_lm_head"}
+        assert all(raw[i][1] <= ph[i][0] <= ph[i][1] for i, op in enumerate(ops) if op in staged)
+        assert all(ph[i][0] == 0 for i, op in enumerate(ops) if op not in staged)
+        # (each thread reads the clock itself; no barrier between the op's end and the signals' end: 0.5 us slack)
+        assert all(raw[i][1] <= ph[i][1] <= raw[i][2] + 500 for i in range(len(ops)))

@@ -524,7 +524,15 @@ class Megakernel:
         the same for an instruction without fills). Zeros on v9."""
         p = packed or self.packed
         assert p is not None
-        return p.device["trace"][:p.n, 4:].cpu().numpy()
+        return p.device["trace"][:p.n, 4:6].cpu().numpy()
+
+    def raw_phase_trace(self, packed: Packed | None = None) -> np.ndarray:
+        """[N, 2] int64 ns of the last traced run on v10, by instruction index: when the compute warps had staged the
+        instruction's activations (0 for the ops without a stage: the embedding, attention, attn_reduce) and when
+        its op ended, before its signals. Zeros on v9."""
+        p = packed or self.packed
+        assert p is not None
+        return p.device["trace"][:p.n, 6:8].cpu().numpy()
 
     def traced_step(self, token: int, pos: int, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""

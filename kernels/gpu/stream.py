@@ -458,7 +458,7 @@ def _vchunk(vbuf, i, blk: gl.constexpr):
 
 @gluon.jit
 def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
-           blk: gl.constexpr, MMA: gl.constexpr):
+           blk: gl.constexpr, MMA: gl.constexpr, tr, TRACE: gl.constexpr):
     """vstage[:NCHK] <- src[k0:k1] as [NCHK, BK] chunks (times the norm weight when NORM), zero-padded; returns the
     sum of squares of src[k0:k1] (the RMS norm's, when NORM: its rstd is applied to the dot products at the end).
     One load of the whole vector (every chunk in flight at once) and one reduction: the stage costs one L2 round
@@ -480,6 +480,8 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
         else:
             vstage.slice(0, NCHK).store(v)
     gl.thread_barrier()
+    if TRACE:  # the trace row's staged field (kernels/gpu/pack.py)
+        gl.store(tr + 6, _globaltimer())
     return ss
 
 
@@ -487,12 +489,12 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
 def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
             pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-            blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+            blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     p = a0 // 2
@@ -529,10 +531,10 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
 @gluon.jit
 def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
                 EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-                blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+                blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
     NKH: gl.constexpr = (H + BK - 1) // BK
-    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA)
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
@@ -548,11 +550,11 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
 def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
                 RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
                 NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
-                num_warps: gl.constexpr):
+                num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
     (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk with
     KP, else consecutive K chunks of the same 16 rows)."""
-    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA)
+    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA, tr, TRACE)
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
@@ -564,11 +566,13 @@ def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a
 def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
                      NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
                      BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-                     MMA: gl.constexpr, num_warps: gl.constexpr):
+                     MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
     is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
     instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
     _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, MMA, num_warps)
+    if TRACE:
+        gl.store(tr + 6, _globaltimer())
     return _matvec_k(ring, ready, empty, vbuf, vstage, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk,
                      MMA, num_warps)
 
@@ -925,6 +929,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         # the next row is read one instruction ahead: its latency hides behind this instruction
         (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0,
          n_idx, n_a4) = _row17(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
+        tr = trace_ptr + idx.to(gl.int64) * TRACE_W  # this instruction's trace row (used when TRACE)
         if TRACE:
             t_wait = _globaltimer()
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, POLL_LEAD,
@@ -935,7 +940,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps)
+                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps,
+                        tr, TRACE)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
                                  empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
@@ -943,20 +949,22 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk, MMA, num_warps)
+                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_FUSED:
             t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
-                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, MMA, num_warps)
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_GATE_UP:
             t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
-                            NS, SB, NCHH, BK, blk, MMA, num_warps)
+                            NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_DOWN:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHI, BK, KP, blk, MMA, num_warps)
+                            True, H, EPS, NS, SB, NCHI, BK, KP, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_LM_HEAD:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk, MMA, num_warps)
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk, MMA, num_warps, tr, TRACE)
         gl.thread_barrier()
+        if TRACE:
+            gl.store(tr + 7, _globaltimer())  # the op's end, before its signals
         si = soff * 0
         while si < sn:
             sc = sc0
@@ -968,7 +976,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             si += 1
         if TRACE:
             t_end = _globaltimer()
-            tr = trace_ptr + idx.to(gl.int64) * TRACE_W
             gl.store(tr, t_wait)
             gl.store(tr + 1, t_start)
             gl.store(tr + 2, t_end)
