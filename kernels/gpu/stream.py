@@ -8,10 +8,11 @@ Each program (one per SM) runs two partitions over the same queue of packed inst
   instruction boundaries and while the compute warps spin, bounded by the ring's size and by `INFLIGHT` slots in
   flight (so the compute warps' own loads do not queue behind the whole ring). Attention's K/V history (positions
   before pos, never written during a step) is streamed the same way (`KV_RING`);
-- the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads with the
-  `%globaltimer` watchdog), stages the activation vector it needs into shared memory in one load, consumes the ring's
-  slots in the loader's order (wait `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA
-  barrier, then a release add from one thread). The split reduction and the embedding read no weights.
+- the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads by its
+  first warp while the others wait at a CTA barrier, `StreamConfig.poll`; the `%globaltimer` watchdog), stages the
+  activation vector it needs into shared memory in one load, consumes the ring's slots in the loader's order (wait
+  `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA barrier, then a release add from
+  one thread). The split reduction and the embedding read no weights.
 
 A slot holds SB (2 or 4) [16, BK] boxes, paired by row so that both boxes of a pair multiply the same activation
 chunk: gate with up, a RoPE pair's first half with its second half, and (`kpair`, the default) rows r and r + 16 of
