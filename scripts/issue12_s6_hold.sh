@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran at commit 7d1a718 (the HOLD switch was removed in the next commit: slower, perf notes v10 session 6).
 # Issue 12, session 6, run 68: the compute warps hold an instruction's last ring slots until its signals are out
 # (MEGASYNTH_V10_HOLD=K: every slot goes back K slots late, the last K after the release), so that no fill is in
 # flight when the instruction releases its counter (runs 65-66: 1-2 us per release with fills in flight, 0.4 without).

@@ -87,11 +87,6 @@ DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0"))
 #: abort only follows a watchdog timeout (0.1 s and up). MEGASYNTH_V10_ABORT_AFTER_NS=0: read it every round (up to
 #: session 6).
 ABORT_AFTER_NS: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ABORT_AFTER_NS", "20000")))
-#: Experiment (session 6, scripts/issue12_s6_hold.sh): the compute warps hand each ring slot back HOLD slots late and
-#: the instruction's last HOLD slots only after its signals, so that the loader issues no fills while the
-#: instruction ends and releases (a release waits 1-2 us behind its SM's fills in flight, 0.4 us without; perf notes,
-#: v10 session 6). The ring is HOLD slots shallower meanwhile. CUDA-core consumer only (not with `StreamConfig.mma`).
-HOLD: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_HOLD", "0")))
 #: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
 RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
 
@@ -351,22 +346,17 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
 
 
 @gluon.jit
-def _release(t, tb, empty, NS: gl.constexpr):
-    """Hand slot t % NS back to the loader once every compute warp is done reading it; with HOLD, slot t - HOLD
-    instead (if it is one of this instruction's, which started at slot tb: `_compute` hands back the rest after the
-    instruction's signals)."""
+def _release(t, empty, NS: gl.constexpr):
+    """Hand slot t % NS back to the loader once every compute warp is done reading it."""
     if RELEASE_FENCE:
         fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
-    if HOLD == 0:
-        mbarrier.arrive(empty.index(t % NS))
-    else:
-        mbarrier.arrive(empty.index((t + NS - HOLD) % NS), pred=t - HOLD >= tb)
+    mbarrier.arrive(empty.index(t % NS))
     return t + 1
 
 
 @gluon.jit
-def _consume_pair(t, tb, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl.constexpr, NS: gl.constexpr,
+def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl.constexpr, NS: gl.constexpr,
                   SB: gl.constexpr):
     """acc1/acc2 += box a/b rows x v over the slot's K chunks kb .. kb + SB/2 - 1 (those below nkb); box b only when
     okb (otherwise it was not loaded)."""
@@ -378,12 +368,11 @@ def _consume_pair(t, tb, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk
             acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
             if okb:
                 acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
-    return _release(t, tb, empty, NS), acc1, acc2
+    return _release(t, empty, NS), acc1, acc2
 
 
 @gluon.jit
-def _consume_k(t, tb, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr,
-               SB: gl.constexpr):
+def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr):
     """acc += the slot's 16 rows x v over K chunks ci .. ci + SB - 1 (those below nkb)."""
     s = t % NS
     mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -391,12 +380,12 @@ def _consume_k(t, tb, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr,
         # a box past the K range was not loaded (its slot part is stale): never touch it
         if (ci + j < nkb) & (DIAG != 1) & (DIAG != 4):
             acc += ring.index(SB * s + j).load(blk).to(gl.float32) * gl.expand_dims(_vchunk(vbuf, ci + j, blk), 0)
-    return _release(t, tb, empty, NS), acc
+    return _release(t, empty, NS), acc
 
 
 @gluon.jit
-def _pair_rows(t, tb, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr, NS: gl.constexpr,
-               SB: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+               BK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
     """The dot products of one row-paired slot sequence (box a's and box b's 16 rows over K chunks 0 .. nkb - 1) with
     the staged vector: (t, y_a, y_b), [16] each in SliceLayout(1, blk). y_b is meaningless unless okb."""
     if MMA:
@@ -405,7 +394,7 @@ def _pair_rows(t, tb, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.conste
         acc1 = gl.zeros([BR, BK], gl.float32, blk)
         acc2 = gl.zeros([BR, BK], gl.float32, blk)
         for kb in range(0, nkb, SB // 2):
-            t, acc1, acc2 = _consume_pair(t, tb, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk, NS, SB)
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk, NS, SB)
         y1 = gl.sum(acc1, axis=1)
         y2 = gl.sum(acc2, axis=1)
     return t, y1, y2
@@ -506,7 +495,6 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
-    tb = t  # the instruction's first slot
     ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
@@ -520,8 +508,7 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, v
         rot = m & (head < NH + NKV)
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        t, y1, y2 = _pair_rows(t, tb, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA,
-                               num_warps)
+        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
         y1 = y1 * rstd
         y2 = y2 * rstd
         if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
@@ -548,12 +535,11 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
                 blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
     NKH: gl.constexpr = (H + BK - 1) // BK
-    tb = t  # the instruction's first slot
     ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
     for r in range(a0, a1, BR):
-        t, g, u = _pair_rows(t, tb, ring, ready, empty, vbuf, vstage, NKH, r < a1, blk, NS, SB, BK, MMA, num_warps)
+        t, g, u = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, r < a1, blk, NS, SB, BK, MMA, num_warps)
         g = g * rstd
         u = u * rstd
         rows = r + i16
@@ -600,12 +586,10 @@ def _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scal
     time with KP (one activation chunk per slot for both 16-row boxes, as gate/up), else 16."""
     nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
-    tb = t  # the instruction's first slot (no slot is consumed before this loop)
     if KP:
         for r in range(a0, a1, 2 * BR):
             two = r + BR < a1
-            t, y1, y2 = _pair_rows(t, tb, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA,
-                                   num_warps)
+            t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA, num_warps)
             _store_rows(out_ptr, r + i16, y1 * scale, a1, RESIDUAL)
             if two:
                 _store_rows(out_ptr, r + BR + i16, y2 * scale, a1, RESIDUAL)
@@ -613,7 +597,7 @@ def _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scal
         for r in range(a0, a1, BR):
             acc = gl.zeros([BR, BK], gl.float32, blk)
             for ci in range(0, nkb, SB):
-                t, acc = _consume_k(t, tb, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
+                t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
             _store_rows(out_ptr, r + i16, gl.sum(acc, axis=1) * scale, a1, RESIDUAL)
     return t
 
@@ -672,7 +656,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
     LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
     LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
-    tb = t  # the instruction's first slot
     T = pos + 1
     lo = split * T // splits
     hi = (split + 1) * T // splits
@@ -720,7 +703,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
                         k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
                         v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
                         m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
-            t = _release(t, tb, empty, NS)
+            t = _release(t, empty, NS)
     else:
         kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
         km = gl.expand_dims(lo + tk < hi, 1)
@@ -952,7 +935,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t_wait = _globaltimer()
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, POLL_LEAD,
                    num_warps)
-        t_begin = t
         if TRACE:
             t_start = _globaltimer()
         if op == OP_EMBED:
@@ -993,10 +975,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                 sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
             _signal_release(counters_ptr + sc, sa)
             si += 1
-        if HOLD > 0:  # the instruction's last HOLD slots go back to the loader only now (`_release`)
-            gl.thread_barrier()  # after thread 0's release add
-            for u in range(gl.maximum(t_begin, t - HOLD), t):
-                mbarrier.arrive(empty.index(u % NS))
         if TRACE:
             t_end = _globaltimer()
             gl.store(tr, t_wait)
@@ -1129,9 +1107,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
                          f"staging buffer (at most {fit})")
-    hold = int(HOLD.value)
-    if hold and (mma or hold >= slots - 1):
-        raise ValueError(f"MEGASYNTH_V10_HOLD={hold} needs the CUDA-core consumer and fewer than {slots - 1} slots")
     # K/V history blocks fill a slot's first two boxes: BTK positions of hd bf16 each, a multiple of attention's
     # position lanes (32 / (hd / 8) lanes per warp along positions, times the compute warps)
     btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
