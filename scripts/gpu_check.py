@@ -96,7 +96,8 @@ VARIANTS: dict[str, Any] = {
     "v10pl": StreamConfig(poll="lead"),  # only the first compute warp polls a counter (session 6; now the default)
     "v10pli2": StreamConfig(poll="lead", inflight=2),
     "v10pa": StreamConfig(poll="all"),  # every compute warp polls (up to session 5)
-    "v10i3": StreamConfig(inflight=3),
+    "v10i3": StreamConfig(inflight=3),  # the default since session 6
+    "v10i4": StreamConfig(inflight=4),  # the default up to session 6
     "v10i6": StreamConfig(inflight=6),
     "v10i8": StreamConfig(inflight=8),
     "v10b4i2": StreamConfig(boxes=4, inflight=2),

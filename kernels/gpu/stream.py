@@ -166,7 +166,7 @@ def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
     earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
     behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
-    for down alone; the default is 4."""
+    for down alone; the default was 4 up to session 6 and is 3 since (`StreamConfig.inflight`)."""
     s = t % NS
     if INFLIGHT < NS:
         if t >= INFLIGHT:
@@ -1051,7 +1051,10 @@ class StreamConfig:
     bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
-    inflight: int = 4  # slots the loader keeps in flight at most (0: the whole ring); see `_claim`
+    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. 3 since session 6: every SM's
+    #: fills in flight are what the chain's releases and polls queue behind (perf notes, v10 session 6, run 69: 3
+    #: against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster, llama-8b 0.5 % slower; 2 cost llama-8b 5.6 %)
+    inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
