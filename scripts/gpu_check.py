@@ -230,26 +230,34 @@ def stage_spans(trace: dict[str, Any], layers: tuple[int, ...] = (0, 7)) -> str:
     return "\n".join(lines)
 
 
+def _stage_medians(rows: dict[tuple[str, Any], list[tuple[float, ...]]], layers: tuple[int, ...],
+                   fmt: str) -> str:
+    """One line per (op, layer) of `rows` in `layers` (layerless ops always): the medians of each tuple field,
+    formatted by `fmt` (fields m0, m1, ... and n, the instruction count)."""
+    lines = []
+    for (op, layer), v in rows.items():
+        if layer is None or layer in layers:
+            meds = {f"m{k}": float(np.median([x[k] for x in v])) for k in range(len(v[0]))}
+            lines.append(f"  {op:20s} L{layer}: " + fmt.format(n=len(v), **meds))
+    return "\n".join(lines)
+
+
 def loader_leads(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any], str]:
     """v10's ring run-ahead in the last traced step, per (op, layer): medians over the stage's instructions of how
     long before the compute warps started each instruction (after its wait) the loader reached it and issued its
     last fill (µs; negative = the fills were still being issued when it started). Raw rows go to the JSON."""
     p = mk.packed
     raw, lraw = mk.raw_trace(p), mk.raw_loader_trace(p)
-    rows: dict[tuple[str, Any], list[tuple[float, float]]] = {}
+    rows: dict[tuple[str, Any], list[tuple[float, ...]]] = {}
     for i, (r, lr) in enumerate(zip(raw, lraw, strict=True)):
         if int(r[2]) and int(lr[1]):
             rows.setdefault((p.ops[i], p.layers[i]), []).append(((int(r[1]) - int(lr[0])) / 1e3,
                                                                  (int(r[1]) - int(lr[1])) / 1e3))
-    lines = []
-    for (op, layer), v in rows.items():
-        if layer is None or layer in layers:
-            reach, last = (float(np.median([x[k] for x in v])) for k in (0, 1))
-            lines.append(f"  {op:20s} L{layer}: loader reached it {reach:6.2f} us before its start, last fill "
-                         f"issued {last:6.2f} us before (n {len(v)})")
+    text = _stage_medians(rows, layers, "loader reached it {m0:6.2f} us before its start, last fill issued "
+                                        "{m1:6.2f} us before (n {n})")
     data = {"ids": list(p.ids), "ops": list(p.ops), "layers": list(p.layers), "raw": raw.tolist(),
             "loader_raw": lraw.tolist()}
-    return data, "\n".join(lines)
+    return data, text
 
 
 def phases(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any], str]:
@@ -259,20 +267,15 @@ def phases(mk: Any, layers: tuple[int, ...] = (7,)) -> tuple[dict[str, Any], str
     JSON."""
     p = mk.packed
     raw, ph = mk.raw_trace(p), mk.raw_phase_trace(p)
-    rows: dict[tuple[str, Any], list[tuple[float, float, float]]] = {}
+    rows: dict[tuple[str, Any], list[tuple[float, ...]]] = {}
     for i, (r, f) in enumerate(zip(raw, ph, strict=True)):
         start, end, staged, done = int(r[1]), int(r[2]), int(f[0]), int(f[1])
         if end and done:
             staged = staged or start
             rows.setdefault((p.ops[i], p.layers[i]), []).append(((staged - start) / 1e3, (done - staged) / 1e3,
                                                                  (end - done) / 1e3))
-    lines = []
-    for (op, layer), v in rows.items():
-        if layer is None or layer in layers:
-            st, body, sig = (float(np.median([x[k] for x in v])) for k in range(3))
-            lines.append(f"  {op:20s} L{layer}: stage {st:5.2f} us, body {body:6.2f}, signals {sig:5.2f} "
-                         f"(n {len(v)})")
-    return {"phase_raw": ph.tolist()}, "\n".join(lines)
+    text = _stage_medians(rows, layers, "stage {m0:5.2f} us, body {m1:6.2f}, signals {m2:5.2f} (n {n})")
+    return {"phase_raw": ph.tolist()}, text
 
 
 def floor_bytes(cfg: ModelConfig, ctx: int) -> int:
