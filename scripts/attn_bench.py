@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from stream_v10_bench import only  # noqa: E402  (one op's instructions alone)
 
-from kernels.gpu.interpreter import Megakernel  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
-from kernels.gpu.timing import time_schedule  # noqa: E402
-from kernels.weights import random_weights  # noqa: E402
-from synth.lowering.lower import lower  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
-from synth.lowering.strategy import Strategy  # noqa: E402
-from validator.schedule import parse_schedule  # noqa: E402
+from megasynth.ir.schedule import parse_schedule  # noqa: E402
+from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
+from megasynth.kernels.weights import random_weights  # noqa: E402
+from megasynth.lowering.lower import lower  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.lowering.strategy import Strategy  # noqa: E402
 
 #: the searched fused llama-1b schedule's strategy (runs/llama-1b-fused-h200, gpu_check's `searched_fused`)
 TILES = {"embed": 1 << 20, "attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64,

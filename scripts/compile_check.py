@@ -17,10 +17,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.gpu.interpreter import KernelConfig  # noqa: E402
-from kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
+from megasynth.kernels.gpu.interpreter import KernelConfig  # noqa: E402
+from megasynth.kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
+from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
 
 
 def parse_variant(text: str, cls: type) -> tuple[str, Any]:

@@ -18,13 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from compile_check import parse_variant  # noqa: E402
 
-from kernels.gpu.interpreter import Megakernel  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
-from kernels.gpu.timing import time_schedule  # noqa: E402
-from kernels.reference import decode_step  # noqa: E402
-from kernels.weights import random_weights  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
-from validator.schedule import load_schedule  # noqa: E402
+from megasynth.ir.schedule import load_schedule  # noqa: E402
+from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
+from megasynth.kernels.reference import decode_step  # noqa: E402
+from megasynth.kernels.weights import random_weights  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
 
 
 def main() -> int:

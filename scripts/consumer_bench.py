@@ -198,7 +198,7 @@ def compile_only() -> int:
     """Compile every variant for sm_90 without a GPU (registers, spills, shared memory)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from kernels.gpu.offline import _compile
+    from megasynth.kernels.gpu.offline import _compile
 
     for name, fn, consts in (("lockstep", consume_kernel, {"WARPS": False}), ("mma2", mma_kernel, {"BOXES": 2}),
                              ("mma4", mma_kernel, {"BOXES": 4})):

@@ -3,7 +3,7 @@
     python scripts/gpu_check.py [--out DIR] [--quick] [--variants a,b,...] [--ctx 128,1024,4096]
 
 1. environment + copy bandwidth (the floor's denominator), 2. correctness on tiny configs (naive and a different
-assignment/counter layout) against kernels.reference, the watchdog on a schedule that deadlocks, 3. llama-1b
+assignment/counter layout) against megasynth.kernels.reference, the watchdog on a schedule that deadlocks, 3. llama-1b
 correctness at positions >= 2048 over a random KV history, 4. timings (CUDA-graph replays of the whole step) of kernel
 and lowering variants at several contexts, 5. one traced step exported as trace.json with its summary. Full results
 go to DIR/gpu_check.json; the table is printed last.
@@ -26,17 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
-from kernels.gpu.timing import time_schedule  # noqa: E402
-from kernels.reference import decode_step  # noqa: E402
-from kernels.trace import format_summary, summarize, write_trace  # noqa: E402
-from kernels.weights import random_weights  # noqa: E402
-from synth.lowering.lower import lower  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
-from synth.lowering.strategy import Strategy  # noqa: E402
-from validator.model import ModelConfig  # noqa: E402
-from validator.schedule import parse_schedule  # noqa: E402
+from megasynth.ir.model import ModelConfig  # noqa: E402
+from megasynth.ir.schedule import parse_schedule  # noqa: E402
+from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
+from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
+from megasynth.kernels.reference import decode_step  # noqa: E402
+from megasynth.kernels.weights import random_weights  # noqa: E402
+from megasynth.lowering.lower import lower  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.lowering.strategy import Strategy  # noqa: E402
+from megasynth.trace import format_summary, summarize, write_trace  # noqa: E402
 
 RESULTS: dict[str, Any] = {"checks": [], "timings": [], "errors": []}
 
@@ -46,8 +46,8 @@ def log(msg: str) -> None:
 
 
 def gpu_random_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """kernels.weights.random_weights drawn on the GPU (a 1.2B-parameter model in a second), bf16."""
-    from kernels.weights import random_weights
+    """megasynth.kernels.weights.random_weights drawn on the GPU (a 1.2B-parameter model in a second), bf16."""
+    from megasynth.kernels.weights import random_weights
 
     return random_weights(cfg, seed=seed, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
 

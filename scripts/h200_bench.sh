@@ -6,7 +6,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-h200_out}
 mkdir -p "$OUT"
-synth() { python3 -m synth.cli "$@"; }
+synth() { python3 -m megasynth.cli "$@"; }
 log="$OUT/h200_bench.log"
 {
   echo "== pytest -m gpu"; timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -15

@@ -39,7 +39,7 @@ bench() {  # name, seconds, arguments
     [ "${DRY:-0}" = 1 ] && extra=(--dry-run --reps 2 --warmup 1)
     echo "== $name (timeout ${secs}s): synth bench $* ${extra[*]}" | tee -a "$OUT/benches.log"
     local t0; t0=$(date +%s)
-    timeout -k 10 "$secs" "$PY" -m synth.cli bench "$@" "${extra[@]}" 2>&1 | tail -"$lines" | tee -a "$OUT/benches.log"
+    timeout -k 10 "$secs" "$PY" -m megasynth.cli bench "$@" "${extra[@]}" 2>&1 | tail -"$lines" | tee -a "$OUT/benches.log"
     local rc=${PIPESTATUS[0]}
     echo "   rc=$rc ($(( $(date +%s) - t0 )) s)" | tee -a "$OUT/benches.log"
 }
@@ -47,7 +47,7 @@ echo "== device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,nohea
 if [ "${DRY:-0}" != 1 ]; then
     echo "== search llama-3b-h200 (timeout 305s)"
     t0=$(date +%s)
-    timeout -s INT -k 15 305 "$PY" -m synth.cli search --no-progress --seed 13 --interleavings 50 \
+    timeout -s INT -k 15 305 "$PY" -m megasynth.cli search --no-progress --seed 13 --interleavings 50 \
         --final-interleavings 300 --run llama-3b-h200 --model llama-3b --budget 24 --time-limit 200 2>&1 \
         | tee "$OUT/llama3b.log"
     echo "   rc=${PIPESTATUS[0]} ($(( $(date +%s) - t0 )) s)"

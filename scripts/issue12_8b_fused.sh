@@ -6,10 +6,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/issue12-8b}
 mkdir -p "$OUT" runs
-python3 -m synth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
-timeout 100 python3 -m synth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 128 \
+python3 -m megasynth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
+timeout 100 python3 -m megasynth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 128 \
     --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_fused_s16_ctx128.json" 2>&1 | tee "$OUT/bench.log" | tail -8
-timeout "${T_SEARCH_WALL:-330}" python3 -m synth.cli search --no-progress --seed 13 --interleavings 50 \
+timeout "${T_SEARCH_WALL:-330}" python3 -m megasynth.cli search --no-progress --seed 13 --interleavings 50 \
     --final-interleavings 300 --run llama-8b-fused-h200 --model llama-8b --budget "${BUDGET:-16}" \
     --time-limit "${T_SEARCH:-200}" 2>&1 | tee "$OUT/search8b.log" | tail -12
 tar -cJf "$OUT/llama-8b-fused-h200.tar.xz" --exclude=study.db-journal runs/llama-8b-fused-h200

@@ -13,6 +13,6 @@ mkdir -p "$OUT"
     timeout 150 compute-sanitizer --tool $tool python3 scripts/sanitize_tiny.py 2>&1 | tail -14
   done
   echo "== llama-1b, runs/llama-1b-fused-h200/best"
-  timeout 150 python3 -m synth.cli bench --model llama-1b --schedule runs/llama-1b-fused-h200/best/schedule.json \
+  timeout 150 python3 -m megasynth.cli bench --model llama-1b --schedule runs/llama-1b-fused-h200/best/schedule.json \
     --ctx 128 1024 4096 --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_fused.json" 2>&1 | tail -14
 } 2>&1 | tee "$OUT/final.log"

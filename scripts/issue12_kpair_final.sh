@@ -20,12 +20,12 @@ if [ "${PART:-check}" = check ]; then
   } 2>&1 | tee "$OUT/check.log"
 else
   {
-    python3 -m synth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
-    timeout 200 python3 -m synth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 128 1024 4096 \
+    python3 -m megasynth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
+    timeout 200 python3 -m megasynth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 128 1024 4096 \
       --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_kpair.json" 2>&1 | tail -8
-    timeout 120 python3 -m synth.cli bench --model llama-3b --schedule runs/llama-3b-h200/best/schedule.json \
+    timeout 120 python3 -m megasynth.cli bench --model llama-3b --schedule runs/llama-3b-h200/best/schedule.json \
       --ctx 1024 --variants torch_bf16,megakernel --json "$OUT/bench_llama3b_kpair.json" 2>&1 | tail -5
-    timeout 150 python3 -m synth.cli bench --model llama-8b --schedule runs/llama-8b-fused-h200/best/schedule.json \
+    timeout 150 python3 -m megasynth.cli bench --model llama-8b --schedule runs/llama-8b-fused-h200/best/schedule.json \
       --ctx 1024 --variants torch_bf16,megakernel --json "$OUT/bench_llama8b_kpair.json" 2>&1 | tail -5
   } 2>&1 | tee "$OUT/bench.log"
 fi

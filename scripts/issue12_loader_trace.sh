@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 5, run 53: where the ring runs ahead. The trace-enabled kernel now also records, per instruction, when the
-# loader reached it and when it issued its last fill (kernels/gpu/pack.py TRACE_FIELDS); gpu_check prints per stage
+# loader reached it and when it issued its last fill (megasynth/kernels/gpu/pack.py TRACE_FIELDS); gpu_check prints per stage
 # how long before the compute warps started an instruction its fills were issued. Traced on the searched fused
 # schedule at ctx 1024 with the FMA consumer (v10) and the tensor-core consumer (v10mma), each in its own process.
 set -uo pipefail

@@ -12,7 +12,7 @@ SEARCHES=llama-1b:40:140 OUT="$OUT" bash scripts/issue12_s5_search.sh
   for spec in "llama-1b 128 1024 4096" "llama-3b 1024" "llama-8b 1024"; do
     set -- $spec; model=$1; shift
     echo "== synth bench $model (runs/$model-ring12-h200/best) at ctx $*"
-    timeout 150 python3 -m synth.cli bench --model "$model" --schedule "runs/$model-ring12-h200/best/schedule.json" \
+    timeout 150 python3 -m megasynth.cli bench --model "$model" --schedule "runs/$model-ring12-h200/best/schedule.json" \
       --ctx "$@" --variants torch_bf16,megakernel --json "$OUT/bench_${model/-/}_ring12.json" 2>&1 \
       | grep -E "llama|ctx|floor|megakernel|torch|wrote|rror" | tail -12
   done

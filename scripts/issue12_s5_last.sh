@@ -8,11 +8,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/issue12-s5-last}
 mkdir -p "$OUT"
 {
-  python3 -m synth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
+  python3 -m megasynth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
   for s in "fs16 /tmp/fs16.json" "ring12 runs/llama-1b-ring12-h200/best/schedule.json"; do
     set -- $s
     echo "== synth bench llama-1b $1"
-    timeout 100 python3 -m synth.cli bench --model llama-1b --schedule "$2" --ctx 128 1024 4096 \
+    timeout 100 python3 -m megasynth.cli bench --model llama-1b --schedule "$2" --ctx 128 1024 4096 \
       --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_$1.json" 2>&1 | grep -E "^│|wrote|rror" | tail -8
   done
   for flag in "" --mma; do

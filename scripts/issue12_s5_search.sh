@@ -10,7 +10,7 @@ for spec in ${SEARCHES:-llama-3b:24:170 llama-8b:16:180}; do
   IFS=: read -r model budget tl <<< "$spec"
   run=$model-${SUFFIX:-ring12}-h200
   echo "== $run (budget $budget, time limit $tl s)"
-  timeout $((tl + 120)) python3 -m synth.cli search --no-progress --seed 13 --interleavings 50 \
+  timeout $((tl + 120)) python3 -m megasynth.cli search --no-progress --seed 13 --interleavings 50 \
       --final-interleavings 300 --run "$run" --model "$model" --ctx 1024 --budget "$budget" --time-limit "$tl" \
       2>&1 | tee "$OUT/search_$model.log" | tail -8
   tar -cJf "$OUT/$run.tar.xz" --exclude=study.db-journal "runs/$run"

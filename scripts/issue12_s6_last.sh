@@ -8,7 +8,7 @@ mkdir -p "$OUT"
 {
   echo "== pytest -m gpu"; timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tail -3
   echo "== synth bench llama-1b (runs/llama-1b-lead-h200/best), inflight 3"
-  timeout 100 python3 -m synth.cli bench --model llama-1b --schedule runs/llama-1b-lead-h200/best/schedule.json \
+  timeout 100 python3 -m megasynth.cli bench --model llama-1b --schedule runs/llama-1b-lead-h200/best/schedule.json \
     --ctx 128 1024 4096 --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_lead_i3.json" 2>&1 \
     | grep -E "^│|wrote|rror" | tail -8
 } 2>&1 | tee "$OUT/last.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 12, session 6, run 65: where the chain's instructions spend their time. The trace now also records, per
-# instruction, when its activations were staged and when its op ended before its signals (kernels/gpu/pack.py's
+# instruction, when its activations were staged and when its op ended before its signals (megasynth/kernels/gpu/pack.py's
 # TRACE_FIELDS 8): gpu_check prints the medians per stage (stage / body / signals) for the searched best of
 # runs/llama-1b-lead-h200 at ctx 1024 and 4096; then the GPU trace test with its new phase checks.
 set -uo pipefail

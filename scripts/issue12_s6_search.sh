@@ -17,7 +17,7 @@ else
   for spec in "llama-1b 128 1024 4096" "llama-3b 1024" "llama-8b 1024"; do
     set -- $spec; model=$1; shift
     echo "== synth bench $model (runs/$model-lead-h200/best) at ctx $*"
-    timeout 150 python3 -m synth.cli bench --model "$model" --schedule "runs/$model-lead-h200/best/schedule.json" \
+    timeout 150 python3 -m megasynth.cli bench --model "$model" --schedule "runs/$model-lead-h200/best/schedule.json" \
       --ctx "$@" --variants torch_bf16,megakernel --json "$OUT/bench_${model/-/}_lead.json" 2>&1 \
       | grep -E "^│|wrote|rror" | tail -8
   done

@@ -15,7 +15,7 @@ for f in 1 0; do
         2>&1 | tail -8
     mv "$OUT/f$f/gpu_check.json" "$OUT/fence$f.json" && rm -rf "$OUT/f$f"
 done
-timeout "${T_SEARCH_WALL:-400}" python3 -m synth.cli search --no-progress --seed 13 --interleavings 50 \
+timeout "${T_SEARCH_WALL:-400}" python3 -m megasynth.cli search --no-progress --seed 13 --interleavings 50 \
     --final-interleavings 300 --run llama-1b-fused-h200 --model llama-1b --budget "${BUDGET:-60}" \
     --time-limit "${T_SEARCH:-280}" 2>&1 | tee "$OUT/search.log" | tail -40
 tar -cJf "$OUT/llama-1b-fused-h200.tar.xz" --exclude=study.db-journal runs/llama-1b-fused-h200

@@ -10,12 +10,12 @@
 # here with `for f in *.tar.xz; do tar -xJf $f; done` and refit on a CPU (~8 min on 2 cores):
 #   synth calibrate --fit-run runs/llama-1b-noseed-h200 --fit-run runs/llama-1b-default-h200 \
 #     --fit-run runs/llama-3b-h200 --fit-run runs/llama-8b-h200 --measured bench/v10/measured_steps.json \
-#     --holdout 0.3 -o synth/data/h200_costmodel.json
+#     --holdout 0.3 -o megasynth/data/h200_costmodel.json
 set -uo pipefail
 OUT=${OUT:-/tmp/issue13-out}
 mkdir -p "$OUT" runs
 export PYTHONUNBUFFERED=1
-SYNTH=(python -m synth.cli search --no-progress --seed 13 --interleavings 50 --final-interleavings 300)
+SYNTH=(python -m megasynth.cli search --no-progress --seed 13 --interleavings 50 --final-interleavings 300)
 run() {  # name, log file, arguments; each run is packed as soon as it ends (a later one may not get to finish)
     local name=$1 log=$2
     shift 2
@@ -29,7 +29,7 @@ run llama-1b-default-h200 default.log --model llama-1b --budget 30 --time-limit 
 run llama-3b-h200 llama3b.log --model llama-3b --budget 16 --time-limit "${T_3B:-90}"
 run llama-8b-h200 llama8b.log --model llama-8b --budget 12 --time-limit "${T_8B:-120}"
 if [ "${CALIBRATE:-0}" = 1 ]; then  # the refit on this machine's 16 cores (~1-2 min; ~8 min on 2 cores elsewhere)
-    python -m synth.cli calibrate --fit-run runs/llama-1b-noseed-h200 --fit-run runs/llama-1b-default-h200 \
+    python -m megasynth.cli calibrate --fit-run runs/llama-1b-noseed-h200 --fit-run runs/llama-1b-default-h200 \
         --fit-run runs/llama-3b-h200 --fit-run runs/llama-8b-h200 --measured bench/v10/measured_steps.json \
         --holdout 0.3 --jobs 15 -o "$OUT/h200_costmodel.json" 2>&1 | tee "$OUT/calibrate.log"
 fi

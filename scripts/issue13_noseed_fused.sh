@@ -7,10 +7,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/issue13-noseed}
 mkdir -p "$OUT" runs
-timeout "${T_SEARCH_WALL:-300}" python3 -m synth.cli search --no-progress --seed 7 --interleavings 50 \
+timeout "${T_SEARCH_WALL:-300}" python3 -m megasynth.cli search --no-progress --seed 7 --interleavings 50 \
     --final-interleavings 300 --run llama-1b-noseed-fused-h200 --model llama-1b --proposer descent \
     --budget "${BUDGET:-60}" --time-limit "${T_SEARCH:-200}" 2>&1 | tee "$OUT/noseed.log" | tail -12
 tar -cJf "$OUT/llama-1b-noseed-fused-h200.tar.xz" --exclude=study.db-journal runs/llama-1b-noseed-fused-h200
-python3 -m synth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
-timeout 150 python3 -m synth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 1024 4096 \
+python3 -m megasynth.cli lower --model llama-1b --strategy bench/strategies/v10_fused_s16_llama-1b.json -o /tmp/fs16.json
+timeout 150 python3 -m megasynth.cli bench --model llama-1b --schedule /tmp/fs16.json --ctx 1024 4096 \
     --variants torch_bf16,megakernel --json "$OUT/bench_llama1b_fused_s16.json" 2>&1 | tee "$OUT/bench.log" | tail -14

@@ -17,13 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
-from kernels.gpu.stream import StreamConfig  # noqa: E402
-from kernels.reference import decode_step  # noqa: E402
-from kernels.weights import random_weights  # noqa: E402
-from synth.lowering.lower import lower  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
-from synth.lowering.strategy import Strategy  # noqa: E402
+from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
+from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.reference import decode_step  # noqa: E402
+from megasynth.kernels.weights import random_weights  # noqa: E402
+from megasynth.lowering.lower import lower  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.lowering.strategy import Strategy  # noqa: E402
 
 
 def main() -> int:

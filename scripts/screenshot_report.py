@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chromium", default=CHROMIUM, help="path of the Chromium executable")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from synth.runs.report import write_index, write_report
+    from megasynth.runs.report import write_index, write_report
 
     run = Path(a.run)
     if not run.is_dir():

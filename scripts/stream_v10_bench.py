@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from gpu_check import VARIANTS  # noqa: E402  (the interpreter variants, named as gpu_check names them)
 
-from kernels.gpu.interpreter import Megakernel  # noqa: E402
-from kernels.gpu.timing import time_schedule  # noqa: E402
-from kernels.weights import random_weights  # noqa: E402
-from synth.lowering.lower import lower  # noqa: E402
-from synth.lowering.models import get_model  # noqa: E402
-from synth.lowering.strategy import Strategy  # noqa: E402
-from validator.catalogue import W_BYTES  # noqa: E402
-from validator.schedule import parse_schedule  # noqa: E402
+from megasynth.ir.catalogue import W_BYTES  # noqa: E402
+from megasynth.ir.schedule import parse_schedule  # noqa: E402
+from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
+from megasynth.kernels.weights import random_weights  # noqa: E402
+from megasynth.lowering.lower import lower  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.lowering.strategy import Strategy  # noqa: E402
 
 #: down in 32-row tiles with a K split of 2 (as the searched schedules; row-paired slots need 32 rows): 128
 #: instructions of 256 KB per layer, as 16-row tiles over the whole K

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from synth.lowering.models import MODELS
-from validator.model import ModelConfig
+from megasynth.ir.model import ModelConfig
+from megasynth.lowering.models import MODELS
 
 TINY = ["tiny", "tiny-mha", "tiny-gqa4"]
 
@@ -17,7 +17,7 @@ def hf_llama(cfg: ModelConfig, weights: dict[str, Any], max_position_embeddings:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kernels.weights import to_hf_state_dict
+    from megasynth.kernels.weights import to_hf_state_dict
 
     rope = {"rope_type": "default", **(cfg.rope_scaling_dict() or {}), "rope_theta": cfg.rope_theta}
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,

@@ -1,0 +1,98 @@
+"""`synth`: lower, search, bench and browse runs. Subcommands live in their own modules and register here."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from megasynth.ir.errors import ScheduleError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Synthesize megakernel schedules for Llama decode, prove them safe, time them, keep the best in runs/."""
+
+
+@main.command("models")
+def models_cmd() -> None:
+    """List the model specs."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from megasynth.lowering.models import MODELS
+
+    table = Table("name", "model", "hidden", "inter", "layers", "heads", "kv", "head_dim", "vocab", "max_seq_len")
+    for spec in MODELS.values():
+        c = spec.config
+        table.add_row(spec.name, spec.description, str(c.hidden_size), str(c.intermediate_size),
+                      str(c.num_hidden_layers), str(c.num_attention_heads), str(c.num_key_value_heads),
+                      str(c.hd), str(c.vocab_size), str(spec.max_seq_len))
+    Console().print(table)
+
+
+@main.command("lower")
+@click.option("--model", "model_name", default="llama-1b", show_default=True)
+@click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True)
+@click.option("--strategy", "strategy_file", type=click.Path(dir_okay=False), help="Strategy JSON.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
+def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str) -> None:
+    """Lower a model into a complete schedule (default: the naive round-robin baseline)."""
+    from megasynth.ir.schedule import dump_schedule
+    from megasynth.lowering.lower import lower
+    from megasynth.lowering.models import get_model
+    from megasynth.lowering.strategy import load_strategy
+
+    try:
+        spec = get_model(model_name)
+        strategy = load_strategy(strategy_file) if strategy_file else None
+        schedule = lower(spec, workers, strategy, proposer="naive" if strategy is None else "manual")
+    except KeyError as exc:
+        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    except ScheduleError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    dump_schedule(schedule, output)
+    lens = [len(q) for q in schedule.queues]
+    click.echo(f"{output}: {len(schedule.instructions)} instructions, {schedule.counters} counters, "
+               f"{workers} workers, queue length {min(lens)}..{max(lens)}", err=True)
+
+
+def _missing(name: str, package: str) -> click.Command:
+    """A stand-in for a subcommand whose module needs a package that is not installed (e.g. on a bare GPU image)."""
+
+    @click.command(name, context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+                   help=f"(unavailable: needs the Python package {package!r})")
+    def stand_in() -> None:
+        raise click.ClickException(f"`synth {name}` needs the Python package {package!r}: pip install {package}")
+
+    return stand_in
+
+
+def _register() -> None:
+    """Attach the subcommands that live in other modules; one whose third-party import fails becomes a stand-in
+    that says which package is missing, so the other commands keep working."""
+    import importlib
+
+    for module, name in [("megasynth.commands.search", "search"), ("megasynth.commands.bench", "bench"),
+                         ("megasynth.commands.bench", "generate"), ("megasynth.commands.runs", "runs"),
+                         ("megasynth.commands.calibrate", "calibrate"),
+                         ("megasynth.commands.search", "strategy_schema")]:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:
+                continue
+            if exc.name and not exc.name.startswith("megasynth"):
+                main.add_command(_missing(name, exc.name.split(".")[0]), name)
+                continue
+            raise
+        cmd = getattr(mod, name, None)
+        if cmd is not None:
+            main.add_command(cmd, name.replace("_", "-"))
+
+
+_register()
+
+if __name__ == "__main__":
+    main()

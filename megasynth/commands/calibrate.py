@@ -1,0 +1,206 @@
+"""`synth calibrate`: fit the cost model to GPU measurements and report its error on measurements left out.
+
+Two fits, picked by the prior's kernel: for interpreter v10 (a prior with `ring_bytes`, the committed file) every
+free parameter is fitted to whole-step times (`megasynth.search.calibrate.fit_steps`) of the GPU-measured candidates of
+`--fit-run` runs, the steps of `--measured` files and the traces they carry; for v9 (`ring_bytes` 0) the per-op
+least squares on traced instructions, then the hop latency (and one SM's peak with `--fit-run`) on makespans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from megasynth.ir.errors import ScheduleError
+
+
+@click.command("calibrate")
+@click.argument("traces", nargs=-1, type=click.Path(dir_okay=False, exists=True))
+@click.option("--schedule", "schedules", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="The schedule of each trace, in the same order (default: schedule.json beside each trace).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
+              help="Write the fitted parameters here (e.g. megasynth/data/h200_costmodel.json).")
+@click.option("--prior", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Starting parameters (default: the committed H200 file); its kernel picks the fit.")
+@click.option("--allow-estimated", is_flag=True, help="Accept traces labelled estimated (tests only).")
+@click.option("--fit-run", "fit_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A runs/<run> folder of a GPU search: fit to its measured candidates (and its best's trace).")
+@click.option("--measured", "measured_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="A megasynth-measured-steps/1 file (e.g. bench/v10/measured_steps.json): fit to its steps too.")
+@click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
+              help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates. "
+              "Alone (nothing to fit), it checks the prior (default: the committed model) and writes nothing.")
+@click.option("--holdout", type=click.FloatRange(0, 0.9), default=0.3, show_default=True,
+              help="v10: this fraction of the measured steps (picked by a hash of their names) is left out of the fit "
+              "and reported.")
+@click.option("--max-fit", type=click.IntRange(4, 100_000), default=40, show_default=True,
+              help="v10: steps the optimisation uses at most (spread over the measured times; all are reported).")
+@click.option("--iterations", type=click.IntRange(1, 100), default=12, show_default=True)
+@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="v10: processes [default: cores - 1].")
+def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
+              allow_estimated: bool, fit_runs: tuple[str, ...], measured_files: tuple[str, ...],
+              check_runs: tuple[str, ...], holdout: float, max_fit: int, iterations: int, jobs: int | None) -> None:
+    """Fit the cost model to GPU measurements (runs, measured-step files, traces) and report its error."""
+    from megasynth.lowering.costmodel import load_params
+
+    if schedules and len(schedules) != len(traces):
+        raise click.BadParameter(f"{len(schedules)} schedules for {len(traces)} traces", param_hint="--schedule")
+    pairs, devices = _read_traces(traces, schedules, allow_estimated)
+    base = load_params(prior)
+    if check_runs and not (traces or fit_runs or measured_files):  # check the model as it is
+        _check_only(base, list(check_runs))
+        return
+    try:
+        if base.ring_bytes > 0:
+            doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
+                           iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)))
+        else:
+            if not pairs:
+                raise click.UsageError("a v9 prior fits per-op parameters on traces: give at least one TRACE")
+            doc = _fit_v9(pairs, base, list(fit_runs), list(check_runs), ", ".join(sorted(devices)))
+    except (ValueError, ScheduleError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    if output:
+        from megasynth.atomic import write_json_atomic
+
+        write_json_atomic(output, doc)
+        click.echo(f"wrote {output}")
+
+
+def _check_only(params: Any, check_runs: list[str]) -> None:
+    """The error of `params` on the GPU-measured candidates of runs it was not fitted on, per run and in all."""
+    from megasynth.search.calibrate import error_summary, run_steps
+
+    skipped: list[str] = []
+    every = []
+    for run in check_runs:
+        steps = run_steps([run], skipped)
+        every += steps
+        click.echo(_errors_line(f"{run} (not fitted)", error_summary(steps, params)))
+    for why in skipped:
+        click.echo(f"note: left out {why}")
+    if len(check_runs) > 1:
+        click.echo(_errors_line("all (not fitted)", error_summary(every, params)) + " (goal: median <= 3%, max <= 10%)")
+
+
+def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_estimated: bool
+                 ) -> tuple[list[tuple[dict[str, Any], Any]], set[str]]:
+    from megasynth.ir.schedule import load_schedule
+
+    pairs, devices = [], set()
+    for k, tpath in enumerate(traces):
+        try:
+            trace = json.loads(Path(tpath).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            click.echo(f"error: {tpath}: $: cannot read trace: {exc}", err=True)
+            sys.exit(2)
+        meta = trace.get("metadata", {}) if isinstance(trace, dict) else {}
+        if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+            click.echo(f"error: {tpath}: $.traceEvents: not a trace (a list of events is required)", err=True)
+            sys.exit(2)
+        if meta.get("estimated") and not allow_estimated:
+            click.echo(f"error: {tpath}: $.metadata.estimated: this trace is a cost-model estimate, not a GPU "
+                       "measurement", err=True)
+            sys.exit(2)
+        devices.add(str(meta.get("device")))
+        spath = Path(schedules[k]) if schedules else Path(tpath).with_name("schedule.json")
+        try:
+            pairs.append((trace, load_schedule(spath)))
+        except ScheduleError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+    return pairs, devices
+
+
+def _errors_line(what: str, summary: dict[str, Any]) -> str:
+    if not summary["n"]:
+        return f"{what}: no measured steps"
+    return (f"{what}: median |error| {summary['median_abs_pct_error']:.2f}%, max {summary['max_abs_pct_error']:.2f}% "
+            f"over {summary['n']} measured steps")
+
+
+def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[str], measured_files: list[str],
+             check_runs: list[str], holdout: float, max_fit: int, iterations: int, jobs: int,
+             device: str) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from megasynth.ir.program import resolve
+    from megasynth.search.calibrate import (
+        Step,
+        _add_trace,
+        error_summary,
+        file_steps,
+        fit_steps,
+        run_steps,
+        split_held_out,
+        subsample,
+    )
+
+    skipped: list[str] = []
+    steps = run_steps(fit_runs, skipped) + file_steps(measured_files)
+    for why in skipped:
+        click.echo(f"note: left out {why}")
+    for trace, schedule in pairs:  # a trace alone: its kernel makespan and op means
+        st = Step(f"trace {trace.get('metadata', {}).get('schedule_sha256') or len(steps)}", resolve(schedule),
+                  int(trace.get("metadata", {}).get("ctx") or 1024), None)
+        _add_trace(st, trace)
+        steps.append(st)
+    if not steps:
+        raise ValueError("nothing to fit: give --fit-run, --measured or traces")
+    fit_set, held = split_held_out(steps, holdout)
+    used = subsample(fit_set, max_fit)
+    click.echo(f"fitting {len(used)} of {len(fit_set)} steps ({len(held)} held out) with {jobs} processes")
+    result = fit_steps(used, base, iterations=iterations, jobs=jobs, notice=click.echo)
+    what = " + ".join(", ".join(names) for names in (fit_runs, measured_files) if names)
+    what += f"{' + ' if what else ''}{len(pairs)} traces" if pairs else ""
+    params = replace(result.params, source=f"fitted to {len(fit_set)} measured steps ({what})"
+                     + (f" ({device})" if device else ""),
+                     notes="synth calibrate (v10 step fit): " + ", ".join(result.free) + " fitted by Levenberg-"
+                     "Marquardt to the log error of whole-step times (and traced makespans and per-op means); "
+                     f"{len(held)} steps held out. Refit: synth calibrate --fit-run runs/<gpu run>... "
+                     "--measured bench/v10/measured_steps.json -o megasynth/data/h200_costmodel.json")
+    fitted = error_summary(fit_set, params)
+    click.echo(_errors_line("fit", fitted))
+    held_sum = error_summary(held, params)
+    click.echo(_errors_line("held out (not fitted)", held_sum) + " (goal: median <= 3%, max <= 10%)")
+    doc_fit: dict[str, Any] = {"mode": "steps", "free": result.free, "iterations": result.iterations,
+                               "fit_runs": fit_runs, "measured": measured_files, "holdout": holdout,
+                               "fitted": fitted, "held_out": held_sum}
+    if check_runs:
+        check = error_summary(run_steps(check_runs, skipped), params)
+        click.echo(_errors_line("check runs (not fitted)", check))
+        doc_fit["check"] = {"runs": check_runs, **check}
+    return {**params.to_json(), "fit": doc_fit}
+
+
+def _fit_v9(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[str], check_runs: list[str],
+            device: str) -> dict[str, Any]:
+    from megasynth.search.calibrate import PEAK_GRID, fit, measured_steps
+
+    measured = measured_steps(fit_runs) if fit_runs else None
+    result = fit(pairs, base, device, measured=measured, peaks=PEAK_GRID if measured else None)
+    click.echo(f"{'op':<22} {'n':>6} {'eff':>7} {'overhead_us':>12} {'med |err| %':>12}")
+    for op, r in result.per_op.items():
+        click.echo(f"{op:<22} {r['n']:>6} {r['eff']:>7.3f} {r['overhead_us']:>12.3f} "
+                   f"{r['median_abs_pct_error']:>12.2f}")
+    med = result.median_abs_pct_error
+    click.echo(f"makespan: median absolute error {med:.2f}% over {len(result.makespans)} schedules"
+               + (" (goal <= 10%)" if med is not None else ""))
+    fit_doc: dict[str, Any] = {"per_op": result.per_op, "makespans": result.makespans, "median_abs_pct_error": med,
+                               "fit_runs": fit_runs, "sm_peak": result.params.sm_peak, "hop_us": result.params.hop_us}
+    if check_runs:
+        from megasynth.search.calibrate import check_runs as check
+
+        rows = check(check_runs, result.params)
+        cmed = statistics.median(abs(r["error_pct"]) for r in rows) if rows else None
+        fit_doc["check"] = {"runs": check_runs, "schedules": rows, "median_abs_pct_error": cmed}
+        click.echo(f"held-out check: median absolute error {cmed:.2f}% over {len(rows)} measured schedules"
+                   if rows else "held-out check: no GPU-measured candidates in those runs")
+    return {**result.params.to_json(), "fit": fit_doc}

@@ -1,0 +1,138 @@
+"""`synth search` (the search loop into runs/) and `synth strategy-schema` (the strategy JSON Schema)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from megasynth.ir.errors import ScheduleError
+
+
+@click.command("search")
+@click.option("--model", "model_name", default="llama-1b", show_default=True, help="Model spec (synth models).")
+@click.option("--workers", type=click.IntRange(1, 4096), default=None,
+              help="Workers (persistent programs). Default: the GPU's SM count, else 132.")
+@click.option("--proposer", type=click.Choice(["auto", "descent", "seeds", "heuristic", "evolve", "tpe", "llm"]),
+              default="auto", show_default=True,
+              help="descent = cost-model descent from the naive lowering, then hill climbing on the measurements (no "
+              "seeds); seeds (alias heuristic) = the hand-written strategies; auto = the LLM agent when "
+              "OPENAI_API_KEY/OPENAI_BASE_URL is set, else the 3 best seeds, then descent, then evolve.")
+@click.option("--budget", type=click.IntRange(1, 100_000), default=50, show_default=True,
+              help="Candidates in the study (baseline included; shared by every process on the same storage).")
+@click.option("--time-limit", type=click.FloatRange(min=0), default=None, help="Seconds for this process.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--resume", "resume", default=None, metavar="RUN", help="Continue runs/RUN (or join it).")
+@click.option("--run", "run_name", default=None, metavar="NAME", help="Name of a new run (default model-time-seed).")
+@click.option("--storage", default=None, metavar="URL",
+              help="The study's database (default sqlite:///runs/<run>/study.db). Processes on several machines "
+              "split one study's work when they share a storage (postgresql://user@host/db, with the "
+              "[distributed] extra) and a --run/--resume name.")
+@click.option("--lease", type=click.FloatRange(min=1), default=120, show_default=True,
+              help="Seconds after which a candidate claimed by a silent process (another machine gone or cut off) "
+              "is taken over; a dead process of this machine is noticed within seconds.")
+@click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True)
+@click.option("--interleavings", type=click.IntRange(0, 1_000_000), default=200, show_default=True,
+              help="Adversarial interleavings replayed per candidate during the search (the best gets "
+              "--final-interleavings).")
+@click.option("--final-interleavings", type=click.IntRange(0, 1_000_000), default=1000, show_default=True)
+@click.option("--ctx", type=click.IntRange(1, 1 << 20), default=1024, show_default=True,
+              help="Context length the schedules are timed/estimated at.")
+@click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="Cost-model parameters (default: megasynth/data/h200_costmodel.json).")
+@click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
+@click.option("--jobs", type=click.IntRange(1, 256), default=None,
+              help="Processes that lower and validate candidates ahead of the timer [default: on a GPU min(8, "
+              "cores - 1), else 1].")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--llm-model", default=None, metavar="NAME", help="Agent: model name (default $OPENAI_MODEL, else "
+              "gpt-4o-mini). Endpoint: OPENAI_BASE_URL / OPENAI_API_KEY (see docs/agent.md).")
+@click.option("--llm-max-calls", type=click.IntRange(1, 100_000), default=None,
+              help="Agent: API calls per run, retries included [default: 30].")
+@click.option("--llm-temperature", type=click.FloatRange(0, 2), default=None, help="Agent: temperature [default: 0.7].")
+@click.option("--llm-timeout", type=click.FloatRange(min=0.1), default=None,
+              help="Agent: seconds per request before it is retried [default: 120].")
+def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
+           resume: str | None, run_name: str | None, storage: str | None, lease: float, runs_dir: str,
+           interleavings: int,
+           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, jobs: int | None,
+           no_progress: bool,
+           llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
+           llm_timeout: float | None) -> None:
+    """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
+    from megasynth.lowering.costmodel import load_params
+    from megasynth.lowering.models import get_model
+    from megasynth.search.loop import SearchConfig, run_search
+
+    try:
+        get_model(model_name)
+    except KeyError as exc:
+        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    if resume and run_name and resume != run_name:
+        raise click.BadParameter("give either --resume RUN or --run NAME", param_hint="--run")
+    try:
+        params = load_params(cost_params) if cost_params else None
+    except (OSError, ValueError, TypeError) as exc:
+        click.echo(f"error: {cost_params}: cannot read cost-model parameters: {exc}", err=True)
+        sys.exit(2)
+    cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
+                       seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
+                       storage=storage, lease_s=lease, interleavings=interleavings,
+                       final_interleavings=final_interleavings, ctx=ctx, gpu=False if cpu else None,
+                       progress=not no_progress and sys.stderr.isatty(),
+                       cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
+                       llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
+                            "timeout_s": llm_timeout})
+    try:
+        summary = run_search(cfg)
+    except (ValueError, ScheduleError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    label = " (estimated by the cost model)" if summary.estimated else " (measured on the GPU)"
+    click.echo(f"{summary.run_dir}: {summary.evaluated} candidates evaluated here, {summary.accepted} accepted, "
+               f"{summary.screened} screened by the cost model, {summary.rejected} rejected, {summary.seconds:.1f} s")
+    if summary.best_ms is not None:
+        sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
+        click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+    if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
+        seeds = summary.best_by_proposer.get("seeds")
+        parts = []
+        for who, (cid, ms) in sorted(summary.best_by_proposer.items(), key=lambda kv: kv[1][1]):
+            vs = f" ({100 * (ms / seeds[1] - 1):+.1f}% vs the best seed)" if seeds and who != "seeds" else ""
+            parts.append(f"{who} {cid} {ms:.4f} ms{vs}")
+        click.echo("best per proposer: " + "; ".join(parts))
+    usage_file = Path(summary.run_dir) / "agent_usage.json"
+    if usage_file.exists():  # the LLM agent ran: its calls and tokens (details in agent.jsonl)
+        u = json.loads(usage_file.read_text(encoding="utf-8"))
+        cost = f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else ""
+        click.echo(f"agent {u.get('model')}: {u.get('calls')} calls, {u.get('total_tokens')} tokens{cost}, "
+                   f"{u.get('proposals')} proposals ({u.get('accepted')} accepted, {u.get('rejected')} rejected)")
+
+
+@click.command("strategy-schema")
+@click.option("--patches", is_flag=True, help="Print the schema of one patch instead.")
+@click.option("--space", "space_model", default=None, metavar="MODEL",
+              help="Print the values the built-in search tries for each knob on MODEL instead (see --workers).")
+@click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True,
+              help="SMs the search space is for (one-wave tiles and splits depend on it).")
+def strategy_schema(patches: bool, space_model: str | None, workers: int) -> None:
+    """Print the JSON Schema of a strategy (what `synth lower --strategy` takes), of a patch, or the search space."""
+    if space_model:
+        from megasynth.lowering.models import get_model
+        from megasynth.lowering.strategy import SearchSpace
+
+        try:
+            spec = get_model(space_model)
+        except KeyError as exc:
+            raise click.BadParameter(str(exc.args[0]), param_hint="--space") from None
+        click.echo("\n".join(SearchSpace(spec, workers).describe()))
+    elif patches:
+        from megasynth.lowering.patches import patch_schema
+
+        click.echo(json.dumps(patch_schema(), indent=1))
+    else:
+        from megasynth.lowering.strategy import strategy_schema as schema
+
+        click.echo(json.dumps(schema(), indent=1))

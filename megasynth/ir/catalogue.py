@@ -1,0 +1,553 @@
+"""The op catalogue of the Llama family, batch-1 decode: per op, its arguments, footprint, coverage, cost and compute.
+
+One owner per fact (STYLE.md): the validator reads footprints and coverage from here, the CPU executor and the
+reference-checked GPU interpreter read the compute and the buffer layout, the cost model reads bytes and flops, the
+agent's briefing reads the argument schemas. This module imports no torch; `compute` functions receive tensors.
+
+Buffers (element counts; fp32 activations, KV cache in the model dtype):
+  x            [H]                 residual stream, updated in place (embed writes it, o_proj/down reduce into it)
+  q            [nH*hd]             roped queries of the current layer
+  k_cache      [L, nKV, hd, S]     keys, roped; a KV head's cache over all positions is one contiguous range, and so
+                                   is one of its columns (the footprint's order; the executors store [L, nKV, S, hd])
+  v_cache      [L, nKV, hd, S]     values
+  attn_o_part  [P, nH, hd]         per-split normalised attention outputs (P = the schedule's largest split count)
+  attn_lse     [P, nH]             per-split log-sum-exp
+  attn         [nH*hd]             merged attention output of the current layer (not used when attn_reduce is folded
+                                   into o_proj: `attn_reduce_o_proj` merges the splits it needs itself)
+  act          [I]                 silu(gate) * up
+  logits       [V]
+
+The KV position `pos` (the token's index) is a runtime input: footprints are the union over every position < S, so
+one schedule is valid for every position. Attention over `splits` splits covers, for the sequence length T = pos + 1,
+positions [s*T//splits, (s+1)*T//splits) in split s (possibly empty).
+
+Weights (read-only, no part in footprints), as `kernels` packs them: `embed` [V,H]; per layer `layers.{l}.attn_norm`
+[H], `layers.{l}.wqkv` [q+2kv, H] (q rows, k rows, v rows), `layers.{l}.wo` [H, nH*hd], `layers.{l}.mlp_norm` [H],
+`layers.{l}.w_gate` [I,H], `layers.{l}.w_up` [I,H], `layers.{l}.w_down` [H,I]; `final_norm` [H]; `lm_head` [V,H].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megasynth.ir.model import ModelConfig
+
+ACT_BYTES = 4  # fp32 activations
+W_BYTES = 2  # bf16 weights and KV cache on the GPU
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model config plus the sizes a schedule fixes (max sequence length, largest attention split count)."""
+
+    cfg: ModelConfig
+    max_seq_len: int
+    max_splits: int = 1
+
+    def buffers(self) -> dict[str, int]:
+        c, s = self.cfg, self.max_seq_len
+        kv = c.num_hidden_layers * c.num_key_value_heads * s * c.hd
+        return {
+            "x": c.hidden_size,
+            "q": c.q_size,
+            "k_cache": kv,
+            "v_cache": kv,
+            "attn_o_part": self.max_splits * c.q_size,
+            "attn_lse": self.max_splits * c.num_attention_heads,
+            "attn": c.q_size,
+            "act": c.intermediate_size,
+            "logits": c.vocab_size,
+        }
+
+    def kv_head_range(self, layer: int, g0: int, g1: int) -> tuple[int, int]:
+        """Element range of KV heads [g0, g1) of one layer, every position."""
+        c, s = self.cfg, self.max_seq_len
+        base = layer * c.num_key_value_heads
+        return ((base + g0) * s * c.hd, (base + g1) * s * c.hd)
+
+    def kv_column_range(self, layer: int, g: int, d0: int, d1: int) -> tuple[int, int]:
+        """Element range of head-dim columns [d0, d1) of KV head g of one layer, every position."""
+        lo, _ = self.kv_head_range(layer, g, g + 1)
+        return (lo + d0 * self.max_seq_len, lo + d1 * self.max_seq_len)
+
+
+def qkv_pair_pieces(cfg: ModelConfig, start: int, end: int) -> list[tuple[int, int, int]]:
+    """A QKV tile's rows [start, end), numbered in RoPE-pair order (rows h*hd + 2j and h*hd + 2j + 1 are head h's
+    rows j and j + hd/2), as (head, j0, j1): the pairs [j0, j1) of each fused head it covers. A tile of whole heads
+    covers the same rows in either numbering."""
+    half = cfg.hd // 2
+    out = []
+    p, pend = start // 2, end // 2
+    while p < pend:
+        head, j = divmod(p, half)
+        n = min(half - j, pend - p)
+        out.append((head, j, j + n))
+        p += n
+    return out
+
+
+# An access: (kind, buffer, start, end) with kind in {"read", "write", "reduce"}.
+Access = tuple[str, str, int, int]
+# A coverage tile: the logical output it produces, as (key, ((r0, r1), (k0, k1)), domain ((0, R), (0, K))).
+Tile = tuple[tuple[Any, ...], tuple[tuple[int, int], tuple[int, int]], tuple[tuple[int, int], tuple[int, int]]]
+
+
+class ArgError(ValueError):
+    """An instruction's `op`/`layer`/`args` do not fit the catalogue; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """One catalogue op. `args` maps each argument name to its meaning (all are integers)."""
+
+    name: str
+    summary: str
+    layered: bool
+    args: Mapping[str, str]
+    check: Callable[[Geometry, int, dict[str, int]], None]
+    footprint: Callable[[Geometry, int, dict[str, int]], list[Access]]
+    tile: Callable[[Geometry, int, dict[str, int]], Tile]
+    cost: Callable[[Geometry, int, dict[str, int], int], tuple[int, int]]  # -> (bytes, flops) at sequence length T
+    compute: Callable[..., None]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _interval(args: dict[str, int], lo: str, hi: str, limit: int, align: int = 1) -> tuple[int, int]:
+    a, b = args[lo], args[hi]
+    if not 0 <= a < b <= limit:
+        raise ArgError(f"args.{lo}/{hi} = [{a}, {b}) must be a non-empty range inside [0, {limit})")
+    if a % align or (b % align and b != limit):
+        raise ArgError(f"args.{lo}/{hi} = [{a}, {b}) must be aligned to {align}")
+    return a, b
+
+
+def _check_rows(size: Callable[[ModelConfig], int], align: Callable[[ModelConfig], int] = lambda c: 1):
+    def check(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+        _interval(args, "start", "end", size(geo.cfg), align(geo.cfg))
+    return check
+
+
+def _check_rows_k(rows: Callable[[ModelConfig], int], ks: Callable[[ModelConfig], int]):
+    def check(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+        _interval(args, "start", "end", rows(geo.cfg))
+        _interval(args, "k_start", "k_end", ks(geo.cfg))
+    return check
+
+
+def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    c = geo.cfg
+    if not 0 <= args["kv_head"] < c.num_key_value_heads:
+        raise ArgError(f"args.kv_head = {args['kv_head']} must be in [0, {c.num_key_value_heads})")
+    if not 1 <= args["splits"] <= geo.max_seq_len:
+        raise ArgError(f"args.splits = {args['splits']} must be in [1, max_seq_len]")
+    if not 0 <= args["split"] < args["splits"]:
+        raise ArgError(f"args.split = {args['split']} must be in [0, splits={args['splits']})")
+
+
+def _check_splits(geo: Geometry, args: dict[str, int]) -> None:
+    if not 1 <= args["splits"] <= geo.max_seq_len:
+        raise ArgError(f"args.splits = {args['splits']} must be in [1, max_seq_len]")
+
+
+def _check_reduce(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    _interval(args, "start", "end", geo.cfg.num_attention_heads, geo.cfg.group_size)
+    _check_splits(geo, args)
+
+
+def _check_reduce_oproj(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    c = geo.cfg
+    _interval(args, "start", "end", c.hidden_size)
+    _interval(args, "k_start", "k_end", c.q_size, c.hd)  # whole heads: a head's splits are merged together
+    _check_splits(geo, args)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Footprints
+
+
+def _fp_embed(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    return [("write", "x", a["start"], a["end"])]
+
+
+def _fp_qkv(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    out: list[Access] = [("read", "x", 0, c.hidden_size)]
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        cols = [(j0, j1)] if (j0, j1) == (0, half) else [(j0, j1), (half + j0, half + j1)]
+        whole = [(0, c.hd)] if (j0, j1) == (0, half) else cols
+        if head < nh:
+            out.extend(("write", "q", head * c.hd + d0, head * c.hd + d1) for d0, d1 in whole)
+        else:
+            buf, g = ("k_cache", head - nh) if head < nh + nkv else ("v_cache", head - nh - nkv)
+            out.extend(("write", buf, *geo.kv_column_range(layer, g, d0, d1)) for d0, d1 in whole)
+    return out
+
+
+def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    c = geo.cfg
+    g, split = a["kv_head"], a["split"]
+    h0, h1 = g * c.group_size, (g + 1) * c.group_size
+    nh = c.num_attention_heads
+    kv = geo.kv_head_range(layer, g, g + 1)
+    return [
+        ("read", "q", h0 * c.hd, h1 * c.hd),
+        ("read", "k_cache", *kv),
+        ("read", "v_cache", *kv),
+        ("write", "attn_o_part", (split * nh + h0) * c.hd, (split * nh + h1) * c.hd),
+        ("write", "attn_lse", split * nh + h0, split * nh + h1),
+    ]
+
+
+def _fp_split_reads(geo: Geometry, h0: int, h1: int, splits: int) -> list[Access]:
+    """What merging the splits of query heads [h0, h1) reads: every split's o and lse of those heads."""
+    c, nh = geo.cfg, geo.cfg.num_attention_heads
+    out: list[Access] = []
+    for s in range(splits):
+        out.append(("read", "attn_o_part", (s * nh + h0) * c.hd, (s * nh + h1) * c.hd))
+        out.append(("read", "attn_lse", s * nh + h0, s * nh + h1))
+    return out
+
+
+def _fp_reduce(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    h0, h1, hd = a["start"], a["end"], geo.cfg.hd
+    return [*_fp_split_reads(geo, h0, h1, a["splits"]), ("write", "attn", h0 * hd, h1 * hd)]
+
+
+def _fp_oproj(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    return [("read", "attn", a["k_start"], a["k_end"]), ("reduce", "x", a["start"], a["end"])]
+
+
+def _fp_reduce_oproj(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    hd = geo.cfg.hd
+    return [*_fp_split_reads(geo, a["k_start"] // hd, a["k_end"] // hd, a["splits"]),
+            ("reduce", "x", a["start"], a["end"])]
+
+
+def _fp_gate_up(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    return [("read", "x", 0, geo.cfg.hidden_size), ("write", "act", a["start"], a["end"])]
+
+
+def _fp_down(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    return [("read", "act", a["k_start"], a["k_end"]), ("reduce", "x", a["start"], a["end"])]
+
+
+def _fp_lm_head(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    return [("read", "x", 0, geo.cfg.hidden_size), ("write", "logits", a["start"], a["end"])]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Coverage tiles: each logical output of each layer must be produced exactly once.
+
+
+def _tile_rows(op: str, size: Callable[[ModelConfig], int]):
+    def tile(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
+        return (op, layer), ((a["start"], a["end"]), (0, 1)), ((0, size(geo.cfg)), (0, 1))
+    return tile
+
+
+def _tile_rows_k(op: str, rows: Callable[[ModelConfig], int], ks: Callable[[ModelConfig], int]):
+    def tile(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
+        c = geo.cfg
+        return (op, layer), ((a["start"], a["end"]), (a["k_start"], a["k_end"])), ((0, rows(c)), (0, ks(c)))
+    return tile
+
+
+def _tile_partial(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
+    key = ("attn_partial", layer, a["kv_head"])
+    return key, ((a["split"], a["split"] + 1), (0, 1)), ((0, a["splits"]), (0, 1))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cost: (bytes moved through device memory, flops) at sequence length T = pos + 1, for the cost model.
+
+
+def _cost_matvec(rows_of: Callable[[dict[str, int]], int], k_of: Callable[[Geometry, dict[str, int]], int],
+                 norm: bool = False, out_mult: int = 1):
+    def cost(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+        r, k = rows_of(a), k_of(geo, a)
+        inp = geo.cfg.hidden_size if norm else k
+        nbytes = r * out_mult * k * W_BYTES + inp * ACT_BYTES + r * ACT_BYTES * (2 if not norm else 1)
+        return nbytes, 2 * r * out_mult * k
+    return cost
+
+
+def _rows(a: dict[str, int]) -> int:
+    return a["end"] - a["start"]
+
+
+def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    c = geo.cfg
+    n = (a["split"] + 1) * seq // a["splits"] - a["split"] * seq // a["splits"]
+    kv_bytes = 2 * n * c.hd * W_BYTES
+    io = (c.group_size * c.hd * 2 + c.group_size) * ACT_BYTES
+    return kv_bytes + io, 4 * n * c.hd * c.group_size
+
+
+def _merge_cost(heads: int, hd: int, splits: int) -> tuple[int, int]:
+    """(bytes read, flops) of merging `splits` splits of `heads` query heads."""
+    return splits * heads * (hd + 1) * ACT_BYTES, 3 * splits * heads * hd
+
+
+def _cost_reduce(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    heads, hd = a["end"] - a["start"], geo.cfg.hd
+    nbytes, flops = _merge_cost(heads, hd, a["splits"])
+    return nbytes + heads * hd * ACT_BYTES, flops
+
+
+def _cost_reduce_oproj(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    k = a["k_end"] - a["k_start"]
+    mb, mf = _merge_cost(k // geo.cfg.hd, geo.cfg.hd, a["splits"])
+    rows = a["end"] - a["start"]
+    return rows * k * W_BYTES + mb + 2 * rows * ACT_BYTES, mf + 2 * rows * k
+
+
+def _cost_embed(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    return _rows(a) * (W_BYTES + ACT_BYTES), 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Compute (PyTorch; tensors passed in). `ws` maps buffer names to flat fp32 tensors (k/v caches shaped
+# [L, nKV, S, hd]), `w` maps weight names to tensors, `rt` holds the runtime inputs: `pos`, `token`, `cos`, `sin`.
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_scaling: Mapping[str, Any] | None = None) -> list[float]:
+    """RoPE inverse frequencies, with Llama-3's frequency scaling when `rope_scaling` asks for it."""
+    hd = cfg.hd
+    inv = [1.0 / (cfg.rope_theta ** (i / hd)) for i in range(0, hd, 2)]
+    scaling = rope_scaling if rope_scaling is not None else cfg.rope_scaling_dict()
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv
+    factor = scaling["factor"]
+    lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    lo_wave, hi_wave = old / lo, old / hi
+    out = []
+    for f in inv:
+        wave = 2 * math.pi / f
+        if wave < hi_wave:
+            out.append(f)
+        elif wave > lo_wave:
+            out.append(f / factor)
+        else:
+            smooth = (old / wave - lo) / (hi - lo)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out
+
+
+def _rmsnorm(x: Any, weight: Any, eps: float) -> Any:
+    xf = x.float()
+    return xf * (xf.pow(2).mean() + eps).rsqrt() * weight.float()
+
+
+def _c_embed(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    ws["x"][a["start"]:a["end"]] = w["embed"][rt["token"], a["start"]:a["end"]].float()
+
+
+def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
+    wqkv = w[f"layers.{layer}.wqkv"]
+    cos, sin = rt["cos"], rt["sin"]  # [hd]: the first and second halves repeat the pair frequencies
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        r = head * c.hd
+        y1 = wqkv[r + j0:r + j1].float() @ xn  # the pairs' first-half rows
+        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn  # and their partners
+        if head < nh + nkv:  # RoPE (HF convention): (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin)
+            cs, sn = cos[j0:j1], sin[j0:j1]
+            y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
+        if head < nh:
+            dst = ws["q"][r:r + c.hd]
+        else:
+            buf, g = ("k_cache", head - nh) if head < nh + nkv else ("v_cache", head - nh - nkv)
+            dst = ws[buf][layer, g, rt["pos"]]
+        dst[j0:j1] = y1
+        dst[half + j0:half + j1] = y2
+
+
+def split_range(seq: int, split: int, splits: int) -> tuple[int, int]:
+    """Positions [start, end) that split `split` of `splits` covers at sequence length `seq`."""
+    return split * seq // splits, (split + 1) * seq // splits
+
+
+def _c_partial(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    g, split, nh = a["kv_head"], a["split"], c.num_attention_heads
+    h0, h1 = g * c.group_size, (g + 1) * c.group_size
+    lo, hi = split_range(rt["pos"] + 1, split, a["splits"])
+    o = ws["attn_o_part"].view(-1, nh, c.hd)[split, h0:h1]
+    lse = ws["attn_lse"].view(-1, nh)[split, h0:h1]
+    if lo == hi:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return
+    q = ws["q"].view(nh, c.hd)[h0:h1]
+    k = ws["k_cache"][layer, g, lo:hi].float()
+    v = ws["v_cache"][layer, g, lo:hi].float()
+    scores = (q @ k.T) * (1.0 / math.sqrt(c.hd))
+    m = scores.max(dim=-1, keepdim=True).values
+    p = (scores - m).exp()
+    denom = p.sum(dim=-1, keepdim=True)
+    o.copy_((p @ v) / denom)
+    lse.copy_((m + denom.log()).squeeze(-1))
+
+
+def _merged(ws, geo: Geometry, h0: int, h1: int, splits: int) -> Any:
+    """The attention output of query heads [h0, h1) merged over `splits` splits by log-sum-exp, flat."""
+    c = geo.cfg
+    nh = c.num_attention_heads
+    o = ws["attn_o_part"].view(-1, nh, c.hd)[:splits, h0:h1]
+    lse = ws["attn_lse"].view(-1, nh)[:splits, h0:h1]
+    total = lse.logsumexp(dim=0)
+    weight = (lse - total).exp().unsqueeze(-1)
+    return (weight * o).sum(dim=0).reshape(-1)
+
+
+def _c_reduce(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    hd = geo.cfg.hd
+    ws["attn"][a["start"] * hd:a["end"] * hd] = _merged(ws, geo, a["start"], a["end"], a["splits"])
+
+
+def _c_oproj(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    s, e, k0, k1 = a["start"], a["end"], a["k_start"], a["k_end"]
+    ws["x"][s:e] += w[f"layers.{layer}.wo"][s:e, k0:k1].float() @ ws["attn"][k0:k1]
+
+
+def _c_reduce_oproj(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    s, e, k0, k1, hd = a["start"], a["end"], a["k_start"], a["k_end"], geo.cfg.hd
+    ws["x"][s:e] += w[f"layers.{layer}.wo"][s:e, k0:k1].float() @ _merged(ws, geo, k0 // hd, k1 // hd, a["splits"])
+
+
+def _c_gate_up(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    xn = _rmsnorm(ws["x"], w[f"layers.{layer}.mlp_norm"], c.rms_norm_eps)
+    s, e = a["start"], a["end"]
+    gate = w[f"layers.{layer}.w_gate"][s:e].float() @ xn
+    up = w[f"layers.{layer}.w_up"][s:e].float() @ xn
+    ws["act"][s:e] = gate * gate.sigmoid() * up
+
+
+def _c_down(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    s, e, k0, k1 = a["start"], a["end"], a["k_start"], a["k_end"]
+    ws["x"][s:e] += w[f"layers.{layer}.w_down"][s:e, k0:k1].float() @ ws["act"][k0:k1]
+
+
+def _c_lm_head(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    xn = _rmsnorm(ws["x"], w["final_norm"], c.rms_norm_eps)
+    ws["logits"][a["start"]:a["end"]] = w["lm_head"][a["start"]:a["end"]].float() @ xn
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The table
+
+_ROWS = {"start": "first output row (inclusive)", "end": "last output row (exclusive)"}
+_ROWS_K = {**_ROWS, "k_start": "first input column of the K-split (inclusive)",
+           "k_end": "last input column of the K-split (exclusive); partial sums are reduce-added into x"}
+
+OPS: dict[str, OpSpec] = {
+    op.name: op
+    for op in [
+        OpSpec("embed", "x[start:end] = embed[token, start:end]", False, _ROWS,
+               _check_rows(lambda c: c.hidden_size), _fp_embed,
+               _tile_rows("embed", lambda c: c.hidden_size), _cost_embed, _c_embed),
+        OpSpec("attn_norm_qkv_rope",
+               "rows [start,end) of wqkv @ rmsnorm(x); RoPE on q/k heads; q to `q`, k/v appended to the cache at pos",
+               True, {"start": "first fused-QKV row, even (rows in RoPE-pair order: a head's rows 2j, 2j+1 are its "
+                               "rows j, j+hd/2; whole heads are the same rows in either order)",
+                      "end": "end row, even"},
+               _check_rows(lambda c: c.qkv_size, lambda c: 2), _fp_qkv,
+               _tile_rows("attn_norm_qkv_rope", lambda c: c.qkv_size),
+               _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_qkv),
+        OpSpec("attn_partial",
+               "attention of the query heads of one KV head over one split of the sequence; writes o and lse",
+               True, {"kv_head": "KV head (its group of query heads)", "split": "split index",
+                      "splits": "number of splits of the sequence"},
+               _check_partial, _fp_partial, _tile_partial, _cost_partial, _c_partial),
+        OpSpec("attn_reduce", "merge the splits of query heads [start,end) by log-sum-exp into `attn`", True,
+               {"start": "first query head, a multiple of the GQA group", "end": "end query head",
+                "splits": "number of splits to merge (must match attn_partial)"},
+               _check_reduce, _fp_reduce, _tile_rows("attn_reduce", lambda c: c.num_attention_heads),
+               _cost_reduce, _c_reduce),
+        OpSpec("o_proj_residual", "x[start:end] += wo[start:end, k_start:k_end] @ attn[k_start:k_end]", True,
+               _ROWS_K, _check_rows_k(lambda c: c.hidden_size, lambda c: c.q_size), _fp_oproj,
+               _tile_rows_k("o_proj_residual", lambda c: c.hidden_size, lambda c: c.q_size),
+               _cost_matvec(_rows, lambda g, a: a["k_end"] - a["k_start"]), _c_oproj),
+        OpSpec("attn_reduce_o_proj",
+               "attn_reduce folded into o_proj: x[start:end] += wo[start:end, k_start:k_end] @ the attention output "
+               "of columns [k_start, k_end), merged from its splits here (no `attn` buffer, one counter hop less)",
+               True, {**_ROWS_K, "k_start": "first input column, a multiple of head_dim (whole query heads)",
+                      "k_end": "end input column, a multiple of head_dim",
+                      "splits": "number of splits to merge (must match attn_partial)"},
+               _check_reduce_oproj, _fp_reduce_oproj,
+               _tile_rows_k("o_proj_residual", lambda c: c.hidden_size, lambda c: c.q_size),
+               _cost_reduce_oproj, _c_reduce_oproj),
+        OpSpec("mlp_norm_gate_up", "act[start:end] = silu(w_gate @ rmsnorm(x)) * (w_up @ rmsnorm(x)), rows [start,end)",
+               True, _ROWS, _check_rows(lambda c: c.intermediate_size), _fp_gate_up,
+               _tile_rows("mlp_norm_gate_up", lambda c: c.intermediate_size),
+               _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True, out_mult=2), _c_gate_up),
+        OpSpec("down_proj_residual", "x[start:end] += w_down[start:end, k_start:k_end] @ act[k_start:k_end]", True,
+               _ROWS_K, _check_rows_k(lambda c: c.hidden_size, lambda c: c.intermediate_size), _fp_down,
+               _tile_rows_k("down_proj_residual", lambda c: c.hidden_size, lambda c: c.intermediate_size),
+               _cost_matvec(_rows, lambda g, a: a["k_end"] - a["k_start"]), _c_down),
+        OpSpec("final_norm_lm_head", "logits[start:end] = lm_head[start:end] @ rmsnorm(x)", False, _ROWS,
+               _check_rows(lambda c: c.vocab_size), _fp_lm_head,
+               _tile_rows("final_norm_lm_head", lambda c: c.vocab_size),
+               _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_lm_head),
+    ]
+}
+
+#: Op order within a decode step (the order `ids` follow in a lowering).
+OP_ORDER = list(OPS)
+
+
+def check_instruction(geo: Geometry, op: str, layer: int | None, args: Mapping[str, Any]) -> dict[str, int]:
+    """Check an instruction's layer and args against the catalogue; return the args as ints or raise `ArgError`."""
+    spec = OPS[op]
+    if spec.layered:
+        if layer is None or not 0 <= layer < geo.cfg.num_hidden_layers:
+            raise ArgError(f"layer must be in [0, {geo.cfg.num_hidden_layers}) for {op}, got {layer}")
+    elif layer is not None:
+        raise ArgError(f"{op} takes no layer, got {layer}")
+    missing = [k for k in spec.args if k not in args]
+    if missing:
+        raise ArgError(f"args.{missing[0]} is missing ({spec.args[missing[0]]})")
+    extra = [k for k in args if k not in spec.args]
+    if extra:
+        raise ArgError(f"args.{extra[0]} is not an argument of {op} (it takes {', '.join(spec.args)})")
+    out: dict[str, int] = {}
+    for k in spec.args:
+        v = args[k]
+        if not isinstance(v, int) or isinstance(v, bool) or not -(2**31) <= v < 2**31:
+            raise ArgError(f"args.{k} must be a 32-bit integer, got {v!r}")
+        out[k] = v
+    spec.check(geo, layer if layer is not None else -1, out)
+    return out
+
+
+#: Ops that merge attention splits, and the op whose output tiles the fused one produces (it covers o_proj's output;
+#: a layer whose o_proj is fused throughout needs no attn_reduce).
+FUSED_OPROJ = "attn_reduce_o_proj"
+MERGE_OPS = ("attn_reduce", FUSED_OPROJ)
+
+
+def required_tiles(geo: Geometry, unfused: set[int] | None = None) -> list[tuple[Any, ...]]:
+    """Every coverage key a complete decode step must produce. `unfused`: the layers with a plain o_proj
+    instruction (default: all); attn_reduce is required in those only."""
+    c = geo.cfg
+    keys: list[tuple[Any, ...]] = [("embed", -1)]
+    for layer in range(c.num_hidden_layers):
+        keys.append(("attn_norm_qkv_rope", layer))
+        keys.extend(("attn_partial", layer, g) for g in range(c.num_key_value_heads))
+        if unfused is None or layer in unfused:
+            keys.append(("attn_reduce", layer))
+        keys.extend([("o_proj_residual", layer), ("mlp_norm_gate_up", layer), ("down_proj_residual", layer)])
+    keys.append(("final_norm_lm_head", -1))
+    return keys

@@ -1,0 +1,103 @@
+"""Compile the interpreters for sm_90 on a machine without a GPU, and read their registers, spill stack and shared
+memory: Triton ships ptxas and cuobjdump, so a kernel change can be checked for register pressure before it spends
+device time (perf-notes v7: the preloads that spilled were the ones that were slow)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from megasynth.ir.model import ModelConfig
+
+#: Types of the runtime arguments of both interpreters (everything else is a constexpr).
+ARG_TYPES = {
+    "ins_ptr": "*i32", "waits_ptr": "*i32", "sigs_ptr": "*i32", "qoff_ptr": "*i32", "qitems_ptr": "*i32",
+    "counters_ptr": "*i32", "err_ptr": "*i32", "trace_ptr": "*i64", "smid_ptr": "*i32", "rt_ptr": "*i32",
+    "embed_ptr": "*bf16", "attn_norm_ptr": "*fp32", "wqkv_ptr": "*bf16", "wo_ptr": "*bf16", "mlp_norm_ptr": "*fp32",
+    "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16",
+    "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
+    "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",
+    "sin_ptr": "*fp32", "timeout_ns": "i64",
+}
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas allocated for one compiled kernel."""
+
+    regs: int
+    stack: int  # bytes of stack frame: non-zero means spills (or local arrays)
+    shared: int  # bytes of shared memory the launch asks for (Triton's metadata: static + dynamic)
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"REG:{self.regs} STACK:{self.stack} shared {self.shared} B | compiled in {self.seconds:.0f} s"
+
+
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def resources(kernel: Any, seconds: float = 0.0) -> Resources:
+    """Registers and stack of a compiled kernel's cubin (cuobjdump), and its shared memory."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(f.name)
+    line = next(ln for ln in out.splitlines() if "REG:" in ln)
+    regs, stack = (int(re.search(rf"{k}:(\d+)", line).group(1)) for k in ("REG", "STACK"))  # type: ignore[union-attr]
+    return Resources(regs, stack, int(kernel.metadata.shared), seconds)
+
+
+def _compile(fn: Any, source_cls: Any, consts: dict[str, Any], types: dict[str, str], num_warps: int,
+             options: dict[str, Any]) -> tuple[Any, Resources]:
+    import time
+
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "constexpr") for n in names}
+    src = source_cls(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*")})
+    t = time.time()
+    kernel = triton.compile(src, target=SM90, options={"num_warps": num_warps, **options})
+    return kernel, resources(kernel, time.time() - t)
+
+
+def compile_v9(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Resources]:
+    """Interpreter v9 (`KernelConfig`) for sm_90."""
+    from megasynth.kernels.gpu import interpreter as mk
+
+    consts = mk.kernel_constexprs(c, max_seq_len, config, False)
+    warps = consts.pop("num_warps")
+    consts.pop("num_stages")
+    return _compile(mk._megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})
+
+
+def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False) -> tuple[Any, Resources]:
+    """Interpreter v10 (`StreamConfig`) for sm_90, its TMA descriptors typed as the host builds them (the
+    trace-enabled build with `trace`)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from megasynth.kernels.gpu import stream
+
+    consts = stream.stream_constexprs(c, max_seq_len, config, trace)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    box, wlayout = stream.weight_box(stream.stream_geometry(c, config))
+    wdesc = f"tensordesc<bf16{box},{wlayout!r}>"
+    kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{layout!r}>"
+    types = {**ARG_TYPES, **{d: wdesc for d in ("d_qkv", "d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_k": kvdesc,
+             "d_v": kvdesc}
+    return _compile(stream.stream_megakernel, GluonASTSource, consts, types, consts["num_warps"], {})

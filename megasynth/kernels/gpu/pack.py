@@ -1,0 +1,151 @@
+"""Pack pass: a resolved schedule -> the int32 tables the persistent Triton interpreter walks (numpy, no torch).
+
+The tables are data, not code: a new assignment, order or counter layout is a new set of tables for the same compiled
+kernel. Layout (all int32):
+
+  ins    [N, ROW]   per instruction, in queue order (worker w's queue is rows qoff[w]:qoff[w+1], so a program
+                    reads its next row with no indirection and can load it ahead): opcode, layer, four op arguments in
+                    the catalogue's argument order (`OPS[op].args`), the instruction id, (offset, count) into
+                    `waits` and `sigs`, the first wait (counter, value) and first signal (counter, add) inline (the
+                    common case needs no table access), the instruction's index (ascending-id order), and two L2
+                    warm-up hints (`warm_hints`): rows of this worker's o_proj and gate/up instructions of the same
+                    layer whose weights it may start pulling into L2 before this instruction's waits (-1: none),
+                    and the fifth op argument (attn_reduce_o_proj's `splits`)
+  waits  [NW, 2]    (counter, value) pairs, all waits of each instruction (the first is also inline)
+  sigs   [NS, 2]    (counter, add) pairs, likewise
+  qoff   [W + 1]    worker offsets into `ins`
+  qitems [N]        instruction index of each row (ascending-id order), for the host
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megasynth.ir.catalogue import OP_ORDER, OPS
+from megasynth.ir.errors import ScheduleError
+from megasynth.ir.program import Program, resolve
+from megasynth.ir.schedule import Schedule
+
+#: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
+OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
+ROW = 19  # fields per instruction row
+F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
+F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU, F_A4 = 11, 12, 13, 14, 15, 16, 17, 18
+#: int64 fields per instruction of a trace buffer: wait start, start, end (ns), worker (the compute side, both
+#: interpreters), then when v10's loader reached the instruction and when it issued its last fill, then when v10's
+#: compute warps had staged its activations (0 for ops without a stage) and when its op ended, before its signals
+#: (0 on v9)
+TRACE_FIELDS = 8
+#: The row field of each op argument, in the catalogue's order.
+ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
+#: The ops whose weights a worker warms into L2 while its layer's attention runs (their stream is the next thing the
+#: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
+WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
+MAX_ARGS = len(ARG_FIELDS)
+
+for _name, _spec in OPS.items():
+    if len(_spec.args) > MAX_ARGS:  # pragma: no cover - a catalogue change the kernel must follow
+        raise RuntimeError(f"catalogue op {_name} has more than {MAX_ARGS} arguments; widen the packed row")
+
+
+@dataclass
+class Packed:
+    """One schedule as interpreter tables (numpy) plus what the host needs to launch and explain it."""
+
+    ins: np.ndarray
+    waits: np.ndarray
+    sigs: np.ndarray
+    qoff: np.ndarray
+    qitems: np.ndarray
+    workers: int
+    counters: int
+    max_splits: int
+    ids: list[int]
+    labels: list[str]
+    ops: list[str]
+    layers: list[int | None]
+    worker_of: list[int]
+    expected_counters: np.ndarray  # each counter's value once every instruction has signalled
+    device: dict[str, object] = field(default_factory=dict)  # device copies, filled by the interpreter
+    schedule: Schedule | None = None  # the packed schedule (for trace metadata)
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+
+def pack_program(prog: Program) -> Packed:
+    """Pack a resolved program; ops the catalogue does not know cannot run and raise `ScheduleError`."""
+    n = prog.n
+    rows = np.zeros((max(n, 1), ROW), dtype=np.int32)  # by instruction index; reordered into queue order below
+    waits: list[tuple[int, int]] = []
+    sigs: list[tuple[int, int]] = []
+    expected = np.zeros(max(prog.counters, 1), dtype=np.int64)
+    max_splits = 1
+    for i in range(n):
+        op = prog.op[i]
+        if op not in OPCODES:
+            raise ScheduleError(f"op {op!r} is not a catalogue op; the GPU interpreter cannot execute it",
+                                f"{prog.path(i)}.op")
+        row = rows[i]
+        row[F_OP] = OPCODES[op]
+        layer = prog.layer[i]
+        row[F_LAYER] = layer if layer is not None else 0
+        for fld, name in zip(ARG_FIELDS, OPS[op].args, strict=False):
+            row[fld] = prog.args[i][name]
+        if "splits" in prog.args[i]:
+            max_splits = max(max_splits, prog.args[i]["splits"])
+        row[F_ID] = prog.ids[i]
+        row[F_WOFF], row[F_WN] = len(waits), len(prog.waits[i])
+        waits.extend(prog.waits[i])
+        row[F_SOFF], row[F_SN] = len(sigs), len(prog.signals[i])
+        sigs.extend(prog.signals[i])
+        if prog.waits[i]:
+            row[F_C0], row[F_V0] = prog.waits[i][0]
+        if prog.signals[i]:
+            row[F_SC0], row[F_SA0] = prog.signals[i][0]
+        row[F_IDX] = i
+        for c, add in prog.signals[i]:
+            expected[c] += add
+    if int(expected.max(initial=0)) >= 2**31:
+        raise ScheduleError("a counter's total adds exceed the int32 range", "$.instructions")
+    qoff = np.zeros(len(prog.queues) + 1, dtype=np.int32)
+    for w, q in enumerate(prog.queues):
+        qoff[w + 1] = qoff[w] + len(q)
+    qitems = np.array([i for q in prog.queues for i in q] or [0], dtype=np.int32)
+    ins = np.ascontiguousarray(rows[qitems]) if n else rows
+    warm_hints(prog, qoff, ins)
+    return Packed(
+        ins=ins, waits=np.array(waits or [(0, 0)], dtype=np.int32).reshape(-1, 2),
+        sigs=np.array(sigs or [(0, 0)], dtype=np.int32).reshape(-1, 2), qoff=qoff, qitems=qitems,
+        workers=len(prog.queues), counters=prog.counters, max_splits=max_splits, ids=list(prog.ids),
+        labels=[prog.label(i) for i in range(n)], ops=list(prog.op), layers=list(prog.layer),
+        worker_of=list(prog.worker), expected_counters=expected[:prog.counters].astype(np.int32))
+
+
+def warm_hints(prog: Program, qoff: np.ndarray, ins: np.ndarray) -> None:
+    """Fill the L2 warm-up fields of `ins` (queue order) in place: on each worker, the first instruction of each
+    layer points at that worker's first instruction of each `WARM_OPS` op in the same layer (when it is a later
+    one). The hints are prefetches only: they change no result and no ordering, so the validator never sees them."""
+    ins[:, F_WARM_O] = -1
+    ins[:, F_WARM_GU] = -1
+    for w, queue in enumerate(prog.queues):
+        first: dict[int, int] = {}
+        for pos, i in enumerate(queue):
+            layer = prog.layer[i]
+            if layer is None:
+                continue
+            trigger = first.setdefault(layer, pos)
+            for fld, op in WARM_OPS.items():
+                row = ins[qoff[w] + trigger]
+                if prog.op[i] == op and pos != trigger and row[fld] < 0:
+                    row[fld] = qoff[w] + pos
+
+
+def pack(schedule: Schedule) -> Packed:
+    """Resolve (structural checks) and pack a schedule."""
+    packed = pack_program(resolve(schedule))
+    packed.schedule = schedule
+    return packed

@@ -1,0 +1,1169 @@
+"""Interpreter v10: a warp-specialized persistent megakernel whose weight stream never stops (Gluon, sm_90).
+
+Each program (one per SM) runs two partitions over the same queue of packed instruction rows (kernels/gpu/pack.py):
+
+- the *loader* (one warp) walks the queue ahead of the compute warps and streams every weight tile the queue will
+  need into a ring of shared-memory slots with TMA (`cp.async.bulk.tensor`), each slot completing on its own
+  mbarrier. Weights are never written during a step, so the loader never waits on a counter: it runs ahead across
+  instruction boundaries and while the compute warps spin, bounded by the ring's size and by `INFLIGHT` slots in
+  flight (so the compute warps' own loads do not queue behind the whole ring). Attention's K/V history (positions
+  before pos, never written during a step) is streamed the same way (`KV_RING`);
+- the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads by its
+  first warp while the others wait at a CTA barrier, `StreamConfig.poll`; the `%globaltimer` watchdog), stages the
+  activation vector it needs into shared memory in one load, consumes the ring's slots in the loader's order (wait
+  `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA barrier, then a release add from
+  one thread). The split reduction and the embedding read no weights.
+
+A slot holds SB (2 or 4) [16, BK] boxes, paired by row so that both boxes of a pair multiply the same activation
+chunk: gate with up, a RoPE pair's first half with its second half, and (`kpair`, the default) rows r and r + 16 of
+o_proj, down and the LM head; without kpair those take the same 16 rows over consecutive K chunks. Attention takes a
+K block and a V block. Both partitions walk the same rows with the same loop structure and helpers (`_qkv_group`,
+`_load_k`'s order), so they agree on the slot sequence by construction.
+
+With `StreamConfig.mma` the compute warps multiply on the tensor cores instead: each box is a wgmma operand read where
+TMA put it and the staged vector a bf16 hi/lo operand (`_pair_rows_mma`); measured not faster in the whole step, so
+off by default (perf notes, v10 session 4).
+
+After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
+whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
+drains, so the kernel always ends. The host then raises `WatchdogError`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from megasynth.ir.model import ModelConfig
+from megasynth.kernels.gpu.ops import (
+    ASM_GLOBALTIMER,
+    ASM_LOAD_ACQUIRE,
+    ASM_LOAD_ACQUIRE_LEAD,
+    ASM_SIGNAL_RELEASE,
+    ASM_SMID,
+)
+from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
+
+OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
+OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
+OP_PARTIAL: gl.constexpr = gl.constexpr(OPCODES["attn_partial"])
+OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
+OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
+OP_FUSED: gl.constexpr = gl.constexpr(OPCODES["attn_reduce_o_proj"])
+FA4: gl.constexpr = gl.constexpr(F_A4)  # the row field of an op's fifth argument
+FIDX: gl.constexpr = gl.constexpr(F_IDX)  # the row field of the instruction's trace row (`_row17`'s idx)
+TRACE_W: gl.constexpr = gl.constexpr(TRACE_FIELDS)  # int64 fields per trace row (megasynth/kernels/gpu/pack.py)
+OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
+OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
+OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
+BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
+SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-core path: 128 B rows, 128 B swizzle
+#: Ring tiles and the staged operand on the tensor-core path (`StreamConfig.mma`): what wgmma reads from shared memory
+MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+#: The same bytes as the TMA destination of one weight box: [16 rows, BK / 64 sub-chunks, 64] (row 4 r + q of a tile)
+MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
+#: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
+#: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector, 3 = the loader fills no
+#: slot (it arrives on the slot's mbarrier instead of loading): the compute warps' own rate over a full ring, 4 = 3 and
+#: the compute warps read nothing from the slots either: the rate of the slot hand-offs alone; for attention
+#: (scripts/attn_bench.py): 5 = no arithmetic over the K/V blocks, 6 = q and this step's K/V row are not loaded,
+#: 7 = no merge of the position lanes at the end (zeros are stored).
+DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
+#: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
+#: loop reading one word each round is the kind of L2 hot spot `StreamConfig.poll` removes for the counters, and an
+#: abort only follows a watchdog timeout (0.1 s and up). MEGASYNTH_V10_ABORT_AFTER_NS=0: read it every round (up to
+#: session 6).
+ABORT_AFTER_NS: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ABORT_AFTER_NS", "20000")))
+#: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
+RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
+
+
+# -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
+
+
+@gluon.jit
+def _globaltimer():
+    return gl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _smid():
+    return gl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _load_acquire(ptr):
+    """Acquire load at GPU scope (every thread of the partition polls; later loads see what the signaller released)."""
+    return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _poll(ptr, LEAD: gl.constexpr):
+    """A counter poll: every thread's acquire load, or (LEAD) the first warp's only, the other threads reading
+    INT32_MAX; a LEAD poll must be followed by a CTA barrier before any thread reads what the counter guards."""
+    if LEAD:
+        return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE_LEAD, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        return _load_acquire(ptr)
+
+
+@gluon.jit
+def _signal_release(ptr, add):
+    """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
+    return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _report_stuck(err_ptr, pid, iid, counter, cur, need):
+    e = err_ptr + pid * 8
+    gl.store(e + 1, pid)
+    gl.store(e + 2, iid)
+    gl.store(e + 3, counter)
+    gl.store(e + 4, cur)
+    gl.store(e + 5, need)
+    gl.store(e + 6, _smid())
+    gl.store(e, 1)
+    gl.atomic_xchg(err_ptr + ABORT, 1, sem="relaxed", scope="gpu")
+
+
+# -- the slot sequence (shared by both partitions) ----------------------------------------------------------------
+
+
+@gluon.jit
+def _qkv_group(p, pend, HALF: gl.constexpr):
+    """The next RoPE-pair group of a QKV tile: pairs [p, p + n) of one head, n <= 16 (rows are in pair order)."""
+    head = p // HALF
+    j = p - head * HALF
+    n = gl.minimum(gl.minimum(HALF - j, pend - p), BR)
+    return head, j, n
+
+
+# -- loader partition ------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Arm `bar` for nboxes boxes (1..SB): expect-tx takes a constant byte count, so one predicated arm per count."""
+    for m in gl.static_range(1, SB + 1):
+        mbarrier.expect(bar, m * BOX_BYTES, pred=nboxes == m)
+
+
+@gluon.jit
+def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
+    """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
+    earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
+    behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
+    for down alone; the default was 4 up to session 6 and is 3 since (`StreamConfig.inflight`)."""
+    s = t % NS
+    if INFLIGHT < NS:
+        if t >= INFLIGHT:
+            u = t - INFLIGHT
+            mbarrier.wait(ready.index(u % NS), (u // NS) & 1)
+    mbarrier.wait(empty.index(s), ((t // NS) & 1) ^ 1)
+    return s
+
+
+@gluon.jit
+def _copy_box(d, r, c, bar, ring, box, ok, NBOX: gl.constexpr, BK: gl.constexpr, MMA: gl.constexpr):
+    """Ring box `box` (of NBOX) <- rows [r, r + 16) of d over K [c, c + BK): one [16, BK] copy; on the tensor-core
+    path d is viewed [rows, K / 64, 64] and the box [16, BK / 64, 64] lands (128 B swizzle) as a [16 * BK / 64, 64]
+    wgmma tile whose row 4 r + q is row r's q-th 64-column sub-chunk. Sub-chunks past K are zero-filled (and counted
+    by the mbarrier's transaction bytes, like the rest)."""
+    if MMA:
+        boxes = ring._reinterpret(gl.bfloat16, [NBOX, BR, BK // SUB, SUB], MMA_BOX)
+        tma.async_copy_global_to_shared(d, [r, c // SUB, 0], bar, boxes.index(box), pred=ok)
+    else:
+        tma.async_copy_global_to_shared(d, [r, c], bar, ring.index(box), pred=ok)
+
+
+@gluon.jit
+def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """Slot t % NS <- rows ra (of da) and, when okb, rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)
+    from column c0."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    if DIAG >= 3:
+        mbarrier.arrive(bar)
+    else:
+        _expect(bar, (1 + okb.to(gl.int32)) * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
+        for j in gl.static_range(SB // 2):
+            ok = kb + j < nkb
+            c = c0 + (kb + j) * BK
+            _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
+            _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
+    return t + 1
+
+
+@gluon.jit
+def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+             BK: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    if DIAG >= 3:
+        mbarrier.arrive(bar)
+    else:
+        _expect(bar, gl.minimum((k1 - c + BK - 1) // BK, SB), SB, BOX_BYTES)
+        for j in gl.static_range(SB):
+            tma.async_copy_global_to_shared(d, [r, c + j * BK], bar, ring.index(SB * s + j), pred=c + j * BK < k1)
+    return t + 1
+
+
+@gluon.jit
+def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr):
+    """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    if DIAG >= 3:
+        mbarrier.arrive(bar)
+    else:
+        mbarrier.expect(bar, 2 * BOX_BYTES)
+        kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+        vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+        tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
+        tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
+    return t + 1
+
+
+@gluon.jit
+def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
+    """The slots of W[a0:a1, k0:k1] (rows from base): with KP, rows r and r + 16 over the same K chunks (the second
+    box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows."""
+    if KP:
+        nkb = (k1 - k0 + BK - 1) // BK
+        for r in range(a0, a1, 2 * BR):
+            for kb in range(0, nkb, SB // 2):
+                t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
+                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+    else:
+        for r in range(a0, a1, BR):
+            for c in range(k0, k1, SB * BK):
+                t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
+    return t
+
+
+@gluon.jit
+def _row6(ins_ptr, q, ROWW: gl.constexpr):
+    row = ins_ptr + q * ROWW
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4),
+            gl.load(row + 5))
+
+
+@gluon.jit
+def _row17(ins_ptr, q, ROWW: gl.constexpr):
+    """The fields of queue row q (kernels/gpu/pack.py's layout) the compute partition reads: the first 16 and the
+    fifth argument (callers clamp q into the worker's queue, or to row 0 for an empty queue, whose fields are then
+    never used)."""
+    row = ins_ptr + q * ROWW
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), gl.load(row + 4), gl.load(row + 5),
+            gl.load(row + 6), gl.load(row + 7), gl.load(row + 8), gl.load(row + 9), gl.load(row + 10),
+            gl.load(row + 11), gl.load(row + 12), gl.load(row + 13), gl.load(row + 14), gl.load(row + 15),
+            gl.load(row + FA4))
+
+
+@gluon.jit
+def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
+            H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
+            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
+    """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
+    The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
+    TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
+    its own last fill was issued: how far the ring ran ahead of the compute warps."""
+    BOX_BYTES: gl.constexpr = BR * BK * 2
+    HALF: gl.constexpr = HD // 2
+    QKV: gl.constexpr = NH * HD + 2 * NKV * HD
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    pid = gl.program_id(0)
+    qi = gl.load(qoff_ptr + pid)
+    q1 = gl.load(qoff_ptr + pid + 1)
+    t = qi * 0
+    pos = gl.load(rt_ptr + 1)
+    op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
+    while qi < q1:
+        n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
+        if TRACE:
+            t_reach = _globaltimer()
+        if op == OP_QKV:
+            base = layer * QKV
+            p = a0 // 2
+            pend = a1 // 2
+            while p < pend:
+                head, j, n = _qkv_group(p, pend, HALF)
+                ra = base + head * HD + j
+                for kb in range(0, NKH, SB // 2):
+                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                p += n
+        elif op == OP_GATE_UP:
+            base = layer * IS
+            for r in range(a0, a1, BR):
+                for kb in range(0, NKH, SB // 2):
+                    t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
+                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
+        elif (op == OP_OPROJ) | (op == OP_FUSED):
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
+        elif op == OP_DOWN:
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
+                        MMA)
+        elif op == OP_PARTIAL:
+            if KV_RING:  # the split's K/V history: positions < pos are never written during a step
+                lo = a1 * (pos + 1) // a2
+                hi = (a1 + 1) * (pos + 1) // a2
+                row0 = (layer * NKV + a0) * S
+                for b0 in range(lo, hi, BTK):
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
+        elif op == OP_LM_HEAD:
+            t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
+                        BOX_BYTES, KP, MMA)
+        if TRACE:
+            tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
+            gl.store(tr + 4, t_reach)
+            gl.store(tr + 5, _globaltimer())
+        qi += 1
+        op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
+
+
+# -- compute partition -------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _release(t, empty, NS: gl.constexpr):
+    """Hand slot t % NS back to the loader once every compute warp is done reading it."""
+    if RELEASE_FENCE:
+        fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index(t % NS))
+    return t + 1
+
+
+@gluon.jit
+def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl.constexpr, NS: gl.constexpr,
+                  SB: gl.constexpr):
+    """acc1/acc2 += box a/b rows x v over the slot's K chunks kb .. kb + SB/2 - 1 (those below nkb); box b only when
+    okb (otherwise it was not loaded)."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    for j in gl.static_range(SB // 2):
+        if (kb + j < nkb) & (DIAG != 1) & (DIAG != 4):
+            v = gl.expand_dims(_vchunk(vbuf, kb + j, blk), 0)
+            acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
+            if okb:
+                acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
+    return _release(t, empty, NS), acc1, acc2
+
+
+@gluon.jit
+def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr):
+    """acc += the slot's 16 rows x v over K chunks ci .. ci + SB - 1 (those below nkb)."""
+    s = t % NS
+    mbarrier.wait(ready.index(s), (t // NS) & 1)
+    for j in gl.static_range(SB):
+        # a box past the K range was not loaded (its slot part is stale): never touch it
+        if (ci + j < nkb) & (DIAG != 1) & (DIAG != 4):
+            acc += ring.index(SB * s + j).load(blk).to(gl.float32) * gl.expand_dims(_vchunk(vbuf, ci + j, blk), 0)
+    return _release(t, empty, NS), acc
+
+
+@gluon.jit
+def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+               BK: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr):
+    """The dot products of one row-paired slot sequence (box a's and box b's 16 rows over K chunks 0 .. nkb - 1) with
+    the staged vector: (t, y_a, y_b), [16] each in SliceLayout(1, blk). y_b is meaningless unless okb."""
+    if MMA:
+        t, y1, y2 = _pair_rows_mma(t, ring, ready, empty, vstage, nkb, blk, NS, SB, BK, num_warps)
+    else:
+        acc1 = gl.zeros([BR, BK], gl.float32, blk)
+        acc2 = gl.zeros([BR, BK], gl.float32, blk)
+        for kb in range(0, nkb, SB // 2):
+            t, acc1, acc2 = _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk, NS, SB)
+        y1 = gl.sum(acc1, axis=1)
+        y2 = gl.sum(acc2, axis=1)
+    return t, y1, y2
+
+
+@gluon.jit
+def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                   BK: gl.constexpr, num_warps: gl.constexpr):
+    """`_pair_rows` on the tensor cores. A slot's two boxes are one [128, 64] wgmma operand (row 4 i + q of a box is
+    its row i over K columns [64 q, 64 q + 64) of the chunk), the staged chunk is [64, 8]: column q the hi bf16 half
+    of the vector's sub-chunk q, column 4 + q its lo half (x - hi), so a row's dot product is the sum over q of its
+    columns q and 4 + q: fp32-like accuracy from bf16 operands, in an MMA whose M and N the matvec leaves idle anyway.
+    One wgmma in flight: slot t - 1 goes back to the loader once slot t's is issued and t - 1's has completed."""
+    NQ: gl.constexpr = BK // SUB
+    M: gl.constexpr = SB * NQ * BR
+    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, 8, 16])
+    slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
+    acc = gl.zeros([M, 2 * NQ], gl.float32, accl)
+    for kb in range(0, nkb):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        if (DIAG != 1) & (DIAG != 4):
+            acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
+        t += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
+    cols = gl.arange(0, 2 * NQ, layout=gl.SliceLayout(0, accl))
+    sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)
+    r = gl.sum(gl.where(sel, acc, 0.0), axis=1)
+    yl: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+    y = gl.convert_layout(gl.sum(gl.reshape(r, [SB, BR, NQ]), axis=2), yl)  # [box, row]: a sum within each warp
+    box = gl.expand_dims(gl.arange(0, SB, layout=gl.SliceLayout(1, yl)), 1)
+    y1 = gl.sum(gl.where(box == 0, y, 0.0), axis=0)
+    y2 = gl.sum(gl.where(box == 1, y, 0.0), axis=0)
+    return t, gl.convert_layout(y1, gl.SliceLayout(1, blk)), gl.convert_layout(y2, gl.SliceLayout(1, blk))
+
+
+@gluon.jit
+def _store_operand(xs, v, NCHK: gl.constexpr, BK: gl.constexpr):
+    """xs[:NCHK] <- v ([NCHK, BK] fp32) as `_pair_rows_mma`'s B operand: per chunk, [8, 64] bf16 rows q = hi halves
+    of its 64-element sub-chunks, rows 4 + q = lo halves; then a proxy fence (wgmma reads through the async proxy)."""
+    NQ: gl.constexpr = BK // SUB
+    v3 = gl.reshape(v, [NCHK, NQ, SUB])
+    hi = v3.to(gl.bfloat16)
+    lo = (v3 - hi.to(gl.float32)).to(gl.bfloat16)
+    op = gl.reshape(gl.permute(gl.join(hi, lo), (0, 3, 1, 2)), [NCHK * 2 * NQ, SUB])
+    xs._reinterpret(gl.bfloat16, [NCHK * 2 * NQ, SUB], MMA_SMEM).store(op)
+    fence_async_shared()
+
+
+@gluon.jit
+def _vchunk(vbuf, i, blk: gl.constexpr):
+    """Chunk i (BK fp32) of the staged activation vector, laid out to broadcast over a box's rows."""
+    return vbuf.index(i).load(gl.SliceLayout(0, blk))
+
+
+@gluon.jit
+def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
+           blk: gl.constexpr, MMA: gl.constexpr, tr, TRACE: gl.constexpr):
+    """vstage[:NCHK] <- src[k0:k1] as [NCHK, BK] chunks (times the norm weight when NORM), zero-padded; returns the
+    sum of squares of src[k0:k1] (the RMS norm's, when NORM: its rstd is applied to the dot products at the end).
+    One load of the whole vector (every chunk in flight at once) and one reduction: the stage costs one L2 round
+    trip, not one per chunk."""
+    rr = gl.arange(0, NCHK, layout=gl.SliceLayout(1, blk))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, blk))
+    idx = gl.expand_dims(rr, 1) * BK + gl.expand_dims(cc, 0)
+    m = idx < k1 - k0
+    if NORM:  # the norm weight's load goes with the vector's, not after the CTA reduction of the sum of squares
+        w = gl.load(nw_ptr + idx, mask=m, other=0.0)
+    v = gl.load(src_ptr + k0 + idx, mask=m, other=0.0, cache_modifier=".cg")
+    ss = 0.0
+    if NORM:
+        ss = gl.sum(gl.sum(v * v, axis=1), axis=0)
+        v = v * w
+    if (DIAG != 1) & (DIAG != 2):
+        if MMA:
+            _store_operand(vstage, v, NCHK, BK)
+        else:
+            vstage.slice(0, NCHK).store(v)
+    gl.thread_barrier()
+    if TRACE:  # the trace row's staged field (megasynth/kernels/gpu/pack.py)
+        gl.store(tr + 6, _globaltimer())
+    return ss
+
+
+@gluon.jit
+def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
+            pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+            EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+            blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
+    pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
+    HALF: gl.constexpr = HD // 2
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
+    rstd = 1.0 / gl.sqrt(ss / H + EPS)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    p = a0 // 2
+    pend = a1 // 2
+    while p < pend:
+        head, j, n = _qkv_group(p, pend, HALF)
+        jj = j + i16
+        m = i16 < n
+        # the rotation's cos/sin before the K loop: their round trip overlaps the stream instead of following it
+        rot = m & (head < NH + NKV)
+        cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
+        y1 = y1 * rstd
+        y2 = y2 * rstd
+        if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
+            o1 = y1 * cs - y2 * sn
+            o2 = y2 * cs + y1 * sn
+            if head < NH:
+                gl.store(q_ptr + head * HD + jj, o1, mask=m)
+                gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+            else:
+                cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
+                gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
+                gl.store(kc_ptr + cb + HALF + jj, o2.to(gl.bfloat16), mask=m)
+        else:
+            cb = ((layer * NKV + head - NH - NKV).to(gl.int64) * S + pos) * HD
+            gl.store(vc_ptr + cb + jj, y1.to(gl.bfloat16), mask=m)
+            gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
+        p += n
+    return t
+
+
+@gluon.jit
+def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
+                EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
+                blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """act[a0:a1] = silu(w_gate @ h) * (w_up @ h), h = rmsnorm(x) * mlp_norm; box a gate rows, box b up rows."""
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
+    rstd = 1.0 / gl.sqrt(ss / H + EPS)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    for r in range(a0, a1, BR):
+        t, g, u = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, r < a1, blk, NS, SB, BK, MMA, num_warps)
+        g = g * rstd
+        u = u * rstd
+        rows = r + i16
+        gl.store(act_ptr + rows, g / (1.0 + gl.exp(-g)) * u, mask=rows < a1)
+    return t
+
+
+@gluon.jit
+def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
+                RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
+                num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
+    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk with
+    KP, else consecutive K chunks of the same 16 rows)."""
+    ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA, tr, TRACE)
+    scale = 1.0
+    if NORM:
+        scale = 1.0 / gl.sqrt(ss / H + EPS)
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, KP,
+                     blk, MMA, num_warps)
+
+
+@gluon.jit
+def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
+                     NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
+                     BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
+                     MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
+    is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
+    instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
+    _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, MMA, num_warps)
+    if TRACE:
+        gl.store(tr + 6, _globaltimer())
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk,
+                     MMA, num_warps)
+
+
+@gluon.jit
+def _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr,
+              NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
+              MMA: gl.constexpr, num_warps: gl.constexpr):
+    """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots in `_load_k`'s order: 32 rows at a
+    time with KP (one activation chunk per slot for both 16-row boxes, as gate/up), else 16."""
+    nkb = (k1 - k0 + BK - 1) // BK
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    if KP:
+        for r in range(a0, a1, 2 * BR):
+            two = r + BR < a1
+            t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA, num_warps)
+            _store_rows(out_ptr, r + i16, y1 * scale, a1, RESIDUAL)
+            if two:
+                _store_rows(out_ptr, r + BR + i16, y2 * scale, a1, RESIDUAL)
+    else:
+        for r in range(a0, a1, BR):
+            acc = gl.zeros([BR, BK], gl.float32, blk)
+            for ci in range(0, nkb, SB):
+                t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
+            _store_rows(out_ptr, r + i16, gl.sum(acc, axis=1) * scale, a1, RESIDUAL)
+    return t
+
+
+@gluon.jit
+def _store_rows(out_ptr, rows, y, a1, RESIDUAL: gl.constexpr):
+    """out[rows] (+)= y for the rows below a1: a residual add (relaxed atomics into x) or a plain store."""
+    if RESIDUAL:
+        gl.atomic_add(out_ptr + rows, y, mask=rows < a1, sem="relaxed", scope="gpu")
+    else:
+        gl.store(out_ptr + rows, y, mask=rows < a1)
+
+
+@gluon.jit
+def _op_embed(embed_ptr, x_ptr, token, start, end, H: gl.constexpr, BE: gl.constexpr, num_warps: gl.constexpr):
+    """x[start:end] = embed[token, start:end]."""
+    lay: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    offs0 = gl.arange(0, BE, layout=lay)
+    for e in range(start, end, BE):
+        offs = e + offs0
+        m = offs < end
+        v = gl.load(embed_ptr + token.to(gl.int64) * H + offs, mask=m, other=0.0)
+        gl.store(x_ptr + offs, v.to(gl.float32), mask=m)
+
+
+@gluon.jit
+def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
+    """Fold positions t0 + [0, BT) (those below hi) into every position lane's online softmax."""
+    s = gl.sum(q3 * gl.expand_dims(k, 0), axis=2)  # [GP, BT]
+    s = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), s, float("-inf"))
+    m_new = gl.maximum(m_i, s)
+    alpha = gl.exp(m_i - m_new)
+    p = gl.exp(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * gl.expand_dims(alpha, 2) + gl.expand_dims(p, 2) * gl.expand_dims(v, 0)
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, t, ring, ready, empty,
+                     scratch,
+                     NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
+                     GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
+                     KV_RING: gl.constexpr, num_warps: gl.constexpr):
+    """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
+
+    On the CUDA cores, fp32. Each of the BT position lanes of a block (BT = 32 / lanes along the head dim, times
+    num_warps) keeps its own online softmax (max, denominator, weighted sum): the loop needs no cross-thread
+    reduction but the dot product's, and the lanes are merged once at the end. With KV_RING the loader has already
+    streamed the split's K/V history into the ring (BTK positions per slot: positions before pos are never written
+    during a step), so only q and the current position's row come from L2 after the wait; otherwise K/V are loaded
+    here, the next block's before the current one is computed."""
+    LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
+    BT: gl.constexpr = (32 // LD) * num_warps
+    L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
+    LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
+    LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
+    T = pos + 1
+    lo = split * T // splits
+    hi = (split + 1) * T // splits
+    h0 = g * G
+    gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
+    qmask = gl.expand_dims(gq < G, 1)
+    qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
+    q = gl.load(q_ptr + qoffs, mask=qmask & (DIAG != 6), other=0.0, cache_modifier=".cg") * SCALE
+    q3 = gl.expand_dims(q, 1)
+    tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
+    dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
+    ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
+    base = (layer * NKV + g).to(gl.int64) * S * HD
+    m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
+    l_i = gl.zeros([GP, BT], gl.float32, LS)
+    acc = gl.zeros([GP, BT, HD], gl.float32, L3)
+    if KV_RING:
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
+        cur = (pos >= lo) & (pos < hi) & (DIAG != 6)
+        cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
+        cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
+        cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
+        cur_v = gl.expand_dims(cur_v.to(gl.float32), 0)
+        for b0 in range(lo, hi, BTK):
+            s = t % NS
+            mbarrier.wait(ready.index(s), (t // NS) & 1)
+            kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            if BTK == 2 * BT:  # both blocks in one update (perf notes, session 4: -1.3 % at ctx 4096)
+                if DIAG != 5:
+                    nowa = gl.expand_dims(b0 + tk == pos, 1)
+                    nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
+                    ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
+                    va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
+                    kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
+            else:
+                for hb in gl.static_range(BTK // BT):
+                    t0 = b0 + hb * BT
+                    now = gl.expand_dims(t0 + tk == pos, 1)
+                    if DIAG != 5:
+                        k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+            t = _release(t, empty, NS)
+    else:
+        kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
+        km = gl.expand_dims(lo + tk < hi, 1)
+        kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        for t0 in range(lo, hi, BT):
+            k = kn.to(gl.float32)
+            v = vn.to(gl.float32)
+            km = gl.expand_dims(t0 + BT + tk < hi, 1)
+            kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+    # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory (the
+    # staging buffer, free between instructions) into a layout where each (head, dim) output has one owner thread:
+    # Triton's reduction over the warp axis would leave the result replicated in every warp (perf notes, session 4).
+    LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
+                                                                        num_warps // min(GP, num_warps)], [2, 1, 0])
+    LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
+    if DIAG == 7:
+        o = gl.zeros([GP, HD], gl.float32, LO)
+        lse = gl.zeros([GP], gl.float32, gl.SliceLayout(1, LS))
+    else:
+        mx = gl.max(m_i, axis=1)  # [GP]
+        w = gl.exp(m_i - gl.expand_dims(mx, 1))
+        den = gl.sum(l_i * w, axis=1)
+        part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
+        parts.store(part)
+        gl.thread_barrier()
+        o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        empty_split = hi <= lo
+        safe = gl.where(den > 0, den, 1.0)
+        lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
+        o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1)
+        o = gl.where(empty_split, 0.0, o)
+    go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+    do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
+    rows = split * NH + h0 + go
+    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(do, 0), o, mask=gl.expand_dims(go < G, 1))
+    gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
+    gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+    return t
+
+
+@gluon.jit
+def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constexpr):
+    """`_attn_block` for positions t0 + [0, 2 BT): position lane i takes positions t0 + i and t0 + BT + i in one
+    online-softmax update (one rescale of the lane's sum for two positions, and both dot products in flight)."""
+    sa = gl.sum(q3 * gl.expand_dims(ka, 0), axis=2)  # [GP, BT]
+    sb = gl.sum(q3 * gl.expand_dims(kb, 0), axis=2)
+    sa = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), sa, float("-inf"))
+    sb = gl.where(gl.expand_dims(t0 + BT + ts_s < hi, 0), sb, float("-inf"))
+    m_new = gl.maximum(m_i, gl.maximum(sa, sb))
+    alpha = gl.exp(m_i - m_new)
+    pa = gl.exp(sa - m_new)
+    pb = gl.exp(sb - m_new)
+    l_i = l_i * alpha + pa + pb
+    acc = (acc * gl.expand_dims(alpha, 2) + gl.expand_dims(pa, 2) * gl.expand_dims(va, 0)
+           + gl.expand_dims(pb, 2) * gl.expand_dims(vb, 0))
+    return m_new, l_i, acc
+
+
+@gluon.jit
+def _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: gl.constexpr, HD: gl.constexpr):
+    """Fold split s (heads hs, lanes ok) into the running (max, denominator, weighted sum) of attn_reduce."""
+    ls = gl.load(lse_ptr + s * NH + hs, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    o = gl.load(opart_ptr + gl.expand_dims(s * NH + hs, 1) * HD + gl.expand_dims(d, 0), mask=gl.expand_dims(ok, 1),
+                other=0.0, cache_modifier=".cg")
+    m_new = gl.maximum(mx, ls)
+    alpha = gl.exp(mx - m_new)
+    wgt = gl.exp(ls - m_new)  # an empty split (lse = -inf) weighs 0
+    return m_new, den * alpha + wgt, acc * gl.expand_dims(alpha, 1) + gl.expand_dims(wgt, 1) * o
+
+
+@gluon.jit
+def _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH: gl.constexpr, HD: gl.constexpr, HB: gl.constexpr,
+                 SP: gl.constexpr, L2: gl.constexpr):
+    """The attention output of query heads hs (lanes hm) merged over `splits` splits, [HB, HD] in layout L2: the
+    first SP splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v8+."""
+    mx = gl.full([HB], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
+    den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
+    acc = gl.zeros([HB, HD], gl.float32, L2)
+    for s in gl.static_range(SP):
+        mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm & (s < splits), d, NH, HD)
+    for s in range(SP, splits):
+        mx, den, acc = _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, hm, d, NH, HD)
+    den = gl.where(den > 0, den, 1.0)
+    return acc / gl.expand_dims(den, 1)
+
+
+@gluon.jit
+def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, HD: gl.constexpr,
+                  NCHK: gl.constexpr, BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, MMA: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """vstage[:NCHK] <- the attention output of columns [k0, k1) (whole heads) merged over `splits` splits, zero past
+    k1 in the chunks the K loop reads. Heads go HBLK at a time (each block's SP split loads all in flight: one L2
+    round trip per block); a block wholly past those chunks is skipped. On the tensor-core path the heads go to fp32
+    scratch in chunks [NCHK, 2 NCHK) of the staging buffer first (stream_geometry leaves room), then into the
+    operand."""
+    NHS: gl.constexpr = NCHK * BK // HD  # heads the staged chunks hold (a multiple of HBLK: stream_geometry)
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    if MMA:
+        scratch = vstage._reinterpret(gl.float32, [2 * NCHK, BK], flat).slice(NCHK, NCHK)
+    else:
+        scratch = vstage
+    heads = scratch._reinterpret(gl.float32, [NCHK * BK // HD, HD], flat)
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
+    hb = gl.arange(0, HBLK, layout=gl.SliceLayout(1, L2))
+    h0 = k0 // HD
+    h1 = k1 // HD
+    used = (k1 - k0 + BK - 1) // BK * BK  # elements the K loop reads
+    for b in gl.static_range((NHS + HBLK - 1) // HBLK):
+        if b * HBLK * HD < used:
+            hs = h0 + b * HBLK + hb
+            o = _merge_heads(lse_ptr, opart_ptr, hs, hs < h1, splits, d, NH, HD, HBLK, SP, L2)
+            if (DIAG != 1) & (DIAG != 2):
+                heads.slice(b * HBLK, HBLK).store(o)
+    gl.thread_barrier()
+    if MMA:
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+        if (DIAG != 1) & (DIAG != 2):
+            _store_operand(vstage, scratch._reinterpret(gl.float32, [NCHK, BK], flat).load(blk), NCHK, BK)
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.constexpr, HD: gl.constexpr,
+                    HB: gl.constexpr, SP: gl.constexpr, num_warps: gl.constexpr):
+    """attn[heads] = sum_s exp(lse_s - logsumexp(lse)) * o_s over the splits, query heads [start, end)."""
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, L2))
+    hb = gl.arange(0, HB, layout=gl.SliceLayout(1, L2))
+    for hc in range(start, end, HB):
+        hs = hc + hb
+        hm = hs < end
+        o = _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH, HD, HB, SP, L2)
+        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), o, mask=gl.expand_dims(hm, 1))
+
+
+@gluon.jit
+def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
+          LEAD: gl.constexpr, num_warps: gl.constexpr):
+    """Spin until every wait of the instruction holds; on a timeout (or another worker's abort) report and return 0,
+    after which the worker no longer waits. With LEAD only the first warp polls (one request per poll per SM instead
+    of one per warp on a counter every worker of a stage polls) and the others wait at a CTA barrier; the first
+    warp's `ok` is then the one that matters (the others never poll)."""
+    if ok != 0:
+        if wn == 1:
+            cur = _poll(counters_ptr + c0, LEAD)
+            if cur < v0:
+                t0 = _globaltimer()
+                elapsed = t0 - t0
+                abort = pid * 0
+                while (cur < v0) & (elapsed < timeout_ns) & (abort == 0):
+                    # the abort flag's load goes first: the acquire holds back every later load
+                    abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0, cache_modifier=".cg")
+                    cur = _poll(counters_ptr + c0, LEAD)
+                    elapsed = _globaltimer() - t0
+                if cur < v0:
+                    _report_stuck(err_ptr, pid, iid, c0, cur, v0)
+                    ok = pid * 0
+        elif wn > 1:
+            lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            wb = woff * 0
+            while (wb < wn) & (ok != 0):
+                lanes = wb + gl.arange(0, WB, layout=lay)
+                lm = lanes < wn
+                cs = gl.load(waits_ptr + 2 * (woff + lanes), mask=lm, other=0)
+                nd = gl.load(waits_ptr + 2 * (woff + lanes) + 1, mask=lm, other=0)
+                curs = _poll(counters_ptr + cs, LEAD)
+                short = gl.sum((curs < nd).to(gl.int32), axis=0)
+                if short > 0:
+                    t0 = _globaltimer()
+                    elapsed = t0 - t0
+                    abort = pid * 0
+                    while (short > 0) & (elapsed < timeout_ns) & (abort == 0):
+                        abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0,
+                                        cache_modifier=".cg")
+                        curs = _poll(counters_ptr + cs, LEAD)
+                        short = gl.sum((curs < nd).to(gl.int32), axis=0)
+                        elapsed = _globaltimer() - t0
+                    if short > 0:
+                        bad = gl.min(gl.where(curs < nd, lanes, wn), axis=0)
+                        sel = lanes == bad
+                        _report_stuck(err_ptr, pid, iid, gl.sum(gl.where(sel, cs, 0), axis=0),
+                                      gl.sum(gl.where(sel, curs, 0), axis=0), gl.sum(gl.where(sel, nd, 0), axis=0))
+                        ok = pid * 0
+                wb += WB
+            if not LEAD:
+                gl.thread_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
+    if LEAD:
+        # outside `ok != 0`: after a timeout only the first warp's ok is 0, and every warp must reach the barrier
+        if wn > 0:
+            gl.thread_barrier()  # the other warps' reads come after the first warp's acquires
+    return ok
+
+
+@gluon.jit
+def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+             embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+             timeout_ns, ring, ready, empty, vbuf, vstage,
+             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+             S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
+             NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
+             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
+             ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
+             KP: gl.constexpr, MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr):
+    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    pid = gl.program_id(0)
+    gl.store(smid_ptr + pid, _smid())
+    qi = gl.load(qoff_ptr + pid)
+    q1 = gl.load(qoff_ptr + pid + 1)
+    token = gl.load(rt_ptr)
+    pos = gl.load(rt_ptr + 1)
+    ok = pid * 0 + 1
+    t = pid * 0
+    (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = _row17(
+        ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
+    while qi < q1:
+        # the next row is read one instruction ahead: its latency hides behind this instruction
+        (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0,
+         n_idx, n_a4) = _row17(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
+        tr = trace_ptr + idx.to(gl.int64) * TRACE_W  # this instruction's trace row (used when TRACE)
+        if TRACE:
+            t_wait = _globaltimer()
+        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, POLL_LEAD,
+                   num_warps)
+        if TRACE:
+            t_start = _globaltimer()
+        if op == OP_EMBED:
+            _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
+        elif op == OP_QKV:
+            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
+                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps,
+                        tr, TRACE)
+        elif op == OP_PARTIAL:
+            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
+                                 empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
+        elif op == OP_REDUCE:
+            _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
+        elif op == OP_OPROJ:
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
+                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk, MMA, num_warps, tr, TRACE)
+        elif op == OP_FUSED:
+            t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, MMA, num_warps, tr, TRACE)
+        elif op == OP_GATE_UP:
+            t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
+                            NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+        elif op == OP_DOWN:
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
+                            True, H, EPS, NS, SB, NCHI, BK, KP, blk, MMA, num_warps, tr, TRACE)
+        elif op == OP_LM_HEAD:
+            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk, MMA, num_warps, tr, TRACE)
+        gl.thread_barrier()
+        if TRACE:
+            gl.store(tr + 7, _globaltimer())  # the op's end, before its signals
+        si = soff * 0
+        while si < sn:
+            sc = sc0
+            sa = sa0
+            if si > 0:
+                sc = gl.load(sigs_ptr + 2 * (soff + si))
+                sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
+            _signal_release(counters_ptr + sc, sa)
+            si += 1
+        if TRACE:
+            t_end = _globaltimer()
+            gl.store(tr, t_wait)
+            gl.store(tr + 1, t_start)
+            gl.store(tr + 2, t_end)
+            gl.store(tr + 3, pid.to(gl.int64))
+        qi += 1
+        (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = (
+            n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx,
+            n_a4)
+
+
+@gluon.jit
+def stream_megakernel(
+    ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
+    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+    timeout_ns,
+    H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
+    INFLIGHT: gl.constexpr, SB: gl.constexpr,
+    NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
+    BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
+    SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
+    MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr,
+):
+    if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
+    else:
+        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
+    # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
+    # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
+    if MMA:
+        vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH, 2 * BK // SUB, SUB], MMA_SMEM)
+        vbuf = vstage
+    else:
+        vstage = gl.allocate_shared_memory(gl.float32, [NCH, BK],
+                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
+                                   gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([
+        (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
+                    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+                    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, POLL_LEAD,
+                    num_warps)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
+                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE)),
+    ], [1], [LOADER_REGS])
+
+
+# -- host side ---------------------------------------------------------------------------------------------------
+
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
+#: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
+#: (scripts/compile_check.py; the reserve was 12 KB up to session 5, one ring slot less)
+SMEM_RESERVE = 2 * 1024
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Compile-time shape of interpreter v10 (none of it depends on the schedule). `slots` = 0 sizes the ring to fill
+    the shared memory the staged activation vector leaves."""
+
+    num_warps: int = 8  # compute partition
+    loader_regs: int = 32  # registers per thread of the loader warp (scalar code)
+    bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
+    boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
+    slots: int = 0  # ring slots; 0: as many as fit
+    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. 3 since session 6: every SM's
+    #: fills in flight are what the chain's releases and polls queue behind (perf notes, v10 session 6, run 69: 3
+    #: against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster, llama-8b 0.5 % slower; 2 cost llama-8b 5.6 %)
+    inflight: int = 3
+    kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
+    reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
+    #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
+    #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
+    kpair: bool = True
+    #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
+    #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
+    #: drains a ring 1.65x as fast; the whole step is not bound by that and measured +0.5 % (ctx 1024) / +1.1 % (4096),
+    #: so it is off by default (perf notes, v10 session 4). Needs kpair, 2 boxes per slot and every K a multiple of 64
+    #: (otherwise the CUDA-core path runs); makes BK 256.
+    mma: bool = False
+    be: int = 1024  # embedding copy block
+    #: who polls a counter: the "lead" warp alone while the others wait at a CTA barrier, or "all" compute threads
+    #: (each warp one request per poll round: 1056 requests per round on an all-join counter instead of 132, all at
+    #: one L2 slice). Measured (perf notes, v10 session 6): the hops between stages 4.7 -> 2.3 us per layer, the
+    #: llama-1b step -4.6 %
+    poll: str = "lead"
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def _group_lanes(c: ModelConfig) -> int:
+    """GP: the query heads of one KV head, padded to a power of two (at least 2) for attention's layouts."""
+    return max(2, _pow2_ceil(c.group_size))
+
+
+def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
+    """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
+    if sc.boxes not in (2, 4):
+        raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    if sc.poll not in ("all", "lead"):
+        raise ValueError(f"poll must be 'all' or 'lead', got {sc.poll!r}")
+    # the tensor-core path views each weight matrix [rows, K / 64, 64] for TMA: every K a multiple of 64
+    mma = sc.mma and sc.kpair and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
+                                                                              c.intermediate_size))
+    # the tensor-core path's box is four [16, 64] TMA boxes (a 64-row wgmma tile); past K they are zero-filled
+    bk = 256 if mma else min(sc.bk, 256, _pow2_floor(c.hidden_size))
+    chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
+                                                       ("NCHI", c.intermediate_size))}
+    # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks; attention
+    # merges its position lanes through the buffer too ([GP, num_warps, hd] fp32)
+    gp = _group_lanes(c)
+    nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
+    slot_bytes = sc.boxes * 16 * bk * 2
+    fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
+    slots = sc.slots or fit
+    if slots < 2 or slots > fit:
+        raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
+                         f"staging buffer (at most {fit})")
+    # K/V history blocks fill a slot's first two boxes: BTK positions of hd bf16 each, a multiple of attention's
+    # position lanes (32 / (hd / 8) lanes per warp along positions, times the compute warps)
+    btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
+    bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
+    kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
+    # attn_reduce_o_proj merges MB heads at a time into the staged chunks, which hold NCHQ * BK / hd heads
+    heads = chunks["NCHQ"] * bk // c.hd
+    if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
+        raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
+                         "power-of-two number of heads")
+    return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
+            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
+            "MMA": mma}
+
+
+def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
+    """The compile-time parameters of interpreter v10 for one model config (launch options included)."""
+    geo = stream_geometry(c, sc)
+    return dict(
+        H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
+        S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
+        GP=_group_lanes(c), NS=geo["NS"],
+        INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
+        NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
+        TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
+        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
+        MMA=geo["MMA"], POLL_LEAD=sc.poll == "lead", num_warps=sc.num_warps)
+
+
+def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
+                       ) -> list[Any]:
+    """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
+    wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
+    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    box, wlayout = weight_box(geo)
+    out = []
+    for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
+        t = w[name]
+        t2 = t.reshape(-1, t.shape[-1])
+        if geo["MMA"]:
+            t2 = t2.reshape(t2.shape[0], -1, 64)
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), box, wlayout))
+    for cache in (k_cache, v_cache):
+        t2 = cache.reshape(-1, c.hd)
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd], layout))
+    return out
+
+
+def weight_box(geo: dict[str, Any]) -> tuple[list[int], Any]:
+    """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled, or on the tensor-core path [16, BK / 64,
+    64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one wgmma tile)."""
+    if geo["MMA"]:
+        return [16, geo["BK"] // 64, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    return [16, geo["BK"]], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)

@@ -1,0 +1,347 @@
+"""The strategy space a lowering takes (DESIGN.md §5): a JSON document with a schema, `synth lower --strategy FILE`,
+and `SearchSpace`, the discrete choices of each knob that the proposers search for one model and worker count.
+
+Knobs: tile sizes per op, K-splits, the attention split over the KV sequence, dependency granularity per
+producer->consumer edge, counter sharing across layers, worker assignment and the order within a queue. The defaults
+are the naive baseline (all-join counters, round-robin in id order).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from megasynth.ir.catalogue import OP_ORDER
+from megasynth.ir.errors import ScheduleError, json_path
+
+if TYPE_CHECKING:
+    from megasynth.lowering.models import ModelSpec
+
+Tile = Annotated[int, Field(ge=1, le=1 << 20)]
+
+#: How a producer stage's instructions are grouped into counters for one consumer op: one counter for the stage
+#: ("all"), one per KV head / head group ("head"), `chunks[edge]` contiguous chunks ("chunk"), one per instruction
+#: ("tile"). A consumer waits for every group that holds an instruction it conflicts with.
+Granularity = Literal["all", "head", "chunk", "tile"]
+Assignment = Literal["round_robin", "zigzag", "cost_balanced", "critical_path", "spatial"]
+Order = Literal["id", "critical_path"]
+Sharing = Literal["none", "across_layers"]
+
+GRANULARITIES: tuple[str, ...] = ("all", "head", "chunk", "tile")
+ASSIGNMENTS: tuple[str, ...] = ("round_robin", "zigzag", "cost_balanced", "critical_path", "spatial")
+ORDERS: tuple[str, ...] = ("id", "critical_path")
+
+
+def edge_name(producer: str, consumer: str) -> str:
+    """The key of a producer->consumer edge in `Strategy.edges` / `Strategy.chunks`."""
+    return f"{producer}->{consumer}"
+
+
+def _check_edge_keys(value: dict[str, Any]) -> dict[str, Any]:
+    for key in value:
+        parts = key.split("->")
+        if len(parts) != 2 or any(p not in OP_ORDER for p in parts):
+            raise ValueError(f"edge {key!r} must be 'producer_op->consumer_op' with ops from {OP_ORDER}")
+    return value
+
+
+class Strategy(BaseModel):
+    """Knobs of a lowering. The defaults are the naive baseline: fixed tiles, one all-join counter per op per layer,
+    round-robin over workers in id order (like the default of the public Llama-1B megakernel)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tiles: dict[str, Tile] = Field(default_factory=lambda: {
+        "embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
+        "down_proj_residual": 16, "final_norm_lm_head": 256},
+        description="output rows per instruction, per op (qkv rows are rounded to an even count: RoPE pairs)")
+    k_splits: dict[str, Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=lambda: {
+        "o_proj_residual": 1, "down_proj_residual": 1},
+        description="split of the input (K) dimension of o_proj/down_proj; partial sums are reduce-added into x")
+    attn_splits: Annotated[int, Field(ge=1, le=256)] = Field(1, description="splits of the KV sequence (flash-decode)")
+    fuse_attn_reduce: bool = Field(False, description=(
+        "fold attn_reduce into o_proj: each o_proj instruction merges the attention splits of its K range's heads "
+        "itself (op attn_reduce_o_proj; K-split tiles are rounded to whole heads). One counter hop less per layer, "
+        "the merge repeated by every o_proj row tile. Interpreter v10 only"))
+    edges: dict[str, Granularity] = Field(default_factory=dict, description=(
+        "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
+    default_granularity: Granularity = "all"
+    chunks: dict[str, Annotated[int, Field(ge=1, le=4096)]] = Field(default_factory=dict, description=(
+        "number of producer chunks for edges with granularity 'chunk' (default 8)"))
+    counter_sharing: Sharing = Field("none", description=(
+        "'across_layers': one counter per (op, group) for all layers, waited on with cumulative values"))
+    assignment: Assignment = Field("round_robin", description="how instructions are placed on workers")
+    order: Order = Field("id", description=(
+        "order within a queue: ascending id, or the start order of a critical-path list schedule on the cost model"))
+    spatial: dict[str, Annotated[float, Field(gt=0, le=1000)]] = Field(default_factory=dict, description=(
+        "for assignment 'spatial': relative share of the workers per op (default: its share of the estimated time)"))
+
+    @field_validator("edges", "chunks")
+    @classmethod
+    def _known_edges(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _check_edge_keys(value)
+
+    @field_validator("tiles", "k_splits", "spatial")
+    @classmethod
+    def _known_ops(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key not in OP_ORDER:
+                raise ValueError(f"unknown op {key!r}; ops: {', '.join(OP_ORDER)}")
+        return value
+
+    def granularity(self, producer: str, consumer: str) -> str:
+        return self.edges.get(edge_name(producer, consumer), self.default_granularity)
+
+    def n_chunks(self, producer: str, consumer: str) -> int:
+        return self.chunks.get(edge_name(producer, consumer), 8)
+
+
+def strategy_schema() -> dict[str, Any]:
+    """The JSON Schema of a strategy (`synth strategy-schema`; part of the agent's briefing)."""
+    out = Strategy.model_json_schema()
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out["title"] = "megasynth strategy"
+    return out
+
+
+def parse_strategy(data: Any, file: str | None = None, where: str = "$") -> Strategy:
+    """Validate decoded JSON into a `Strategy`; the first defect raises `ScheduleError` with its JSON path."""
+    try:
+        return Strategy.model_validate(data)
+    except ValidationError as exc:
+        err = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
+        path = json_path(err["loc"])
+        path = where + path[1:] if where != "$" else path
+        raise ScheduleError(f"{err['msg']} (got {str(err.get('input'))[:60]})", path, file) from None
+
+
+def load_strategy(path: str | Path) -> Strategy:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ScheduleError(f"cannot read strategy: {exc.strerror or exc}", "$", str(path)) from None
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"invalid JSON: {exc.msg} at line {exc.lineno}", "$", str(path)) from None
+    return parse_strategy(data, str(path))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The search space: every performance decision a schedule makes, as discrete choices per knob
+
+
+#: Rows of one TMA box of interpreter v10 (`BR` in kernels/gpu/stream.py; tests/test_search_space.py checks it): a
+#: tile whose rows are a multiple of it fills its boxes, so the space offers wave tiles rounded up to it too.
+BOX_ROWS = 16
+#: Producer->consumer edges where a consumer reads only part of its producer's output, so a finer dependency can
+#: overlap the two stages (every other edge is all-to-all: a norm reads the whole of x).
+FINE_EDGES: tuple[str, ...] = ("attn_norm_qkv_rope->attn_partial", "attn_partial->attn_reduce",
+                               "attn_reduce->o_proj_residual", "attn_partial->attn_reduce_o_proj",
+                               "mlp_norm_gate_up->down_proj_residual")
+CHUNK_COUNTS: tuple[int, ...] = (2, 4, 8, 16, 32)
+K_SPLIT_OPS: tuple[str, ...] = ("o_proj_residual", "down_proj_residual")
+#: Ops whose tile size is searched (embed is one instruction, always).
+TILED_OPS: tuple[str, ...] = ("attn_norm_qkv_rope", "o_proj_residual", "mlp_norm_gate_up", "down_proj_residual",
+                              "final_norm_lm_head")
+_WAVES = (1, 2)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One searched decision: its name (`tiles.<op>`, `k_splits.<op>`, `attn_splits`, `edges.<edge>`, `assignment`,
+    `order`), its choices, whether they are ordered (neighbours are the adjacent choices) and why it matters."""
+
+    name: str
+    choices: tuple[Any, ...]
+    ordered: bool
+    why: str
+
+
+def _rows_of(spec: ModelSpec) -> dict[str, int]:
+    c = spec.config
+    return {"attn_norm_qkv_rope": c.qkv_size, "o_proj_residual": c.hidden_size,
+            "mlp_norm_gate_up": c.intermediate_size, "down_proj_residual": c.hidden_size,
+            "final_norm_lm_head": c.vocab_size}
+
+
+def k_split_choices(spec: ModelSpec, op: str) -> tuple[int, ...]:
+    """K-splits of o_proj / down_proj that cut K into equal parts of at least 16 columns."""
+    c = spec.config
+    k = c.q_size if op == "o_proj_residual" else c.intermediate_size
+    return tuple(s for s in (1, 2, 4, 8) if k % s == 0 and k // s >= 16)
+
+
+def wave_tiles(rows: int, workers: int, splits: tuple[int, ...] = (1,), align: int = 1, box: int = BOX_ROWS
+               ) -> list[int]:
+    """Tiles that make one or two whole waves: ceil(rows * k_split / (workers * waves)) for each K-split, as is
+    (rounded up to `align`) and rounded up to whole boxes of `box` rows (e.g. the LM head of llama-1b on 132 SMs:
+    972 and 976 rows, 132 instructions)."""
+    out: set[int] = set()
+    for ks in splits:
+        for waves in _WAVES:
+            t = math.ceil(rows * ks / (workers * waves))
+            out.add(max(align, -(-t // align) * align))
+            out.add(max(box, -(-t // box) * box))
+    return sorted(t for t in out if t <= rows)
+
+
+def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
+    """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
+    are RoPE pairs (any even row count; a whole head is `head_dim` rows)."""
+    c = spec.config
+    rows = _rows_of(spec)[op]
+    if op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
+        base = {8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, c.hd, 2 * c.hd}
+        cands = base | set(wave_tiles(rows, workers, align=2, box=2 * BOX_ROWS))
+    else:
+        lo, hi = {"final_norm_lm_head": (256, 8192)}.get(op, (8, 256))
+        pows = {1 << k for k in range(20) if lo <= 1 << k <= hi}
+        splits = k_split_choices(spec, op) if op in K_SPLIT_OPS else (1,)
+        cands = pows | set(wave_tiles(rows, workers, splits))
+    return tuple(sorted(t for t in cands if 1 <= t <= rows))
+
+
+def attn_split_choices(spec: ModelSpec, workers: int) -> tuple[int, ...]:
+    """Flash-decode splits: powers of two and the count that makes one wave of attn_partial instructions (workers //
+    KV heads)."""
+    c = spec.config
+    wave = max(1, workers // c.num_key_value_heads)
+    return tuple(sorted(s for s in {1, 2, 4, 8, 16, 32, wave} if s <= min(64, spec.max_seq_len)))
+
+
+def edge_choices(spec: ModelSpec) -> tuple[str, ...]:
+    """Dependency granularity of one edge as one value ("all", "head", "tile" or "chunk:N"), from coarse to fine:
+    "head" sits where its group count (the KV heads) falls among the chunk counts."""
+    heads = spec.config.num_key_value_heads
+    chunks = [f"chunk:{n}" for n in CHUNK_COUNTS]
+    at = sum(1 for n in CHUNK_COUNTS if n < heads)
+    return ("all", *chunks[:at], "head", *chunks[at:], "tile")
+
+
+class SearchSpace:
+    """The knobs the proposers search for one model on `workers` SMs, each with its discrete choices, and the moves
+    on them (a random point, neighbours, mutations). Everything a schedule decides that changes its speed on the
+    interpreter is here: tiles per op (powers of two, one-wave tiles from the worker count, QKV pair tiles of any
+    even size), K-splits of o_proj and down_proj, the attention split, the dependency granularity of every edge
+    where a finer one can overlap two stages, whether o_proj merges the attention splits itself, the assignment of
+    instructions to SMs and the order within a queue.
+
+    Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
+    sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
+    interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
+    data; measured within 1 % on v10, docs/search.md)."""
+
+    def __init__(self, spec: ModelSpec, workers: int) -> None:
+        self.spec, self.workers = spec, workers
+        knobs = [Knob(f"tiles.{op}", tile_choices(spec, workers, op), True, _TILE_WHY[op]) for op in TILED_OPS]
+        knobs += [Knob(f"k_splits.{op}", k_split_choices(spec, op), True,
+                       "split of the input dimension: more, smaller instructions whose partial sums add into x")
+                  for op in K_SPLIT_OPS]
+        knobs.append(Knob("attn_splits", attn_split_choices(spec, workers), True,
+                          "flash-decode splits of the KV sequence: attention on more SMs, one more merge"))
+        knobs.append(Knob("fuse_attn_reduce", (False, True), False,
+                          "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
+                          "repeated per o_proj row tile (interpreter v10)"))
+        knobs += [Knob(f"edges.{e}", edge_choices(spec), True,
+                       "which producers a consumer waits for: all of the stage, its KV head's, a chunk's, its tile's")
+                  for e in FINE_EDGES]
+        knobs.append(Knob("assignment", tuple(a for a in ASSIGNMENTS if a != "spatial"), False,
+                          "how instructions are placed on SMs"))
+        knobs.append(Knob("order", ORDERS, False, "order within a queue: by id, or a critical-path list schedule"))
+        self.knobs: list[Knob] = knobs
+        self.by_name = {k.name: k for k in knobs}
+
+    # -- reading and writing one knob ---------------------------------------------------------------------------
+    def value(self, strategy: Strategy, name: str) -> Any:
+        """The strategy's value of one knob (a tile size the naive default leaves implicit included)."""
+        kind, _, key = name.partition(".")
+        if kind == "tiles":
+            return strategy.tiles.get(key, Strategy().tiles.get(key))
+        if kind == "k_splits":
+            return strategy.k_splits.get(key, 1)
+        if kind == "edges":
+            p, q = key.split("->")
+            g = strategy.granularity(p, q)
+            return f"chunk:{strategy.n_chunks(p, q)}" if g == "chunk" else g
+        return getattr(strategy, name)
+
+    def with_value(self, strategy: Strategy, name: str, value: Any) -> Strategy:
+        """A copy of the strategy with one knob set."""
+        d = strategy.model_dump(mode="json")
+        kind, _, key = name.partition(".")
+        if kind in ("tiles", "k_splits"):
+            d[kind][key] = value
+        elif kind == "edges":  # the default granularity is left implicit: one strategy, one spelling
+            g, _, n = str(value).partition(":")
+            d["chunks"].pop(key, None)
+            if g == d["default_granularity"]:
+                d["edges"].pop(key, None)
+            else:
+                d["edges"][key] = g
+            if g == "chunk":
+                d["chunks"][key] = int(n)
+        else:
+            d[name] = value
+        return Strategy.model_validate(d)
+
+    def point(self, strategy: Strategy) -> dict[str, Any]:
+        """The strategy as knob -> value (what TPE and the briefing see)."""
+        return {k.name: self.value(strategy, k.name) for k in self.knobs}
+
+    def from_point(self, point: dict[str, Any], base: Strategy | None = None) -> Strategy:
+        """A strategy with the given knob values set on `base` (default: the naive baseline)."""
+        st = base or Strategy()
+        for name, value in point.items():
+            st = self.with_value(st, name, value)
+        return st
+
+    # -- moves ------------------------------------------------------------------------------------------------
+    def random(self, rng: random.Random) -> Strategy:
+        """A point drawn uniformly, each knob independently."""
+        return self.from_point({k.name: rng.choice(k.choices) for k in self.knobs})
+
+    def neighbours(self, strategy: Strategy, knob: str, reach: int = 1) -> list[Any]:
+        """Other values of one knob worth trying from this strategy: the `reach` nearest choices on each side for an
+        ordered knob (from where the current value would sit), every other choice for a categorical one."""
+        k = self.by_name[knob]
+        cur = self.value(strategy, knob)
+        if k.ordered and cur in k.choices:
+            at = k.choices.index(cur)
+            lower, upper = list(k.choices[max(0, at - reach):at]), list(k.choices[at + 1:at + 1 + reach])
+        elif k.ordered and isinstance(cur, int | float):
+            lower = [v for v in k.choices if v < cur][-reach:]
+            upper = [v for v in k.choices if v > cur][:reach]
+        else:
+            return [v for v in k.choices if v != cur]
+        return lower[::-1] + upper
+
+    def mutate(self, strategy: Strategy, rng: random.Random, n: int = 1) -> Strategy:
+        """Change `n` knobs: an ordered knob mostly to a nearby choice (a step of 1-3), sometimes to any."""
+        for _ in range(n):
+            k = rng.choice(self.knobs)
+            if k.ordered and rng.random() < 0.75:
+                options = self.neighbours(strategy, k.name, reach=rng.choice((1, 1, 2, 3)))
+            else:
+                options = [v for v in k.choices if v != self.value(strategy, k.name)]
+            if options:
+                strategy = self.with_value(strategy, k.name, rng.choice(options))
+        return strategy
+
+    def describe(self) -> list[str]:
+        """One line per knob: name, choices, why (the agent's briefing and `synth strategy-schema --space`)."""
+        return [f"{k.name}: {list(k.choices)}  ({k.why})" for k in self.knobs]
+
+
+_TILE_WHY = {
+    "attn_norm_qkv_rope": "QKV rows per instruction, RoPE pairs (even; head_dim = a whole head): smaller tiles put "
+                          "QKV on more SMs",
+    "o_proj_residual": "o_proj rows per instruction",
+    "mlp_norm_gate_up": "gate/up rows per instruction (the largest stream: one wave of tiles is the aim)",
+    "down_proj_residual": "down_proj rows per instruction",
+    "final_norm_lm_head": "LM-head rows per instruction (one wave: ceil(vocab / SMs))",
+}

@@ -1,1 +1,0 @@
-"""Schedule synthesis: model specs, lowering, search, the LLM agent, the CLI and runs/."""

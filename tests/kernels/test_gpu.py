@@ -1,0 +1,295 @@
+"""GPU correctness of the persistent Triton megakernel against the PyTorch reference (all marked `gpu`).
+
+bf16 weights and KV cache, random weights; a random KV history is pre-filled so that positions >= 2048 are reached
+without decoding 2000 tokens (the reference and the kernel then decode the same steps from the same cache). Skipped
+cleanly without CUDA or Triton.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton"),
+]
+
+from megasynth.ir.schedule import parse_schedule  # noqa: E402
+from megasynth.lowering.lower import lower  # noqa: E402
+from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.lowering.strategy import Strategy  # noqa: E402
+
+TOL = 2e-2  # relative L2 error of the logits
+MARGIN = 0.05  # the greedy token must match where the reference's top-2 margin exceeds this
+
+
+def _weights(cfg, seed: int):
+    """megasynth.kernels.weights.random_weights drawn on the GPU (llama-1b in a second), bf16."""
+    from megasynth.kernels.weights import random_weights
+
+    return random_weights(cfg, seed=seed, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
+
+
+def _variant(spec, workers: int, strategy: Strategy, seed: int):
+    """A lowering with the worker assignment reversed and the counter ids permuted (plus unused counters)."""
+    doc = lower(spec, workers, strategy).to_json()
+    doc["queues"] = list(reversed(doc["queues"]))
+    n = doc["counters"]
+    perm = list(range(n))
+    random.Random(seed).shuffle(perm)
+    doc["counters"] = n + 5
+    for ins in doc["instructions"]:
+        for w in ins.get("waits", []):
+            w["counter"] = perm[w["counter"]] + 5
+        for s in ins.get("signals", []):
+            s["counter"] = perm[s["counter"]] + 5
+    return parse_schedule(doc)
+
+
+def _decode_and_compare(spec, schedule, weights, positions, history, mk=None, config=None):
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.reference import decode_step
+
+    cfg = spec.config
+    if mk is None:
+        mk = Megakernel(schedule, weights, max_seq_len=spec.max_seq_len, config=config)
+    else:
+        mk.set_schedule(schedule)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    mk.k_cache.zero_()
+    mk.v_cache.zero_()
+    if history:
+        mk.k_cache[:, :, :history] = torch.randn(mk.k_cache[:, :, :history].shape, generator=gen, device="cuda") * .5
+        mk.v_cache[:, :, :history] = torch.randn(mk.v_cache[:, :, :history].shape, generator=gen, device="cuda")
+    kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+    for pos in positions:
+        token = (pos * 7919 + 11) % cfg.vocab_size
+        out = mk.step(token, pos)
+        ref = decode_step(cfg, weights, kref, vref, token, pos)
+        assert torch.isfinite(out).all(), f"non-finite logits at pos {pos}"
+        rel = float((out - ref).norm() / ref.norm())
+        assert rel <= TOL, f"pos {pos}: relative L2 error {rel:.3e} > {TOL}"
+        top2 = torch.topk(ref, 2).values
+        if float(top2[0] - top2[1]) > MARGIN:
+            assert int(out.argmax()) == int(ref.argmax()), f"pos {pos}: greedy token differs"
+    assert (mk.counters() == mk.packed.expected_counters).all(), "counters did not reach their final values"
+    assert float((mk.k_cache.float() - kref.float()).abs().max()) < 0.1
+    return mk
+
+
+@pytest.fixture(scope="module")
+def llama():
+    spec = get_model("llama-1b")
+    return spec, _weights(spec.config, seed=0)
+
+
+def test_llama_1b_naive_32_positions_past_2048(llama):
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _decode_and_compare(spec, lower(spec, sms), w, range(2048, 2080), 2048)
+
+
+def test_llama_1b_other_assignment_and_counters(llama):
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(attn_splits=4, k_splits={"o_proj_residual": 2, "down_proj_residual": 2})
+    _decode_and_compare(spec, _variant(spec, sms - 3, strat, seed=1), w, range(2500, 2516), 2500)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-gqa4", "tiny-mha"])
+def test_tiny_configs(name):
+    spec = get_model(name)
+    w = _weights(spec.config, seed=2)
+    hist = spec.max_seq_len // 2
+    mk = _decode_and_compare(spec, lower(spec, 8), w, range(hist, hist + 6), hist)
+    strat = Strategy(attn_splits=3, k_splits={"o_proj_residual": 2, "down_proj_residual": 2},
+                     tiles={"attn_norm_qkv_rope": spec.config.hd, "o_proj_residual": 8, "mlp_norm_gate_up": 24,
+                            "down_proj_residual": 8, "final_norm_lm_head": 40})
+    _decode_and_compare(spec, _variant(spec, 5, strat, seed=3), w, range(0, 4), 0, mk=mk)
+    # per-instruction counters: many waits per instruction (the interpreter's multi-wait path)
+    fine = Strategy(attn_splits=2, default_granularity="tile", tiles={"o_proj_residual": 8, "down_proj_residual": 8})
+    _decode_and_compare(spec, lower(spec, 6, fine), w, range(hist, hist + 3), hist, mk=mk)
+
+
+def _compiled_count() -> int | None:
+    from megasynth.kernels.gpu.interpreter import _megakernel
+    from megasynth.kernels.gpu.stream import stream_megakernel
+
+    try:
+        return sum(len(v[0]) for k in (_megakernel, stream_megakernel) for v in k.device_caches.values())
+    except (AttributeError, TypeError, IndexError):  # another Triton version's cache layout
+        return None
+
+
+def test_new_schedule_needs_no_recompile():
+    spec = get_model("tiny")
+    w = _weights(spec.config, seed=4)
+    mk = _decode_and_compare(spec, lower(spec, 4), w, range(3), 0)
+    before = _compiled_count()
+    _decode_and_compare(spec, _variant(spec, 7, Strategy(attn_splits=2), seed=5), w, range(3), 0, mk=mk)
+    if before is not None:
+        assert _compiled_count() == before, "a new schedule triggered a recompile"
+
+
+def test_v10_is_the_default_and_v9_stays_selectable(llama):
+    """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
+    from megasynth.kernels.gpu.interpreter import KernelConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mk = _decode_and_compare(spec, lower(spec, sms), w, range(1500, 1504), 1500)
+    assert mk.v10
+    mk9 = _decode_and_compare(spec, lower(spec, sms), w, range(1500, 1504), 1500, config=KernelConfig())
+    assert not mk9.v10
+
+
+@pytest.mark.parametrize("kv_ring", [True, False])
+def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring):
+    """The v10 best-schedule shape (QKV tiles of 16 RoPE pairs, down K-split 2) with and without the loader
+    streaming attention's K/V history; on a tiny config, pair tiles that straddle heads."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32, "final_norm_lm_head": 972}
+    strat = Strategy(tiles=tiles, attn_splits=16, k_splits={"down_proj_residual": 2})
+    cfg = StreamConfig(kv_ring=kv_ring)
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3008), 3000, config=cfg)
+    tiny = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, tiles={"attn_norm_qkv_rope": 10}, default_granularity="head")
+    _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60, config=cfg)
+
+
+@pytest.mark.parametrize("k_split", [1, 4])
+def test_v10_attn_reduce_folded_into_o_proj(llama, k_split):
+    """o_proj merging the attention splits itself (attn_reduce_o_proj), whole K and a K-split of 8 heads, per-KV-head
+    waits on the partials; on a tiny config, a K range that leaves part of a staged chunk unused and 3 splits."""
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64, "down_proj_residual": 64}
+    strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True, k_splits={"o_proj_residual": k_split},
+                     edges={"attn_partial->attn_reduce_o_proj": "head"})
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(1000, 1006), 1000)
+    tiny = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 3},
+                   tiles={"o_proj_residual": 8}, default_granularity="tile")
+    _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60)
+
+
+@pytest.mark.parametrize("kpair", [True, False])
+def test_v10_row_paired_k_slots(llama, kpair):
+    """o_proj, down and the LM head with row-paired slots (kpair, rows r and r + 16 per slot) and without: 48-row
+    tiles end on a 16-row group with no partner, K splits of 2 and 4; on a tiny config, 8-row tiles (the second box
+    is never filled) and a 24-row LM head."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 48, "mlp_norm_gate_up": 64, "down_proj_residual": 48,
+             "final_norm_lm_head": 1008}
+    strat = Strategy(tiles=tiles, attn_splits=8, k_splits={"o_proj_residual": 2, "down_proj_residual": 4})
+    cfg = StreamConfig(kpair=kpair)
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(2000, 2004), 2000, config=cfg)
+    tiny = get_model("tiny")
+    small = Strategy(attn_splits=2, k_splits={"down_proj_residual": 2},
+                     tiles={"o_proj_residual": 8, "down_proj_residual": 8, "final_norm_lm_head": 24})
+    _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(40, 44), 40, config=cfg)
+
+
+def test_v10_tensor_core_consumer(llama):
+    """StreamConfig(mma=True), wgmma on the ring's slots: the searched fused shape and a 48-row tile whose last 16-row
+    group has no partner; on tiny configs, BK past the hidden size (zero-filled boxes), odd QKV pair tiles, a fused
+    K split of 3 and 8-row tiles (the second box is never filled); tiny-mha (intermediate 160) falls back to FMAs."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = StreamConfig(mma=True)
+    tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64, "down_proj_residual": 48,
+             "final_norm_lm_head": 1008}
+    strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True,
+                     k_splits={"o_proj_residual": 4, "down_proj_residual": 4})
+    mk = _decode_and_compare(spec, lower(spec, sms, strat), w, range(2500, 2504), 2500, config=cfg)
+    assert mk.kcfg.mma
+    gqa4 = get_model("tiny-gqa4")
+    odd = Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 3},
+                   tiles={"attn_norm_qkv_rope": 10, "o_proj_residual": 8}, default_granularity="head")
+    _decode_and_compare(gqa4, lower(gqa4, 7, odd), _weights(gqa4.config, 8), range(60, 64), 60, config=cfg)
+    for name in ("tiny", "tiny-mha"):
+        tiny = get_model(name)
+        small = Strategy(attn_splits=2, k_splits={"down_proj_residual": 2},
+                         tiles={"o_proj_residual": 8, "down_proj_residual": 8, "final_norm_lm_head": 24})
+        _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(20, 24), 20, config=cfg)
+
+
+@pytest.mark.parametrize("poll", ["lead", "all"])
+@pytest.mark.parametrize("extra_wait", [False, True])
+def test_watchdog_turns_a_hang_into_an_error(poll, extra_wait):
+    """A wait that can never hold ends the kernel with WatchdogError instead of hanging, whoever polls (with
+    poll="lead" only the first warp times out, and the other warps must still meet it at every later barrier), for a
+    lone wait and for an instruction with several (the vector poll)."""
+    from megasynth.kernels.gpu import Megakernel, WatchdogError
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec = get_model("tiny")
+    doc = lower(spec, 6).to_json()
+    victim = doc["instructions"][40]
+    stuck = {"counter": victim["waits"][0]["counter"], "value": 99_999}
+    victim["waits"] = victim["waits"] + [stuck] if extra_wait else [stuck]
+    config = StreamConfig(poll=poll) if torch.cuda.get_device_capability()[0] >= 9 else None
+    mk = Megakernel(parse_schedule(doc), _weights(spec.config, 5), max_seq_len=spec.max_seq_len, timeout_s=0.3,
+                    config=config)
+    with pytest.raises(WatchdogError, match=r"stuck at #40 .* needs 99999"):
+        mk.step(1, 2)
+
+
+def test_v10_poll_modes(llama):
+    """Both pollers of interpreter v10 on schedules whose instructions wait on several counters (chunk and per-head
+    edges: the vector poll) and on one (all-joins): the first warp alone (the default) and every compute warp."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec, w = llama
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(tiles={"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64}, attn_splits=8,
+                     edges={"mlp_norm_gate_up->down_proj_residual": "chunk",
+                            "attn_norm_qkv_rope->attn_partial": "head"})
+    sched = lower(spec, sms, strat)
+    assert max(len(i.waits) for i in sched.instructions) > 1
+    for poll in ("lead", "all"):
+        _decode_and_compare(spec, sched, w, range(1500, 1503), 1500, config=StreamConfig(poll=poll))
+
+
+def test_trace_export():
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.trace import check_trace, summarize
+
+    spec = get_model("tiny")
+    sched = lower(spec, 4)
+    mk = Megakernel(sched, _weights(spec.config, 6), max_seq_len=spec.max_seq_len)
+    tr = mk.traced_step(3, 5, {"model": "tiny"})
+    check_trace(tr)
+    evs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    assert len(evs) == len(sched.instructions)
+    assert {e["tid"] for e in evs} == {0, 1, 2, 3}
+    assert all(e["dur"] >= 0 and e["args"]["wait_us"] >= 0 for e in evs)
+    s = summarize(tr)
+    assert s["instructions"] == len(evs) and s["critical_path"]
+    if mk.v10:  # the loader's side of the trace: it reaches each instruction, then issues its fills, on the same clock
+        from megasynth.lowering.costmodel import LOADER_OPS
+
+        raw, lr, ops = mk.raw_trace(), mk.raw_loader_trace(), mk.packed.ops
+        assert all(0 < reach <= last for reach, last in lr.tolist())
+        assert all(lr[i][1] <= raw[i][2] for i, op in enumerate(ops) if op in LOADER_OPS)  # fills before its end
+        # the compute side's phases: staged (ops with a stage), then the op's end, then the signals, within its span
+        ph = mk.raw_phase_trace()
+        staged = {"attn_norm_qkv_rope", "mlp_norm_gate_up", "o_proj_residual", "attn_reduce_o_proj",
+                  "down_proj_residual", "final_norm_lm_head"}
+        assert all(raw[i][1] <= ph[i][0] <= ph[i][1] for i, op in enumerate(ops) if op in staged)
+        assert all(ph[i][0] == 0 for i, op in enumerate(ops) if op not in staged)
+        # (each thread reads the clock itself; no barrier between the op's end and the signals' end: 0.5 us slack)
+        assert all(raw[i][1] <= ph[i][1] <= raw[i][2] + 500 for i in range(len(ops)))

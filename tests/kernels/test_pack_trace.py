@@ -1,0 +1,115 @@
+"""CPU tests of the GPU interpreter's pack pass (schedule -> int32 tables) and of the shared trace format."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megasynth.ir.catalogue import OPS
+from megasynth.ir.errors import ScheduleError
+from megasynth.ir.schedule import parse_schedule
+from megasynth.kernels.gpu import pack as P
+from megasynth.lowering.lower import lower
+from megasynth.lowering.models import get_model
+from megasynth.lowering.strategy import Strategy
+from megasynth.trace import TraceError, check_trace, from_raw, make_trace, read_trace, summarize, write_trace
+
+
+@pytest.fixture(scope="module")
+def schedule():
+    s = lower(get_model("tiny"), 5, Strategy(attn_splits=3, k_splits={"o_proj_residual": 2, "down_proj_residual": 1}))
+    doc = s.to_json()
+    doc["queues"] = [list(reversed(q)) for q in doc["queues"]][::-1]  # packing follows the queues, not the ids
+    return parse_schedule(doc)
+
+
+def test_pack_tables_decode_back_to_the_schedule(schedule) -> None:
+    packed = P.pack(schedule)
+    by_id = schedule.by_id()
+    assert packed.ins.dtype == np.int32 and packed.ins.shape == (len(by_id), P.ROW)
+    assert packed.workers == len(schedule.queues) and packed.max_splits == 3
+    for w, queue in enumerate(schedule.queues):
+        rows = packed.ins[packed.qoff[w]:packed.qoff[w + 1]]
+        assert [int(r[P.F_ID]) for r in rows] == queue  # queue order, no indirection
+        for r in rows:
+            ins = by_id[int(r[P.F_ID])]
+            assert int(r[P.F_OP]) == P.OPCODES[ins.op]
+            assert int(r[P.F_LAYER]) == (ins.layer or 0)
+            assert [int(r[P.F_A0 + j]) for j in range(len(OPS[ins.op].args))] == \
+                [ins.args[k] for k in OPS[ins.op].args]
+            w0, wn, s0, sn = int(r[P.F_WOFF]), int(r[P.F_WN]), int(r[P.F_SOFF]), int(r[P.F_SN])
+            assert [tuple(x) for x in packed.waits[w0:w0 + wn].tolist()] == [(x.counter, x.value) for x in ins.waits]
+            assert [tuple(x) for x in packed.sigs[s0:s0 + sn].tolist()] == [(x.counter, x.add) for x in ins.signals]
+            if ins.waits:
+                assert (int(r[P.F_C0]), int(r[P.F_V0])) == (ins.waits[0].counter, ins.waits[0].value)
+            if ins.signals:
+                assert (int(r[P.F_SC0]), int(r[P.F_SA0])) == (ins.signals[0].counter, ins.signals[0].add)
+    totals = np.zeros(schedule.counters, dtype=np.int64)
+    for ins in schedule.instructions:
+        for s in ins.signals:
+            totals[s.counter] += s.add
+    assert packed.expected_counters.tolist() == totals.tolist()
+
+
+def test_warm_hints_point_at_the_same_workers_later_ops_of_the_layer(schedule) -> None:
+    packed = P.pack(schedule)
+    by_id = schedule.by_id()
+    hinted = 0
+    for w, queue in enumerate(schedule.queues):
+        lo = int(packed.qoff[w])
+        seen: set[int] = set()
+        for pos, iid in enumerate(queue):
+            ins, row = by_id[iid], packed.ins[lo + pos]
+            first_of_layer = ins.layer is not None and ins.layer not in seen
+            if ins.layer is not None:
+                seen.add(ins.layer)
+            for fld, op in P.WARM_OPS.items():
+                later = [lo + p for p, j in enumerate(queue) if p > pos and by_id[j].op == op
+                         and by_id[j].layer == ins.layer]
+                want = later[0] if first_of_layer and later else -1  # only a layer's first instruction hints
+                assert int(row[fld]) == want, (w, pos, ins.op, fld)
+                if want >= 0:
+                    hinted += 1
+                    target = packed.ins[want]
+                    assert int(target[P.F_OP]) == P.OPCODES[op] and int(target[P.F_LAYER]) == ins.layer
+                    assert lo <= want < int(packed.qoff[w + 1])  # the same worker's queue
+    assert hinted > 0
+
+
+def test_pack_refuses_ops_it_cannot_execute() -> None:
+    doc = {"format": "megakernel-schedule/1", "target": {"workers": 1}, "buffers": {"a": 4}, "counters": 0,
+           "instructions": [{"id": 0, "op": "my_op", "writes": [{"buffer": "a", "range": [0, 4]}]}], "queues": [[0]]}
+    with pytest.raises(ScheduleError, match="not a catalogue op"):
+        P.pack(parse_schedule(doc))
+
+
+def test_trace_round_trip_summary_and_critical_path(tmp_path) -> None:
+    # Two workers: #0 (w0) then #2 (w0); #1 (w1) waits for #0 and ends last.
+    raw = [(0, 0, 2000, 0), (0, 3000, 9000, 1), (2000, 2000, 4000, 0), (0, 0, 0, 1)]  # the last one never ran
+    trace = from_raw(raw, [0, 1, 2, 3], ["embed", "attn_partial", "embed", "embed"], [None, 0, None, None],
+                     {"model": "tiny", "ctx": 8})
+    path = tmp_path / "trace.json"
+    write_trace(path, trace)
+    back = read_trace(path)
+    assert back == json.loads(json.dumps(trace))
+    assert back["metadata"]["estimated"] is False
+    events = [e for e in back["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["id"] for e in events} == {0, 1, 2}
+    s = summarize(back, producers={1: [0], 2: [0]})
+    assert s["makespan_us"] == pytest.approx(9.0)
+    assert s["per_op"]["embed"]["count"] == 2 and s["per_op"]["attn_partial"]["total_us"] == pytest.approx(6.0)
+    assert s["per_sm"][1]["wait_us"] == pytest.approx(3.0)
+    assert [e["id"] for e in s["critical_path"]] == [0, 1]
+
+
+def test_bad_traces_name_the_json_path(tmp_path) -> None:
+    good = make_trace([], {"estimated": True})
+    check_trace(good)
+    bad = {"traceEvents": [{"ph": "X", "ts": 0, "dur": -1, "tid": 0, "args": {"id": 1}}]}
+    with pytest.raises(TraceError, match=r"\$\.traceEvents\[0\]\.dur"):
+        check_trace(bad, "t.json")
+    (tmp_path / "cut.json").write_text('{"traceEvents": [')
+    with pytest.raises(TraceError, match="invalid JSON"):
+        read_trace(tmp_path / "cut.json")

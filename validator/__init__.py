@@ -1,6 +1,0 @@
-"""Static validator for megakernel schedules: format, structure, coverage, deadlock and race proofs (no torch)."""
-
-from validator.errors import ScheduleError
-from validator.schedule import FORMAT, Schedule, load_schedule, loads_schedule, parse_schedule
-
-__all__ = ["FORMAT", "Schedule", "ScheduleError", "load_schedule", "loads_schedule", "parse_schedule"]
