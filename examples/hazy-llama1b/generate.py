@@ -563,7 +563,7 @@ def dumps(doc: dict) -> str:
 
 
 #: The committed files: the default assignment mode (rr) as published and repaired (the README's demo). The other
-#: modes (`--mode zz|wave|dag`) are 2.9 MB each and are generated on demand (tests/test_examples.py validates them).
+#: modes (`--mode zz|wave|dag`) are 2.9 MB each and are generated on demand (the example tests validate them).
 COMMITTED = [("rr", False), ("rr", True)]
 
 
