@@ -1,4 +1,4 @@
-"""The schedule format `megakernel-schedule/1` (DESIGN.md §2): typed models, loading with located errors, dumping.
+"""The schedule format `megakernel-schedule/1` (docs/design.md §2): typed models, loading with located errors, dumping.
 
 `load_schedule` takes a path or a JSON string and returns a `Schedule`, or raises `ScheduleError` naming the file and
 the JSON path of the first defect. Structural checks that need more than one field (ids, queues, counter and buffer

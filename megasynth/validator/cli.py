@@ -1,4 +1,4 @@
-"""`validate FILE...`: exit 0 accepted, 1 rejected, 2 malformed or usage error (DESIGN.md §3)."""
+"""`validate FILE...`: exit 0 accepted, 1 rejected, 2 malformed or usage error (docs/design.md §3)."""
 
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
         write_text_atomic(output, text + "\n")
     else:
         click.echo(text)
-    for exc in malformed:
-        click.echo(f"error: {exc}", err=True)
+    if output or fmt != "text":  # the text report on stdout already names each malformed file: say it once
+        for exc in malformed:
+            click.echo(f"error: {exc}", err=True)
     sys.exit(2 if malformed else (0 if all(r.accepted for r in reports) else 1))
 
 

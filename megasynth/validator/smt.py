@@ -1,11 +1,12 @@
 """z3 proofs for the conflicting pairs the graph pass could not order: `prove(pairs)` -> per pair UNSAT (proven),
 SAT (a counterexample interleaving as numbered events) or unknown (not proven).
 
-Model (DESIGN.md §3): integer start/end per instruction, `start < end`; program order `end(prev) <= start(next)`
+Model (docs/design.md §3): integer start/end per instruction, `start < end`; program order `end(prev) <= start(next)`
 (`--pipelined`: `start(prev) <= start(next)`); a wait `counters[c] >= v` of `y` holds iff the adds of the signallers
 that ended by `start(y)` reach `v`, encoded as a pseudo-Boolean constraint over difference atoms `end(s) <= start(y)`
-(so the sparse difference-logic solver applies, as DESIGN.md §3 measured). Facts the graph pass proved (needed
-signallers, signallers known to end before) are asserted as plain difference constraints instead of PB terms.
+(so the sparse difference-logic solver applies: with it, `SimpleSolver` and SMT-LIB text, one feasibility check of
+an 11.5k-instruction schedule took 2.6 s on 2 cores against 79 s for z3's defaults). Facts the graph pass proved
+(needed signallers, signallers known to end before) are asserted as plain difference constraints instead of PB terms.
 A violation of `a < b` is `start(b) < end(a)`.
 
 Each query is sliced to the instructions that can matter: the pair, their queue predecessors and every signaller of

@@ -51,7 +51,7 @@ def _verify(doc_or_path: dict[str, Any] | Path, pipelined: bool = False, interle
 
 @functools.cache
 def _committed(name: str, pipelined: bool = False) -> Report:
-    """The report on one committed file (each is validated once per session)."""
+    """The report on one committed file (each is validated once per test session)."""
     return _verify(HAZY / name, pipelined)
 
 

@@ -158,6 +158,12 @@ def test_console_script_exit_code_without_traceback(files: dict[str, str]) -> No
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
+    # the text report on stdout names the defect; stderr repeats nothing
+    assert proc.stdout.count("bad.json") == 1 and "MALFORMED" in proc.stdout and proc.stderr == ""
+    # with the report in a file (or as JSON/SARIF), the one line on stderr is what a person sees
+    proc = subprocess.run([sys.executable, "-m", "megasynth.validator.cli", files["bad"], "--format", "json"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "bad.json" in proc.stderr
 
 

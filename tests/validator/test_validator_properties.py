@@ -7,7 +7,7 @@ buffers; counters shared by several producers, partial targets (value below the 
 read+write, queue order independent of ids, and cycles all occur. `layered`: model-like stages with counters shared
 across layers and cumulative targets (the gates of validator/hb.py), re-assigned to random workers, renumbered, and
 half the time mutated once. The replay runs 20 interleavings per example (its agreement is also checked on the
-seeded bugs). `frozen_races`, the exact race oracle that tests/test_validator_scale.py uses on schedules too large to
+seeded bugs). `frozen_races`, the exact race oracle that test_validator_scale.py uses on schedules too large to
 enumerate, is checked against the enumeration here. Runtime: ~20 s on 2 cores (derandomized, so CI is
 reproducible).
 """

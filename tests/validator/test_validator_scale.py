@@ -56,7 +56,7 @@ _GRANULARITIES = ["all", "head", "chunk", "tile"]
 
 def random_strategy(rng: random.Random, tiny: bool) -> Strategy:
     """A random point of the strategy space. On the real models `tile` granularity goes on single edges only (as
-    the default it means ~250 waits per instruction and a half-minute lowering; tests/test_seeded_bugs.py and the
+    the default it means ~250 waits per instruction and a half-minute lowering; test_seeded_bugs.py and the
     bench cover that case)."""
     tiles = _TINY_TILES if tiny else _TILES
     edges = _edges()
