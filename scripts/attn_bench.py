@@ -1,11 +1,10 @@
-"""How long does each instruction of the attention chain take when nothing waits? (perf notes, v10 session 4)
+"""How long does each instruction of the attention chain take when nothing waits? (docs/perf-notes.md)
 
 In the step, an attention instruction takes ~5.5 us after its wait for 16 KB of K/V (ctx 1024), QKV ~5.1 us and the
 merge + o_proj ~5.2 us: ~18 us of a ~46 us layer for ~5 us of bytes. This takes the searched fused llama-1b lowering,
 keeps the instructions of ONE op (all layers) with their waits dropped, and times them on the real interpreter
 (CUDA-graph replays): the time divided by the longest queue is one instruction's own cost (the embedding alone, one
-instruction, shows the fixed cost of a replay), with the signals (release atomics) kept or dropped. Run it under
-`MEGASYNTH_V10_DIAG=5/6/7` to take parts out of attention (stream.py's DIAG).
+instruction, shows the fixed cost of a replay), with the signals (release atomics) kept or dropped.
 
     python scripts/attn_bench.py [--out DIR] [--ctx 1024,4096] [--ops attn_partial,...]
 """
@@ -25,7 +24,7 @@ import torch  # noqa: E402
 from stream_v10_bench import only  # noqa: E402  (one op's instructions alone)
 
 from megasynth.ir.schedule import parse_schedule  # noqa: E402
-from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu import Megakernel  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402
@@ -47,7 +46,6 @@ def main() -> int:
     ap.add_argument("--ops", default="embed,attn_norm_qkv_rope,attn_partial,attn_reduce_o_proj")
     ap.add_argument("--reps", type=int, default=50)
     args = ap.parse_args()
-    diag = int(os.environ.get("MEGASYNTH_V10_DIAG", "0"))  # what stream.py compiled in
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     spec = get_model("llama-1b")
@@ -66,12 +64,12 @@ def main() -> int:
             for ctx in (int(c) for c in args.ctx.split(",")):
                 r = time_schedule(mk, sched, ctx, reps=args.reps)
                 per = r["median_ms"] * 1e3 / longest
-                rows.append({"diag": diag, "op": op, "signals": signals, "ctx": ctx, "median_ms": r["median_ms"],
+                rows.append({"op": op, "signals": signals, "ctx": ctx, "median_ms": r["median_ms"],
                              "p10_ms": r["p10_ms"], "p90_ms": r["p90_ms"], "longest_queue": longest,
                              "us_per_instruction": per})
-                print(f"diag {diag} {op:20s} signals {'on ' if signals else 'off'} ctx {ctx:5d} "
+                print(f"{op:20s} signals {'on ' if signals else 'off'} ctx {ctx:5d} "
                       f"{r['median_ms'] * 1e3:7.1f} us for {longest} per SM: {per:5.2f} us each", flush=True)
-    (out / f"attn_bench_diag{diag}.json").write_text(json.dumps(rows, indent=1))
+    (out / "attn_bench.json").write_text(json.dumps(rows, indent=1))
     return 0
 
 

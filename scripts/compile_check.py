@@ -17,9 +17,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megasynth.kernels.gpu.interpreter import KernelConfig  # noqa: E402
 from megasynth.kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.v9 import KernelConfig  # noqa: E402
 from megasynth.lowering.models import get_model  # noqa: E402
 
 

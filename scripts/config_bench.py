@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from compile_check import parse_variant  # noqa: E402
 
 from megasynth.ir.schedule import load_schedule  # noqa: E402
-from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu import Megakernel  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.reference import decode_step  # noqa: E402

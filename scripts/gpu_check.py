@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.ir.schedule import parse_schedule  # noqa: E402
-from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel, WatchdogError  # noqa: E402
+from megasynth.kernels.gpu import KernelConfig, Megakernel, WatchdogError  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.reference import decode_step  # noqa: E402
@@ -88,21 +88,17 @@ VARIANTS: dict[str, Any] = {
     "v10": StreamConfig(),  # interpreter v10: TMA ring fed by a loader warp that runs ahead of the waits
     "v10s4": StreamConfig(slots=4),  # v10 with a shallow ring (4 x 16 KB): how much the depth matters
     "v10s8": StreamConfig(slots=8),
-    "v10s11": StreamConfig(slots=11),  # the ring before session 5 (a 12 KB shared-memory reserve left 11 slots)
+    "v10s11": StreamConfig(slots=11),  # the ring a 12 KB shared-memory reserve left
     "v10b4": StreamConfig(boxes=4),  # 4 boxes (32 KB) per slot: half the handshakes per byte
-    "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself (v10 up to run 18)
+    "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself
     "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
     "v10i2": StreamConfig(inflight=2),
-    "v10pl": StreamConfig(poll="lead"),  # only the first compute warp polls a counter (session 6; now the default)
-    "v10pli2": StreamConfig(poll="lead", inflight=2),
-    "v10pa": StreamConfig(poll="all"),  # every compute warp polls (up to session 5)
-    "v10i3": StreamConfig(inflight=3),  # the default since session 6
-    "v10i4": StreamConfig(inflight=4),  # the default up to session 6
+    "v10i3": StreamConfig(inflight=3),  # = v10
+    "v10i4": StreamConfig(inflight=4),
     "v10i6": StreamConfig(inflight=6),
     "v10i8": StreamConfig(inflight=8),
     "v10b4i2": StreamConfig(boxes=4, inflight=2),
-    "v10kp0": StreamConfig(kpair=False),  # K-split ops without row-paired slots (v10 up to run 29)
-    "v10mma": StreamConfig(mma=True),  # the tensor cores read the ring's slots (wgmma), runs 41-43
+    "v10mma": StreamConfig(mma=True),  # the tensor cores read the ring's slots (wgmma)
     "v10lr56": StreamConfig(loader_regs=56),
     "pf8k": KernelConfig(prefetch=1, pf_cap=8 << 10),
     "pf32k": KernelConfig(prefetch=1, pf_cap=32 << 10),
@@ -128,8 +124,8 @@ VARIANTS: dict[str, Any] = {
     "wg64": KernelConfig(warm_gu=64),
     "wo_g16": KernelConfig(warm_o=True, warm_gu=16),
     "wo_g32": KernelConfig(warm_o=True, warm_gu=32),
-    "ns4": KernelConfig(num_stages=4),  # the default since v9
-    "ns3": KernelConfig(num_stages=3),  # the default up to v8
+    "ns4": KernelConfig(num_stages=4),  # = v9
+    "ns3": KernelConfig(num_stages=3),  # the previous default
     "wo_ns4": KernelConfig(warm_o=True, num_stages=4),
     "wo_ns5": KernelConfig(warm_o=True, num_stages=5),
     "wo_ns4_a4": KernelConfig(warm_o=True, num_stages=4, ns_attn=4),
@@ -409,8 +405,8 @@ def main() -> int:
         "gu64lm": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64, "final_norm_lm_head": 1024}, attn_splits=4),
         "gu64s8": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 64}, attn_splits=8),
         "gu128": lambda: strat(tiles={**tiles, "mlp_norm_gate_up": 128}, attn_splits=4),
-        "best": lambda: strat(tiles=best, attn_splits=16),  # bench/best_schedule_llama1b_h200.json since v8
-        "best_s8": lambda: strat(tiles=best, attn_splits=8),  # the best schedule up to v7
+        "best": lambda: strat(tiles=best, attn_splits=16),  # the best hand-written schedule
+        "best_s8": lambda: strat(tiles=best, attn_splits=8),  # the best hand-written schedule with 8 attention splits
         "best_lm972": lambda: strat(tiles={**best, "final_norm_lm_head": 972}, attn_splits=16),  # one wave of 132
         # QKV tiles of RoPE pairs (v10): 96 / 128 instructions per layer instead of 48 whole heads
         "best_q32": lambda: strat(tiles={**best, "attn_norm_qkv_rope": 32}, attn_splits=16),
@@ -441,7 +437,7 @@ def main() -> int:
         "searched_fused_k8": lambda: strat(tiles=searched, attn_splits=16, fuse_attn_reduce=True,
                                            k_splits={**sk4, "o_proj_residual": 8}),
         "searched_fused_s8": lambda: strat(tiles=searched, attn_splits=8, k_splits=sk4, fuse_attn_reduce=True),
-        # session 6's searched best on the lead-poll kernel (runs/llama-1b-lead-h200, c0027), and with per-head waits
+        # the searched best on the first-warp-poll kernel (runs/llama-1b-lead-h200, c0027), and with per-head waits
         # from QKV to attention and from attention to the merge + o_proj
         "lead_best": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True,
                                    assignment="critical_path"),

@@ -1,6 +1,6 @@
 """A minimal warp-specialized Gluon kernel (a default partition and one worker partition that each write their own
 global output, no shared memory of their own) for `compute-sanitizer --tool racecheck`: if racecheck reports hazards
-here too, the ones it reports for interpreter v10 at its `def` and `gl.warp_specialize` lines (perf-notes v10) come
+here too, the ones it reports for interpreter v10 at its `def` and `gl.warp_specialize` lines (docs/perf-notes.md) come
 from Triton's warp-specialization code, not from the interpreter's ops.
 
     compute-sanitizer --tool racecheck python scripts/racecheck_ws_minimal.py

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel  # noqa: E402
+from megasynth.kernels.gpu import KernelConfig, Megakernel  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.reference import decode_step  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402

@@ -1,4 +1,4 @@
-"""How fast does each interpreter stream one op's weights when nothing waits? (perf-notes v10)
+"""How fast does each interpreter stream one op's weights when nothing waits? (docs/perf-notes.md)
 
 Takes a lowering of llama-1b, keeps the instructions of ONE op (all layers), drops every wait and signal, and times
 the result on the real interpreter (CUDA-graph replays, as `time_schedule` does): the op's weight bytes over the
@@ -26,7 +26,7 @@ from gpu_check import VARIANTS  # noqa: E402  (the interpreter variants, named a
 
 from megasynth.ir.catalogue import W_BYTES  # noqa: E402
 from megasynth.ir.schedule import parse_schedule  # noqa: E402
-from megasynth.kernels.gpu.interpreter import Megakernel  # noqa: E402
+from megasynth.kernels.gpu import Megakernel  # noqa: E402
 from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402
 from megasynth.lowering.lower import lower  # noqa: E402
@@ -64,7 +64,7 @@ def weight_bytes(doc: dict[str, Any], spec: Any) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "stream_v10_out"))
-    ap.add_argument("--variants", default="v10,v10mma,v10kp0")
+    ap.add_argument("--variants", default="v10,v10mma")
     ap.add_argument("--ops", default="mlp_norm_gate_up,down_proj_residual,final_norm_lm_head,attn_norm_qkv_rope,"
                                      "o_proj_residual")
     ap.add_argument("--reps", type=int, default=30)

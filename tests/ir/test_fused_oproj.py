@@ -132,7 +132,7 @@ def test_the_search_space_offers_the_fusion() -> None:
 def test_interpreter_v9_refuses_the_fused_op() -> None:
     pytest.importorskip("triton")
     from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
 
     spec = MODELS["tiny"]
     w = random_weights(spec.config, seed=3)

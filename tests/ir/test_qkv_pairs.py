@@ -124,7 +124,7 @@ def test_interpreter_v9_refuses_pair_tiles() -> None:
     """v9 computes QKV a head at a time: it must say so instead of computing the wrong rows."""
     pytest.importorskip("triton")
     from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
 
     spec = MODELS["tiny"]
     w = random_weights(spec.config, seed=3)

@@ -117,11 +117,11 @@ def test_tiny_configs(name):
 
 
 def _compiled_count() -> int | None:
-    from megasynth.kernels.gpu.interpreter import _megakernel
     from megasynth.kernels.gpu.stream import stream_megakernel
+    from megasynth.kernels.gpu.v9 import v9_megakernel
 
     try:
-        return sum(len(v[0]) for k in (_megakernel, stream_megakernel) for v in k.device_caches.values())
+        return sum(len(v[0]) for k in (v9_megakernel, stream_megakernel) for v in k.device_caches.values())
     except (AttributeError, TypeError, IndexError):  # another Triton version's cache layout
         return None
 
@@ -138,7 +138,7 @@ def test_new_schedule_needs_no_recompile():
 
 def test_v10_is_the_default_and_v9_stays_selectable(llama):
     """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
-    from megasynth.kernels.gpu.interpreter import KernelConfig
+    from megasynth.kernels.gpu import KernelConfig
 
     spec, w = llama
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -181,24 +181,20 @@ def test_v10_attn_reduce_folded_into_o_proj(llama, k_split):
     _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60)
 
 
-@pytest.mark.parametrize("kpair", [True, False])
-def test_v10_row_paired_k_slots(llama, kpair):
-    """o_proj, down and the LM head with row-paired slots (kpair, rows r and r + 16 per slot) and without: 48-row
-    tiles end on a 16-row group with no partner, K splits of 2 and 4; on a tiny config, 8-row tiles (the second box
-    is never filled) and a 24-row LM head."""
-    from megasynth.kernels.gpu.stream import StreamConfig
-
+def test_v10_row_paired_k_slots(llama):
+    """o_proj, down and the LM head with row-paired slots (rows r and r + 16 per slot): 48-row tiles end on a 16-row
+    group with no partner, K splits of 2 and 4; on a tiny config, 8-row tiles (the second box is never filled) and a
+    24-row LM head."""
     spec, w = llama
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = {"attn_norm_qkv_rope": 32, "o_proj_residual": 48, "mlp_norm_gate_up": 64, "down_proj_residual": 48,
              "final_norm_lm_head": 1008}
     strat = Strategy(tiles=tiles, attn_splits=8, k_splits={"o_proj_residual": 2, "down_proj_residual": 4})
-    cfg = StreamConfig(kpair=kpair)
-    _decode_and_compare(spec, lower(spec, sms, strat), w, range(2000, 2004), 2000, config=cfg)
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(2000, 2004), 2000)
     tiny = get_model("tiny")
     small = Strategy(attn_splits=2, k_splits={"down_proj_residual": 2},
                      tiles={"o_proj_residual": 8, "down_proj_residual": 8, "final_norm_lm_head": 24})
-    _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(40, 44), 40, config=cfg)
+    _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(40, 44), 40)
 
 
 def test_v10_tensor_core_consumer(llama):
@@ -227,32 +223,29 @@ def test_v10_tensor_core_consumer(llama):
         _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(20, 24), 20, config=cfg)
 
 
-@pytest.mark.parametrize("poll", ["lead", "all"])
+@pytest.mark.parametrize("kernel", ["default", "v9"])
 @pytest.mark.parametrize("extra_wait", [False, True])
-def test_watchdog_turns_a_hang_into_an_error(poll, extra_wait):
-    """A wait that can never hold ends the kernel with WatchdogError instead of hanging, whoever polls (with
-    poll="lead" only the first warp times out, and the other warps must still meet it at every later barrier), for a
-    lone wait and for an instruction with several (the vector poll)."""
-    from megasynth.kernels.gpu import Megakernel, WatchdogError
-    from megasynth.kernels.gpu.stream import StreamConfig
+def test_watchdog_turns_a_hang_into_an_error(kernel, extra_wait):
+    """A wait that can never hold ends the kernel with WatchdogError instead of hanging, on the default interpreter
+    (v10 on Hopper: only the first warp polls and times out, and the other warps must still meet it at every later
+    barrier) and on v9, for a lone wait and for an instruction with several (the vector poll)."""
+    from megasynth.kernels.gpu import KernelConfig, Megakernel, WatchdogError
 
     spec = get_model("tiny")
     doc = lower(spec, 6).to_json()
     victim = doc["instructions"][40]
     stuck = {"counter": victim["waits"][0]["counter"], "value": 99_999}
     victim["waits"] = victim["waits"] + [stuck] if extra_wait else [stuck]
-    config = StreamConfig(poll=poll) if torch.cuda.get_device_capability()[0] >= 9 else None
+    config = KernelConfig() if kernel == "v9" else None
     mk = Megakernel(parse_schedule(doc), _weights(spec.config, 5), max_seq_len=spec.max_seq_len, timeout_s=0.3,
                     config=config)
     with pytest.raises(WatchdogError, match=r"stuck at #40 .* needs 99999"):
         mk.step(1, 2)
 
 
-def test_v10_poll_modes(llama):
-    """Both pollers of interpreter v10 on schedules whose instructions wait on several counters (chunk and per-head
-    edges: the vector poll) and on one (all-joins): the first warp alone (the default) and every compute warp."""
-    from megasynth.kernels.gpu.stream import StreamConfig
-
+def test_v10_polls_one_and_several_counters(llama):
+    """Interpreter v10's first-warp poll on a schedule whose instructions wait on several counters (chunk and
+    per-head edges: the vector poll) and on one (all-joins)."""
     spec, w = llama
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     strat = Strategy(tiles={"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64}, attn_splits=8,
@@ -260,8 +253,7 @@ def test_v10_poll_modes(llama):
                             "attn_norm_qkv_rope->attn_partial": "head"})
     sched = lower(spec, sms, strat)
     assert max(len(i.waits) for i in sched.instructions) > 1
-    for poll in ("lead", "all"):
-        _decode_and_compare(spec, sched, w, range(1500, 1503), 1500, config=StreamConfig(poll=poll))
+    _decode_and_compare(spec, sched, w, range(1500, 1503), 1500)
 
 
 def test_trace_export():

@@ -6,7 +6,7 @@ attention-split reduce) against the PyTorch reference. Two limits of Triton's in
 multiplies raw bit patterns (so attention runs on the fp32 path, `attn_mma=False`; the tensor-core path is covered by
 the GPU tests only), and its bf16 conversion truncates (errors ~1e-3, tolerance 5e-3). Triton 3.6's interpreter also
 needs NumPy < 2.4 (it converts one-element arrays to Python ints). Each case runs in a subprocess, because
-`TRITON_INTERPRET` must be set before Triton and `megasynth.kernels.gpu.ops` are imported.
+`TRITON_INTERPRET` must be set before Triton and `megasynth.kernels.gpu.ptx` are imported.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import json, sys
 import torch
-from megasynth.kernels.gpu.interpreter import KernelConfig, Megakernel
+from megasynth.kernels.gpu import KernelConfig, Megakernel
 from megasynth.kernels.reference import decode_step
 from megasynth.kernels.weights import random_weights
 from megasynth.lowering.lower import lower

@@ -1,6 +1,6 @@
 """Interpreter v10 compiles for sm_90 without a GPU (Triton's bundled ptxas), with no spill stack and within the
 227 KB of shared memory one CTA may use, for the model shapes it runs; so does v9. The register and shared-memory
-budget is what a kernel change most often breaks (perf-notes v7), and this catches it before any device time."""
+budget is what a kernel change most often breaks (docs/perf-notes.md), and this catches it before any device time."""
 
 from __future__ import annotations
 
@@ -41,18 +41,6 @@ def test_v10_trace_build_fits_too() -> None:
     assert res.stack == 0 and res.shared <= SMEM_LIMIT
 
 
-def test_v10_without_row_paired_slots_compiles() -> None:
-    """StreamConfig(kpair=False), the K-split ops' previous slot order, stays selectable for side-by-side runs."""
-    pytest.importorskip("triton.experimental.gluon")
-    from megasynth.kernels.gpu.offline import compile_v10
-    from megasynth.kernels.gpu.stream import StreamConfig
-    from megasynth.lowering.models import get_model
-
-    spec = get_model("tiny")
-    _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(kpair=False))
-    assert res.stack == 0
-
-
 @pytest.mark.parametrize("model", ["tiny-gqa4", "llama-1b"])
 def test_v10_tensor_core_path_compiles(model: str) -> None:
     """StreamConfig(mma=True): the compute warps issue wgmma on the ring's slots, with no spills and within shared
@@ -69,7 +57,7 @@ def test_v10_tensor_core_path_compiles(model: str) -> None:
 
 
 def test_tensor_core_path_geometry() -> None:
-    """mma applies only where every K is a multiple of 64 (the [rows, K/64, 64] TMA view), with row-paired 2-box slots;
+    """mma applies only where every K is a multiple of 64 (the [rows, K/64, 64] TMA view), with 2-box slots;
     it makes BK 256 and leaves room for the merge scratch after the attention chunks."""
     from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry, weight_box
     from megasynth.lowering.models import get_model
@@ -80,7 +68,7 @@ def test_tensor_core_path_geometry() -> None:
     tiny = stream_geometry(get_model("tiny").config, StreamConfig(mma=True))  # hidden 128 < BK: zero-filled
     assert tiny["MMA"] and tiny["BK"] == 256 and tiny["NCH"] == 2
     assert not stream_geometry(get_model("tiny-mha").config, StreamConfig(mma=True))["MMA"]  # intermediate 160
-    assert not stream_geometry(get_model("llama-1b").config, StreamConfig(mma=True, kpair=False))["MMA"]
+    assert not stream_geometry(get_model("llama-1b").config, StreamConfig(mma=True, boxes=4))["MMA"]
     assert not stream_geometry(get_model("llama-1b").config, StreamConfig())["MMA"]  # off by default
     assert weight_box(stream_geometry(get_model("llama-1b").config, StreamConfig()))[0] == [16, 256]
 
@@ -100,13 +88,15 @@ def test_staging_buffer_holds_attentions_lane_partials(model: str) -> None:
 
 
 def test_v9_still_compiles() -> None:
-    from megasynth.kernels.gpu.interpreter import KernelConfig
     from megasynth.kernels.gpu.offline import compile_v9
+    from megasynth.kernels.gpu.v9 import KernelConfig
     from megasynth.lowering.models import get_model
 
     spec = get_model("tiny")
-    _, res = compile_v9(spec.config, spec.max_seq_len, KernelConfig())
+    kernel, res = compile_v9(spec.config, spec.max_seq_len, KernelConfig())
     assert res.stack == 0
+    ptx = kernel.asm["ptx"]  # the counter protocol of kernels/gpu/ptx.py: acquire polls, release adds from thread 0
+    assert "ld.acquire.gpu.global.b32" in ptx and "@%p0 red.release.gpu.global.add.s32" in ptx
 
 
 def test_too_many_slots_is_a_clear_error() -> None:
@@ -117,19 +107,18 @@ def test_too_many_slots_is_a_clear_error() -> None:
         stream_geometry(get_model("llama-1b").config, StreamConfig(slots=64))
 
 
-def test_v10_polls_counters_from_the_first_warp_by_default() -> None:
-    """StreamConfig.poll: by default only the first compute warp issues a counter's acquire load (the others wait at
-    a CTA barrier); "all" (every warp polls, up to session 6) stays selectable; any other value is refused."""
+def test_v10_polls_counters_from_the_first_warp_only() -> None:
+    """Only the first compute warp issues a counter's acquire load (the others wait at a CTA barrier): every acquire
+    in the PTX is kernels/gpu/ptx.py's first-warp poll, and the signals are its release adds from thread 0."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
-    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.kernels.gpu.stream import StreamConfig
     from megasynth.lowering.models import get_model
 
     spec = get_model("tiny")
-    lead, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig())
-    every, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig(poll="all"))
-    first_warp = "setp.lt.u32 %p0, %t0, 32; mov.u32"
-    assert first_warp in lead.asm["ptx"] and "@%p0 ld.acquire.gpu.global.b32" in lead.asm["ptx"]
-    assert first_warp not in every.asm["ptx"] and "ld.acquire.gpu.global.b32" in every.asm["ptx"]
-    with pytest.raises(ValueError, match="poll must be"):
-        stream_geometry(spec.config, StreamConfig(poll="one"))
+    kernel, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig())
+    ptx = kernel.asm["ptx"]
+    polls = ptx.count("ld.acquire.gpu.global.b32")
+    assert polls > 0 and polls == ptx.count("@%p0 ld.acquire.gpu.global.b32")
+    assert ptx.count("setp.lt.u32 %p0, %t0, 32; mov.u32") == polls
+    assert "@%p0 red.release.gpu.global.add.s32" in ptx

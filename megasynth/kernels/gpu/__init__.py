@@ -9,10 +9,14 @@ __all__ = ["KernelConfig", "Megakernel", "WatchdogError", "time_schedule"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Megakernel", "KernelConfig", "WatchdogError"):
-        from megasynth.kernels.gpu import interpreter
+    if name in ("Megakernel", "WatchdogError"):
+        from megasynth.kernels.gpu import runtime
 
-        return getattr(interpreter, name)
+        return getattr(runtime, name)
+    if name == "KernelConfig":
+        from megasynth.kernels.gpu.v9 import KernelConfig
+
+        return KernelConfig
     if name == "time_schedule":
         from megasynth.kernels.gpu.timing import time_schedule
 

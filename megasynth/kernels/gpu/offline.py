@@ -1,6 +1,6 @@
 """Compile the interpreters for sm_90 on a machine without a GPU, and read their registers, spill stack and shared
 memory: Triton ships ptxas and cuobjdump, so a kernel change can be checked for register pressure before it spends
-device time (perf-notes v7: the preloads that spilled were the ones that were slow)."""
+device time (docs/perf-notes.md: the preloads that spilled were the ones that were slow)."""
 
 from __future__ import annotations
 
@@ -77,12 +77,12 @@ def _compile(fn: Any, source_cls: Any, consts: dict[str, Any], types: dict[str, 
 
 def compile_v9(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Resources]:
     """Interpreter v9 (`KernelConfig`) for sm_90."""
-    from megasynth.kernels.gpu import interpreter as mk
+    from megasynth.kernels.gpu import v9
 
-    consts = mk.kernel_constexprs(c, max_seq_len, config, False)
+    consts = v9.kernel_constexprs(c, max_seq_len, config, False)
     warps = consts.pop("num_warps")
     consts.pop("num_stages")
-    return _compile(mk._megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})
+    return _compile(v9.v9_megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})
 
 
 def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False) -> tuple[Any, Resources]:

@@ -1,4 +1,4 @@
-"""The catalogue's ops as Triton device functions, inlined into the persistent interpreter (kernels/gpu/interpreter.py).
+"""The catalogue's ops as Triton device functions, inlined into interpreter v9 (kernels/gpu/v9.py).
 
 Each function computes exactly what `megasynth.ir.catalogue`'s `compute` of the same op computes (fp32 activations,
 bf16 weights and KV cache, fp32 accumulation). Data written by other SMs during the kernel (activations, this step's
@@ -11,64 +11,10 @@ a fully masked path keeps any other K split correct.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-#: The PTX of the counter protocol and the clocks, shared by interpreter v9 (here) and v10 (kernels/gpu/stream.py).
-#: (constexpr: a jit function may only read constexpr globals)
-ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
-ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
-ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
-#: The same load by the first warp of the CTA only; every other thread reads INT32_MAX (so never waits) and waits at
-#: the CTA barrier that must follow (interpreter v10's `poll="lead"`)
-ASM_LOAD_ACQUIRE_LEAD = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; "
-                                     "setp.lt.u32 %p0, %t0, 32; mov.u32 $0, 2147483647; "
-                                     "@%p0 ld.acquire.gpu.global.b32 $0, [$1]; }")
-ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
-                                  "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
-
-if os.environ.get("TRITON_INTERPRET") == "1":  # Triton's CPU interpreter runs no inline PTX: plain equivalents
-    # (programs run one after another there, so only single-worker schedules can be interpreted).
-
-    @triton.jit
-    def globaltimer():
-        return tl.full((), 0, tl.int64)
-
-    @triton.jit
-    def smid():
-        return tl.full((), 0, tl.int32)
-
-    @triton.jit
-    def load_acquire(ptr):
-        return tl.load(ptr)
-
-    @triton.jit
-    def signal_release(ptr, add):
-        return tl.atomic_add(ptr, add)
-
-else:
-
-    @triton.jit
-    def globaltimer():
-        """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
-        return tl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
-
-    @triton.jit
-    def smid():
-        return tl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=tl.int32, is_pure=True, pack=1)
-
-    @triton.jit
-    def load_acquire(ptr):
-        """Acquire load at GPU scope: later loads of this thread see every write released before the value read."""
-        return tl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
-    def signal_release(ptr, add):
-        """`*ptr += add` once per CTA (thread 0), with release semantics at GPU scope. Call after a CTA barrier."""
-        return tl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=tl.int32, is_pure=False,
-                                         pack=1)
+from megasynth.kernels.gpu import ptx
 
 
 @triton.jit
@@ -80,7 +26,7 @@ def report_stuck(err_ptr, pid, iid, counter, cur, need):
     tl.store(e + 3, counter)
     tl.store(e + 4, cur)
     tl.store(e + 5, need)
-    tl.store(e + 6, smid())
+    tl.store(e + 6, ptx.smid())
     tl.store(e, 1)
 
 
@@ -399,7 +345,7 @@ def op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, spl
 
 
 @triton.jit
-def prefetch_l2(base_ptr, off_bytes, nbytes, CH: tl.constexpr, NCH: tl.constexpr):
+def prefetch_range(base_ptr, off_bytes, nbytes, CH: tl.constexpr, NCH: tl.constexpr):
     """Ask the copy engine to stream bytes [off, off + nbytes) of an allocation into L2 (cp.async.bulk.prefetch:
     no registers, no wait). Weights never depend on a counter, so this is issued before an instruction's waits and
     HBM works while the SM spins. The range is rounded out to 16 bytes; prefetches are hints and never fault."""
@@ -413,22 +359,7 @@ def prefetch_l2(base_ptr, off_bytes, nbytes, CH: tl.constexpr, NCH: tl.constexpr
             o = b + offs
             size = tl.minimum(total - o, CH)
             size = (size + 15) // 16 * 16
-            ops_asm_prefetch(addr + start + o, size)
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-
-    @triton.jit
-    def ops_asm_prefetch(ptrs, size):
-        return size
-
-else:
-
-    @triton.jit
-    def ops_asm_prefetch(ptrs, size):
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; @%p0 cp.async.bulk.prefetch.L2.global [$1], $2; "
-            "mov.u32 $0, 0; }", "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
+            ptx.prefetch_l2(addr + start + o, size)
 
 
 @triton.jit
@@ -436,11 +367,11 @@ def prefetch_rows(w_ptr, woff, ld, r0, r1, k0, k1, CAP: tl.constexpr):
     """Prefetch the first CAP bytes of W[r0:r1, k0:k1] (bf16, row stride ld, starting woff elements into w_ptr): one
     region when the K range is whole rows, else one per row."""
     if (k0 == 0) & (k1 == ld):
-        prefetch_l2(w_ptr, (woff + r0.to(tl.int64) * ld) * 2, tl.minimum((r1 - r0) * ld * 2, CAP), 1024, 256)
+        prefetch_range(w_ptr, (woff + r0.to(tl.int64) * ld) * 2, tl.minimum((r1 - r0) * ld * 2, CAP), 1024, 256)
     else:
         r_end = tl.minimum(r1, r0 + tl.maximum(CAP // tl.maximum((k1 - k0) * 2, 1), 1))
         for r in range(r0, r_end):
-            prefetch_l2(w_ptr, (woff + r * ld + k0) * 2, (k1 - k0) * 2, 1024, 256)
+            prefetch_range(w_ptr, (woff + r * ld + k0) * 2, (k1 - k0) * 2, 1024, 256)
 
 
 @triton.jit
@@ -470,8 +401,8 @@ def prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_pt
         lo = a1 * T // a2
         hi = (a1 + 1) * T // a2
         base = ((layer * NKV + a0).to(tl.int64) * S + lo) * HD * 2
-        prefetch_l2(kc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
-        prefetch_l2(vc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
+        prefetch_range(kc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
+        prefetch_range(vc_ptr, base, tl.minimum((hi - lo) * HD * 2, CAP // 2), 1024, 256)
 
 
 @triton.jit

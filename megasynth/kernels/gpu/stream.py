@@ -9,20 +9,21 @@ Each program (one per SM) runs two partitions over the same queue of packed inst
   flight (so the compute warps' own loads do not queue behind the whole ring). Attention's K/V history (positions
   before pos, never written during a step) is streamed the same way (`KV_RING`);
 - the *compute* partition (the default, `num_warps` warps) waits on the instruction's counters (acquire loads by its
-  first warp while the others wait at a CTA barrier, `StreamConfig.poll`; the `%globaltimer` watchdog), stages the
+  first warp while the others wait at a CTA barrier; the `%globaltimer` watchdog), stages the
   activation vector it needs into shared memory in one load, consumes the ring's slots in the loader's order (wait
   `ready[s]`, read, release `empty[s]`), runs the op's epilogue, and signals (CTA barrier, then a release add from
   one thread). The split reduction and the embedding read no weights.
 
 A slot holds SB (2 or 4) [16, BK] boxes, paired by row so that both boxes of a pair multiply the same activation
-chunk: gate with up, a RoPE pair's first half with its second half, and (`kpair`, the default) rows r and r + 16 of
-o_proj, down and the LM head; without kpair those take the same 16 rows over consecutive K chunks. Attention takes a
-K block and a V block. Both partitions walk the same rows with the same loop structure and helpers (`_qkv_group`,
-`_load_k`'s order), so they agree on the slot sequence by construction.
+chunk: gate with up, a RoPE pair's first half with its second half, and rows r and r + 16 of o_proj, down and the LM
+head. Attention takes a K block and a V block. Both partitions walk the same rows with the same loop structure and
+helpers (`_qkv_group`, `_load_k`'s order), so they agree on the slot sequence by construction.
 
 With `StreamConfig.mma` the compute warps multiply on the tensor cores instead: each box is a wgmma operand read where
 TMA put it and the staged vector a bf16 hi/lo operand (`_pair_rows_mma`); measured not faster in the whole step, so
-off by default (perf notes, v10 session 4).
+off by default (docs/perf-notes.md).
+
+The PTX of the counter protocol and the clocks is kernels/gpu/ptx.py's, shared with interpreter v9.
 
 After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
 whatever data is there), and raises a global abort flag that ends every other worker's waits too: the ring always
@@ -32,7 +33,6 @@ drains, so the kernel always ends. The host then raises `WatchdogError`.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,13 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from megasynth.ir.model import ModelConfig
-from megasynth.kernels.gpu.ops import (
-    ASM_GLOBALTIMER,
-    ASM_LOAD_ACQUIRE,
-    ASM_LOAD_ACQUIRE_LEAD,
-    ASM_SIGNAL_RELEASE,
-    ASM_SMID,
-)
+from megasynth.kernels.gpu import ptx
 from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
@@ -75,55 +69,13 @@ MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bi
 #: The same bytes as the TMA destination of one weight box: [16 rows, BK / 64 sub-chunks, 64] (row 4 r + q of a tile)
 MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
-#: Diagnostics only (scripts/stream_v10_bench.py; results are WRONG when set): 1 = the compute warps only take and
-#: release ring slots (no staging, no arithmetic), 2 = no staging of the activation vector, 3 = the loader fills no
-#: slot (it arrives on the slot's mbarrier instead of loading): the compute warps' own rate over a full ring, 4 = 3 and
-#: the compute warps read nothing from the slots either: the rate of the slot hand-offs alone; for attention
-#: (scripts/attn_bench.py): 5 = no arithmetic over the K/V blocks, 6 = q and this step's K/V row are not loaded,
-#: 7 = no merge of the position lanes at the end (zeros are stored).
-DIAG: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_DIAG", "0")))
 #: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
-#: loop reading one word each round is the kind of L2 hot spot `StreamConfig.poll` removes for the counters, and an
-#: abort only follows a watchdog timeout (0.1 s and up). MEGASYNTH_V10_ABORT_AFTER_NS=0: read it every round (up to
-#: session 6).
-ABORT_AFTER_NS: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_ABORT_AFTER_NS", "20000")))
-#: Experiment (scripts/issue12_fused.sh): 0 drops the proxy fence before a slot is handed back to the loader.
-RELEASE_FENCE: gl.constexpr = gl.constexpr(int(os.environ.get("MEGASYNTH_V10_RELEASE_FENCE", "1")))
+#: loop reading one more word each round is the kind of L2 hot spot the first-warp poll removes for the counters,
+#: and an abort only follows a watchdog timeout (0.1 s and up).
+ABORT_AFTER_NS: gl.constexpr = gl.constexpr(20000)
 
 
-# -- small device helpers (PTX through inline asm) ---------------------------------------------------------------
-
-
-@gluon.jit
-def _globaltimer():
-    return gl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _smid():
-    return gl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _load_acquire(ptr):
-    """Acquire load at GPU scope (every thread of the partition polls; later loads see what the signaller released)."""
-    return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _poll(ptr, LEAD: gl.constexpr):
-    """A counter poll: every thread's acquire load, or (LEAD) the first warp's only, the other threads reading
-    INT32_MAX; a LEAD poll must be followed by a CTA barrier before any thread reads what the counter guards."""
-    if LEAD:
-        return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE_LEAD, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        return _load_acquire(ptr)
-
-
-@gluon.jit
-def _signal_release(ptr, add):
-    """`*ptr += add` once (thread 0, which is in the compute partition), release at GPU scope; after a barrier."""
-    return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+# -- watchdog -----------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
@@ -134,7 +86,7 @@ def _report_stuck(err_ptr, pid, iid, counter, cur, need):
     gl.store(e + 3, counter)
     gl.store(e + 4, cur)
     gl.store(e + 5, need)
-    gl.store(e + 6, _smid())
+    gl.store(e + 6, ptx.gl_smid())
     gl.store(e, 1)
     gl.atomic_xchg(err_ptr + ABORT, 1, sem="relaxed", scope="gpu")
 
@@ -165,8 +117,7 @@ def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
 def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
     earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
-    behind the whole ring. Measured (perf notes, v10b): within 1 % of an unbounded backlog in the whole step, +8 %
-    for down alone; the default was 4 up to session 6 and is 3 since (`StreamConfig.inflight`)."""
+    behind the whole ring (`StreamConfig.inflight`; measurements in docs/perf-notes.md)."""
     s = t % NS
     if INFLIGHT < NS:
         if t >= INFLIGHT:
@@ -196,30 +147,12 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
     from column c0."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    if DIAG >= 3:
-        mbarrier.arrive(bar)
-    else:
-        _expect(bar, (1 + okb.to(gl.int32)) * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
-        for j in gl.static_range(SB // 2):
-            ok = kb + j < nkb
-            c = c0 + (kb + j) * BK
-            _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
-            _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
-    return t + 1
-
-
-@gluon.jit
-def _issue_k(d, r, c, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-             BK: gl.constexpr, BOX_BYTES: gl.constexpr):
-    """Slot t % NS <- rows [r, r + 16) of d over SB consecutive K chunks from column c (those below k1)."""
-    s = _claim(t, ready, empty, NS, INFLIGHT)
-    bar = ready.index(s)
-    if DIAG >= 3:
-        mbarrier.arrive(bar)
-    else:
-        _expect(bar, gl.minimum((k1 - c + BK - 1) // BK, SB), SB, BOX_BYTES)
-        for j in gl.static_range(SB):
-            tma.async_copy_global_to_shared(d, [r, c + j * BK], bar, ring.index(SB * s + j), pred=c + j * BK < k1)
+    _expect(bar, (1 + okb.to(gl.int32)) * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
+    for j in gl.static_range(SB // 2):
+        ok = kb + j < nkb
+        c = c0 + (kb + j) * BK
+        _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
+        _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
     return t + 1
 
 
@@ -230,32 +163,24 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
     kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    if DIAG >= 3:
-        mbarrier.arrive(bar)
-    else:
-        mbarrier.expect(bar, 2 * BOX_BYTES)
-        kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-        vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-        tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
-        tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
+    mbarrier.expect(bar, 2 * BOX_BYTES)
+    kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+    vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+    tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
+    tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
     return t + 1
 
 
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr):
-    """The slots of W[a0:a1, k0:k1] (rows from base): with KP, rows r and r + 16 over the same K chunks (the second
-    box only while r + 16 < a1), else SB consecutive K chunks of the same 16 rows."""
-    if KP:
-        nkb = (k1 - k0 + BK - 1) // BK
-        for r in range(a0, a1, 2 * BR):
-            for kb in range(0, nkb, SB // 2):
-                t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
-    else:
-        for r in range(a0, a1, BR):
-            for c in range(k0, k1, SB * BK):
-                t = _issue_k(desc, base + r, c, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES)
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
+    while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do."""
+    nkb = (k1 - k0 + BK - 1) // BK
+    for r in range(a0, a1, 2 * BR):
+        for kb in range(0, nkb, SB // 2):
+            t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
+                            NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     return t
 
 
@@ -282,7 +207,7 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, KP: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
+            BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -300,7 +225,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
-            t_reach = _globaltimer()
+            t_reach = ptx.gl_globaltimer()
         if op == OP_QKV:
             base = layer * QKV
             p = a0 // 2
@@ -319,11 +244,9 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                     t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
                                     INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
-            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
-                        MMA)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif op == OP_DOWN:
-            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, KP,
-                        MMA)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 lo = a1 * (pos + 1) // a2
@@ -333,11 +256,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                     t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, KP, MMA)
+                        BOX_BYTES, MMA)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
-            gl.store(tr + 5, _globaltimer())
+            gl.store(tr + 5, ptx.gl_globaltimer())
         qi += 1
         op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
 
@@ -348,8 +271,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
 @gluon.jit
 def _release(t, empty, NS: gl.constexpr):
     """Hand slot t % NS back to the loader once every compute warp is done reading it."""
-    if RELEASE_FENCE:
-        fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
+    fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
     mbarrier.arrive(empty.index(t % NS))
     return t + 1
@@ -363,24 +285,12 @@ def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl
     s = t % NS
     mbarrier.wait(ready.index(s), (t // NS) & 1)
     for j in gl.static_range(SB // 2):
-        if (kb + j < nkb) & (DIAG != 1) & (DIAG != 4):
+        if kb + j < nkb:
             v = gl.expand_dims(_vchunk(vbuf, kb + j, blk), 0)
             acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
             if okb:
                 acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
     return _release(t, empty, NS), acc1, acc2
-
-
-@gluon.jit
-def _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr):
-    """acc += the slot's 16 rows x v over K chunks ci .. ci + SB - 1 (those below nkb)."""
-    s = t % NS
-    mbarrier.wait(ready.index(s), (t // NS) & 1)
-    for j in gl.static_range(SB):
-        # a box past the K range was not loaded (its slot part is stale): never touch it
-        if (ci + j < nkb) & (DIAG != 1) & (DIAG != 4):
-            acc += ring.index(SB * s + j).load(blk).to(gl.float32) * gl.expand_dims(_vchunk(vbuf, ci + j, blk), 0)
-    return _release(t, empty, NS), acc
 
 
 @gluon.jit
@@ -417,9 +327,8 @@ def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.con
     for kb in range(0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        if (DIAG != 1) & (DIAG != 4):
-            acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
         t += 1
@@ -475,14 +384,13 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
     if NORM:
         ss = gl.sum(gl.sum(v * v, axis=1), axis=0)
         v = v * w
-    if (DIAG != 1) & (DIAG != 2):
-        if MMA:
-            _store_operand(vstage, v, NCHK, BK)
-        else:
-            vstage.slice(0, NCHK).store(v)
+    if MMA:
+        _store_operand(vstage, v, NCHK, BK)
+    else:
+        vstage.slice(0, NCHK).store(v)
     gl.thread_barrier()
     if TRACE:  # the trace row's staged field (megasynth/kernels/gpu/pack.py)
-        gl.store(tr + 6, _globaltimer())
+        gl.store(tr + 6, ptx.gl_globaltimer())
     return ss
 
 
@@ -550,55 +458,47 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
 @gluon.jit
 def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
                 RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-                NCHK: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
-                num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                NCHK: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
+                tr, TRACE: gl.constexpr):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
-    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk with
-    KP, else consecutive K chunks of the same 16 rows)."""
+    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk)."""
     ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA, tr, TRACE)
     scale = 1.0
     if NORM:
         scale = 1.0 / gl.sqrt(ss / H + EPS)
-    return _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, KP,
-                     blk, MMA, num_warps)
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL, NS, SB, BK, blk,
+                     MMA, num_warps)
 
 
 @gluon.jit
 def _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, k0, k1, splits,
                      NH: gl.constexpr, HD: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr,
-                     BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-                     MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                     BK: gl.constexpr, SP: gl.constexpr, HBLK: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
+                     num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """attn_reduce folded into o_proj: x[a0:a1] += wo[a0:a1, k0:k1] @ attn[k0:k1], where attn[k0:k1] (whole heads)
     is merged from the attention splits into the staging buffer here instead of being read from `attn`: the
     instruction waits for the partials directly, one counter hop less than attn_reduce -> o_proj."""
     _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH, HD, NCHK, BK, SP, HBLK, MMA, num_warps)
     if TRACE:
-        gl.store(tr + 6, _globaltimer())
-    return _matvec_k(ring, ready, empty, vbuf, vstage, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, KP, blk,
-                     MMA, num_warps)
+        gl.store(tr + 6, ptx.gl_globaltimer())
+    return _matvec_k(ring, ready, empty, vbuf, vstage, t, x_ptr, a0, a1, k0, k1, 1.0, True, NS, SB, BK, blk, MMA,
+                     num_warps)
 
 
 @gluon.jit
 def _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, k0, k1, scale, RESIDUAL: gl.constexpr,
-              NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr, KP: gl.constexpr, blk: gl.constexpr,
-              MMA: gl.constexpr, num_warps: gl.constexpr):
+              NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr,
+              num_warps: gl.constexpr):
     """out[a0:a1] (+)= scale * W[a0:a1, k0:k1] @ vbuf, consuming the ring's slots in `_load_k`'s order: 32 rows at a
-    time with KP (one activation chunk per slot for both 16-row boxes, as gate/up), else 16."""
+    time (one activation chunk per slot for both 16-row boxes, as gate/up)."""
     nkb = (k1 - k0 + BK - 1) // BK
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
-    if KP:
-        for r in range(a0, a1, 2 * BR):
-            two = r + BR < a1
-            t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA, num_warps)
-            _store_rows(out_ptr, r + i16, y1 * scale, a1, RESIDUAL)
-            if two:
-                _store_rows(out_ptr, r + BR + i16, y2 * scale, a1, RESIDUAL)
-    else:
-        for r in range(a0, a1, BR):
-            acc = gl.zeros([BR, BK], gl.float32, blk)
-            for ci in range(0, nkb, SB):
-                t, acc = _consume_k(t, acc, ring, ready, empty, vbuf, ci, nkb, blk, NS, SB)
-            _store_rows(out_ptr, r + i16, gl.sum(acc, axis=1) * scale, a1, RESIDUAL)
+    for r in range(a0, a1, 2 * BR):
+        two = r + BR < a1
+        t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, two, blk, NS, SB, BK, MMA, num_warps)
+        _store_rows(out_ptr, r + i16, y1 * scale, a1, RESIDUAL)
+        if two:
+            _store_rows(out_ptr, r + BR + i16, y2 * scale, a1, RESIDUAL)
     return t
 
 
@@ -664,7 +564,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
     qmask = gl.expand_dims(gq < G, 1)
     qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
-    q = gl.load(q_ptr + qoffs, mask=qmask & (DIAG != 6), other=0.0, cache_modifier=".cg") * SCALE
+    q = gl.load(q_ptr + qoffs, mask=qmask, other=0.0, cache_modifier=".cg") * SCALE
     q3 = gl.expand_dims(q, 1)
     tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
     dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
@@ -676,7 +576,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     if KV_RING:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
-        cur = (pos >= lo) & (pos < hi) & (DIAG != 6)
+        cur = (pos >= lo) & (pos < hi)
         cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
         cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
         cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
@@ -686,23 +586,21 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             mbarrier.wait(ready.index(s), (t // NS) & 1)
             kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
             vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-            if BTK == 2 * BT:  # both blocks in one update (perf notes, session 4: -1.3 % at ctx 4096)
-                if DIAG != 5:
-                    nowa = gl.expand_dims(b0 + tk == pos, 1)
-                    nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
-                    ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
-                    va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
-                    kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
-                    vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
-                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
+            if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
+                nowa = gl.expand_dims(b0 + tk == pos, 1)
+                nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
+                ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
+                va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
+                kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
+                vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
+                m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
             else:
                 for hb in gl.static_range(BTK // BT):
                     t0 = b0 + hb * BT
                     now = gl.expand_dims(t0 + tk == pos, 1)
-                    if DIAG != 5:
-                        k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                        v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                        m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                    k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                    v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                    m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
             t = _release(t, empty, NS)
     else:
         kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
@@ -718,28 +616,24 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
             m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
     # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory (the
     # staging buffer, free between instructions) into a layout where each (head, dim) output has one owner thread:
-    # Triton's reduction over the warp axis would leave the result replicated in every warp (perf notes, session 4).
+    # Triton's reduction over the warp axis would leave the result replicated in every warp.
     LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
                                                                         num_warps // min(GP, num_warps)], [2, 1, 0])
     LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
-    if DIAG == 7:
-        o = gl.zeros([GP, HD], gl.float32, LO)
-        lse = gl.zeros([GP], gl.float32, gl.SliceLayout(1, LS))
-    else:
-        mx = gl.max(m_i, axis=1)  # [GP]
-        w = gl.exp(m_i - gl.expand_dims(mx, 1))
-        den = gl.sum(l_i * w, axis=1)
-        part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
-        parts.store(part)
-        gl.thread_barrier()
-        o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
-        empty_split = hi <= lo
-        safe = gl.where(den > 0, den, 1.0)
-        lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
-        o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1)
-        o = gl.where(empty_split, 0.0, o)
+    mx = gl.max(m_i, axis=1)  # [GP]
+    w = gl.exp(m_i - gl.expand_dims(mx, 1))
+    den = gl.sum(l_i * w, axis=1)
+    part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
+    parts.store(part)
+    gl.thread_barrier()
+    o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+    empty_split = hi <= lo
+    safe = gl.where(den > 0, den, 1.0)
+    lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
+    o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1)
+    o = gl.where(empty_split, 0.0, o)
     go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
     do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
     rows = split * NH + h0 + go
@@ -783,7 +677,7 @@ def _combine(mx, den, acc, lse_ptr, opart_ptr, s, hs, ok, d, NH: gl.constexpr, H
 def _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH: gl.constexpr, HD: gl.constexpr, HB: gl.constexpr,
                  SP: gl.constexpr, L2: gl.constexpr):
     """The attention output of query heads hs (lanes hm) merged over `splits` splits, [HB, HD] in layout L2: the
-    first SP splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v8+."""
+    first SP splits are an unrolled sequence of independent loads (one L2 round trip), as in interpreter v9."""
     mx = gl.full([HB], -1.0e30, gl.float32, gl.SliceLayout(1, L2))
     den = gl.zeros([HB], gl.float32, gl.SliceLayout(1, L2))
     acc = gl.zeros([HB, HD], gl.float32, L2)
@@ -821,13 +715,11 @@ def _stage_merged(vstage, opart_ptr, lse_ptr, k0, k1, splits, NH: gl.constexpr, 
         if b * HBLK * HD < used:
             hs = h0 + b * HBLK + hb
             o = _merge_heads(lse_ptr, opart_ptr, hs, hs < h1, splits, d, NH, HD, HBLK, SP, L2)
-            if (DIAG != 1) & (DIAG != 2):
-                heads.slice(b * HBLK, HBLK).store(o)
+            heads.slice(b * HBLK, HBLK).store(o)
     gl.thread_barrier()
     if MMA:
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
-        if (DIAG != 1) & (DIAG != 2):
-            _store_operand(vstage, scratch._reinterpret(gl.float32, [NCHK, BK], flat).load(blk), NCHK, BK)
+        _store_operand(vstage, scratch._reinterpret(gl.float32, [NCHK, BK], flat).load(blk), NCHK, BK)
         gl.thread_barrier()
 
 
@@ -847,23 +739,24 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 
 @gluon.jit
 def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
-          LEAD: gl.constexpr, num_warps: gl.constexpr):
+          num_warps: gl.constexpr):
     """Spin until every wait of the instruction holds; on a timeout (or another worker's abort) report and return 0,
-    after which the worker no longer waits. With LEAD only the first warp polls (one request per poll per SM instead
-    of one per warp on a counter every worker of a stage polls) and the others wait at a CTA barrier; the first
-    warp's `ok` is then the one that matters (the others never poll)."""
+    after which the worker no longer waits. Only the first warp polls (one request per poll round and SM on a counter
+    every worker of a stage polls, instead of one per warp: those queue at the counter's L2 slice and delay the
+    hops between stages, docs/perf-notes.md) and the others wait at a CTA barrier; the first warp's `ok` is then the
+    one that matters (the others never poll)."""
     if ok != 0:
         if wn == 1:
-            cur = _poll(counters_ptr + c0, LEAD)
+            cur = ptx.gl_load_acquire_lead(counters_ptr + c0)
             if cur < v0:
-                t0 = _globaltimer()
+                t0 = ptx.gl_globaltimer()
                 elapsed = t0 - t0
                 abort = pid * 0
                 while (cur < v0) & (elapsed < timeout_ns) & (abort == 0):
                     # the abort flag's load goes first: the acquire holds back every later load
                     abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0, cache_modifier=".cg")
-                    cur = _poll(counters_ptr + c0, LEAD)
-                    elapsed = _globaltimer() - t0
+                    cur = ptx.gl_load_acquire_lead(counters_ptr + c0)
+                    elapsed = ptx.gl_globaltimer() - t0
                 if cur < v0:
                     _report_stuck(err_ptr, pid, iid, c0, cur, v0)
                     ok = pid * 0
@@ -875,18 +768,18 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                 lm = lanes < wn
                 cs = gl.load(waits_ptr + 2 * (woff + lanes), mask=lm, other=0)
                 nd = gl.load(waits_ptr + 2 * (woff + lanes) + 1, mask=lm, other=0)
-                curs = _poll(counters_ptr + cs, LEAD)
+                curs = ptx.gl_load_acquire_lead(counters_ptr + cs)
                 short = gl.sum((curs < nd).to(gl.int32), axis=0)
                 if short > 0:
-                    t0 = _globaltimer()
+                    t0 = ptx.gl_globaltimer()
                     elapsed = t0 - t0
                     abort = pid * 0
                     while (short > 0) & (elapsed < timeout_ns) & (abort == 0):
                         abort = gl.load(err_ptr + ABORT, mask=elapsed >= ABORT_AFTER_NS, other=0,
                                         cache_modifier=".cg")
-                        curs = _poll(counters_ptr + cs, LEAD)
+                        curs = ptx.gl_load_acquire_lead(counters_ptr + cs)
                         short = gl.sum((curs < nd).to(gl.int32), axis=0)
-                        elapsed = _globaltimer() - t0
+                        elapsed = ptx.gl_globaltimer() - t0
                     if short > 0:
                         bad = gl.min(gl.where(curs < nd, lanes, wn), axis=0)
                         sel = lanes == bad
@@ -894,12 +787,9 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
                                       gl.sum(gl.where(sel, curs, 0), axis=0), gl.sum(gl.where(sel, nd, 0), axis=0))
                         ok = pid * 0
                 wb += WB
-            if not LEAD:
-                gl.thread_barrier()  # each thread polled some lanes: order every thread's reads after all acquires
-    if LEAD:
-        # outside `ok != 0`: after a timeout only the first warp's ok is 0, and every warp must reach the barrier
-        if wn > 0:
-            gl.thread_barrier()  # the other warps' reads come after the first warp's acquires
+    # outside `ok != 0`: after a timeout only the first warp's ok is 0, and every warp must reach the barrier
+    if wn > 0:
+        gl.thread_barrier()  # the other warps' reads come after the first warp's acquires
     return ok
 
 
@@ -913,11 +803,11 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             KP: gl.constexpr, MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr):
+             MMA: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
-    gl.store(smid_ptr + pid, _smid())
+    gl.store(smid_ptr + pid, ptx.gl_smid())
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
     token = gl.load(rt_ptr)
@@ -932,11 +822,10 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
          n_idx, n_a4) = _row17(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         tr = trace_ptr + idx.to(gl.int64) * TRACE_W  # this instruction's trace row (used when TRACE)
         if TRACE:
-            t_wait = _globaltimer()
-        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, POLL_LEAD,
-                   num_warps)
+            t_wait = ptx.gl_globaltimer()
+        ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
         if TRACE:
-            t_start = _globaltimer()
+            t_start = ptx.gl_globaltimer()
         if op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
@@ -950,22 +839,22 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHQ, BK, KP, blk, MMA, num_warps, tr, TRACE)
+                            True, H, EPS, NS, SB, NCHQ, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_FUSED:
             t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
-                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, KP, blk, MMA, num_warps, tr, TRACE)
+                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_GATE_UP:
             t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
                             NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_DOWN:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHI, BK, KP, blk, MMA, num_warps, tr, TRACE)
+                            True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_LM_HEAD:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, KP, blk, MMA, num_warps, tr, TRACE)
+                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         gl.thread_barrier()
         if TRACE:
-            gl.store(tr + 7, _globaltimer())  # the op's end, before its signals
+            gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
         si = soff * 0
         while si < sn:
             sc = sc0
@@ -973,10 +862,10 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             if si > 0:
                 sc = gl.load(sigs_ptr + 2 * (soff + si))
                 sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
-            _signal_release(counters_ptr + sc, sa)
+            ptx.gl_signal_release(counters_ptr + sc, sa)
             si += 1
         if TRACE:
-            t_end = _globaltimer()
+            t_end = ptx.gl_globaltimer()
             gl.store(tr, t_wait)
             gl.store(tr + 1, t_start)
             gl.store(tr + 2, t_end)
@@ -998,8 +887,8 @@ def stream_megakernel(
     INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
-    SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, KP: gl.constexpr,
-    MMA: gl.constexpr, POLL_LEAD: gl.constexpr, num_warps: gl.constexpr,
+    SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1026,10 +915,9 @@ def stream_megakernel(
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, KP, MMA, POLL_LEAD,
-                    num_warps)),
+                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, MMA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, KP, MMA, TRACE)),
+                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE)),
     ], [1], [LOADER_REGS])
 
 
@@ -1037,7 +925,7 @@ def stream_megakernel(
 
 SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 #: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
-#: (scripts/compile_check.py; the reserve was 12 KB up to session 5, one ring slot less)
+#: (scripts/compile_check.py); a larger reserve would cost a ring slot
 SMEM_RESERVE = 2 * 1024
 
 
@@ -1051,27 +939,19 @@ class StreamConfig:
     bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
-    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. 3 since session 6: every SM's
-    #: fills in flight are what the chain's releases and polls queue behind (perf notes, v10 session 6, run 69: 3
-    #: against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster, llama-8b 0.5 % slower; 2 cost llama-8b 5.6 %)
+    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. Every SM's fills in flight are what
+    #: the chain's releases and polls queue behind: 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster,
+    #: llama-8b 0.5 % slower; 2 cost llama-8b 5.6 % (docs/perf-notes.md)
     inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
-    #: o_proj, down and the LM head fill a slot with rows r and r + 16 over the same K chunk (one activation chunk for
-    #: both boxes, as gate/up) instead of consecutive K chunks of the same 16 rows (perf notes, v10 session 3)
-    kpair: bool = True
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
     #: drains a ring 1.65x as fast; the whole step is not bound by that and measured +0.5 % (ctx 1024) / +1.1 % (4096),
-    #: so it is off by default (perf notes, v10 session 4). Needs kpair, 2 boxes per slot and every K a multiple of 64
-    #: (otherwise the CUDA-core path runs); makes BK 256.
+    #: so it is off by default (docs/perf-notes.md). Needs 2 boxes per slot and every K a multiple of 64 (otherwise the
+    #: CUDA-core path runs); makes BK 256.
     mma: bool = False
     be: int = 1024  # embedding copy block
-    #: who polls a counter: the "lead" warp alone while the others wait at a CTA barrier, or "all" compute threads
-    #: (each warp one request per poll round: 1056 requests per round on an all-join counter instead of 132, all at
-    #: one L2 slice). Measured (perf notes, v10 session 6): the hops between stages 4.7 -> 2.3 us per layer, the
-    #: llama-1b step -4.6 %
-    poll: str = "lead"
 
 
 def _pow2_floor(n: int) -> int:
@@ -1091,10 +971,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
     if sc.boxes not in (2, 4):
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
-    if sc.poll not in ("all", "lead"):
-        raise ValueError(f"poll must be 'all' or 'lead', got {sc.poll!r}")
     # the tensor-core path views each weight matrix [rows, K / 64, 64] for TMA: every K a multiple of 64
-    mma = sc.mma and sc.kpair and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
+    mma = sc.mma and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
                                                                               c.intermediate_size))
     # the tensor-core path's box is four [16, 64] TMA boxes (a 64-row wgmma tile); past K they are zero-filled
     bk = 256 if mma else min(sc.bk, 256, _pow2_floor(c.hidden_size))
@@ -1135,8 +1013,8 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
-        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs, KP=sc.kpair,
-        MMA=geo["MMA"], POLL_LEAD=sc.poll == "lead", num_warps=sc.num_warps)
+        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs,
+        MMA=geo["MMA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]

@@ -1,0 +1,120 @@
+"""The PTX both interpreters run through inline asm: the counter protocol (acquire polls, release adds), the clocks
+(`%globaltimer`, `%smid`) and the L2 bulk prefetch, as Triton device functions for interpreter v9 (kernels/gpu/v9.py,
+kernels/gpu/ops.py) and as Gluon device functions (`gl_*`) for interpreter v10 (kernels/gpu/stream.py).
+
+One module so that both interpreters speak the same protocol: a counter is an int32 in global memory, a producer adds
+to it once per CTA with a release at GPU scope after a CTA barrier, a consumer polls it with acquire loads at GPU
+scope until it reaches the value it needs; everything the producer wrote before its release is then visible.
+
+Under Triton's CPU interpreter (`TRITON_INTERPRET=1`, which runs no inline PTX) the Triton functions are plain
+equivalents; programs run one after another there, so only single-worker schedules can be interpreted. The Gluon
+functions are only compiled for the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+# constexpr: a jit function may only read constexpr globals
+ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
+ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
+ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
+#: The same load by the first warp of the CTA only; every other thread reads INT32_MAX (so never waits) and waits at
+#: the CTA barrier that must follow. Interpreter v10 polls this way: one request per SM and poll round on a counter
+#: every worker of a stage waits on, instead of one per warp all queueing at the L2 slice that holds the counter.
+ASM_LOAD_ACQUIRE_LEAD = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; "
+                                     "setp.lt.u32 %p0, %t0, 32; mov.u32 $0, 2147483647; "
+                                     "@%p0 ld.acquire.gpu.global.b32 $0, [$1]; }")
+ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
+                                  "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
+#: An L2 prefetch of `size` bytes (a positive multiple of 16; none when size <= 0) by the copy engine: no registers,
+#: no wait, never faults.
+ASM_PREFETCH_L2 = tl.constexpr("{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; "
+                               "@%p0 cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
+
+# -- Triton (interpreter v9) ---------------------------------------------------------------------------------------
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+
+    @triton.jit
+    def globaltimer():
+        return tl.full((), 0, tl.int64)
+
+    @triton.jit
+    def smid():
+        return tl.full((), 0, tl.int32)
+
+    @triton.jit
+    def load_acquire(ptr):
+        return tl.load(ptr)
+
+    @triton.jit
+    def signal_release(ptr, add):
+        return tl.atomic_add(ptr, add)
+
+    @triton.jit
+    def prefetch_l2(ptrs, size):
+        return size
+
+else:
+
+    @triton.jit
+    def globaltimer():
+        """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
+        return tl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def smid():
+        """The SM this thread runs on (`%smid`)."""
+        return tl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def load_acquire(ptr):
+        """Acquire load at GPU scope: later loads of this thread see every write released before the value read."""
+        return tl.inline_asm_elementwise(ASM_LOAD_ACQUIRE, "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def signal_release(ptr, add):
+        """`*ptr += add` once per CTA (thread 0), with release semantics at GPU scope. Call after a CTA barrier."""
+        return tl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def prefetch_l2(ptrs, size):
+        """`cp.async.bulk.prefetch.L2` of `size` bytes from each pointer (see ASM_PREFETCH_L2)."""
+        return tl.inline_asm_elementwise(ASM_PREFETCH_L2, "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+
+
+# -- Gluon (interpreter v10) ---------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def gl_globaltimer():
+    """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
+    return gl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gl_smid():
+    """The SM this thread runs on (`%smid`)."""
+    return gl.inline_asm_elementwise(ASM_SMID, "=r", [], dtype=gl.int32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def gl_load_acquire_lead(ptr):
+    """A counter poll by the first warp (acquire at GPU scope), the other threads reading INT32_MAX: it must be
+    followed by a CTA barrier before any thread reads what the counter guards."""
+    return gl.inline_asm_elementwise(ASM_LOAD_ACQUIRE_LEAD, "=r,l", [ptr], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gl_signal_release(ptr, add):
+    """`*ptr += add` once per CTA (thread 0, which is in the compute partition), release at GPU scope; call after a
+    CTA barrier."""
+    return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
