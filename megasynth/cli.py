@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
@@ -11,28 +12,49 @@ from megasynth.ir.errors import ScheduleError
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """Synthesize megakernel schedules for Llama decode, prove them safe, time them, keep the best in runs/."""
+    """Synthesize megakernel schedules for Llama-family decode (Llama, Mistral, Qwen2.5, Qwen3), prove them safe, time
+    them, keep the best in runs/."""
 
 
 @main.command("models")
 def models_cmd() -> None:
-    """List the model specs."""
+    """List the model specs (any Hugging Face checkpoint folder of the family also works as --model DIR)."""
     from rich.console import Console
+
+    console = Console()
+    console.print(models_table(console.width))
+
+
+#: Console width from which `synth models` also shows each row's description.
+WIDE = 120
+
+
+def models_table(width: int = 80) -> Any:
+    """The model rows as a rich Table: names never wrap; the description column only on a console of WIDE columns
+    or more (at 80 columns the sizes fill the line)."""
     from rich.table import Table
 
     from megasynth.lowering.models import MODELS
 
-    table = Table("name", "model", "hidden", "inter", "layers", "heads", "kv", "head_dim", "vocab", "max_seq_len")
+    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold")
+    table.add_column("name", no_wrap=True)
+    wide = width >= WIDE
+    if wide:
+        table.add_column("model", overflow="fold", ratio=1)
+    for head in ("hidden", "inter", "layers", "heads", "kv", "hd", "vocab", "seq", "qkv"):
+        table.add_column(head, justify="right", no_wrap=True)
     for spec in MODELS.values():
         c = spec.config
-        table.add_row(spec.name, spec.description, str(c.hidden_size), str(c.intermediate_size),
-                      str(c.num_hidden_layers), str(c.num_attention_heads), str(c.num_key_value_heads),
-                      str(c.hd), str(c.vocab_size), str(spec.max_seq_len))
-    Console().print(table)
+        qkv = "+".join(x for x, on in (("bias", c.qkv_bias), ("norm", c.qk_norm)) if on) or "-"
+        row = [str(v) for v in (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads,
+                                c.num_key_value_heads, c.hd, c.vocab_size, spec.max_seq_len)]
+        table.add_row(spec.name, *([spec.description] if wide else []), *row, qkv)
+    return table
 
 
 @main.command("lower")
-@click.option("--model", "model_name", default="llama-1b", show_default=True)
+@click.option("--model", "model_name", default="llama-1b", show_default=True,
+              help="A model name (synth models) or a Hugging Face checkpoint folder (its config.json).")
 @click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True)
 @click.option("--strategy", "strategy_file", type=click.Path(dir_okay=False), help="Strategy JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
@@ -76,7 +98,7 @@ def _register() -> None:
 
     for module, name in [("megasynth.commands.search", "search"), ("megasynth.commands.bench", "bench"),
                          ("megasynth.commands.bench", "generate"), ("megasynth.commands.runs", "runs"),
-                         ("megasynth.commands.calibrate", "calibrate"),
+                         ("megasynth.commands.calibrate", "calibrate"), ("megasynth.commands.check", "check"),
                          ("megasynth.commands.search", "strategy_schema")]:
         try:
             mod = importlib.import_module(module)

@@ -23,7 +23,11 @@ positions [s*T//splits, (s+1)*T//splits) in split s (possibly empty).
 
 Weights (read-only, no part in footprints), as `kernels` packs them: `embed` [V,H]; per layer `layers.{l}.attn_norm`
 [H], `layers.{l}.wqkv` [q+2kv, H] (q rows, k rows, v rows), `layers.{l}.wo` [H, nH*hd], `layers.{l}.mlp_norm` [H],
-`layers.{l}.w_gate` [I,H], `layers.{l}.w_up` [I,H], `layers.{l}.w_down` [H,I]; `final_norm` [H]; `lm_head` [V,H].
+`layers.{l}.w_gate` [I,H], `layers.{l}.w_up` [I,H], `layers.{l}.w_down` [H,I]; `final_norm` [H]; `lm_head` [V,H]; with
+`qkv_bias` (Qwen2) `layers.{l}.bqkv` [q+2kv], added to the projections; with `qk_norm` (Qwen3) `layers.{l}.q_norm` and
+`layers.{l}.k_norm` [hd]: RMSNorm over each q and k head before RoPE. A head's norm needs the whole head's sum of
+squares, so for a `qk_norm` model a QKV tile holds whole q and k heads (its bounds inside the q and k rows are
+multiples of head_dim; v rows may still be cut into RoPE pairs); the footprints are those of any QKV tile.
 """
 
 from __future__ import annotations
@@ -138,6 +142,15 @@ def _check_rows_k(rows: Callable[[ModelConfig], int], ks: Callable[[ModelConfig]
         _interval(args, "start", "end", rows(geo.cfg))
         _interval(args, "k_start", "k_end", ks(geo.cfg))
     return check
+
+
+def _check_qkv(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    c = geo.cfg
+    start, end = _interval(args, "start", "end", c.qkv_size, 2)
+    qk_end = c.q_size + c.kv_size
+    if c.qk_norm and ((start < qk_end and start % c.hd) or (end < qk_end and end % c.hd)):
+        raise ArgError(f"args.start/end = [{start}, {end}) cuts a q or k head: with qk_norm (RMSNorm over each head) "
+                       f"a QKV tile's bounds below row {qk_end} must be multiples of head_dim = {c.hd}")
 
 
 def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
@@ -355,11 +368,18 @@ def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
     xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
     wqkv = w[f"layers.{layer}.wqkv"]
+    bias = w[f"layers.{layer}.bqkv"] if c.qkv_bias else None
     cos, sin = rt["cos"], rt["sin"]  # [hd]: the first and second halves repeat the pair frequencies
     for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
         r = head * c.hd
         y1 = wqkv[r + j0:r + j1].float() @ xn  # the pairs' first-half rows
         y2 = wqkv[r + half + j0:r + half + j1].float() @ xn  # and their partners
+        if bias is not None:
+            y1, y2 = y1 + bias[r + j0:r + j1].float(), y2 + bias[r + half + j0:r + half + j1].float()
+        if c.qk_norm and head < nh + nkv:  # the check keeps q and k tiles whole heads: (j0, j1) == (0, half)
+            g = w[f"layers.{layer}.q_norm" if head < nh else f"layers.{layer}.k_norm"].float()
+            inv = ((y1.pow(2).sum() + y2.pow(2).sum()) / c.hd + c.rms_norm_eps).rsqrt()
+            y1, y2 = y1 * inv * g[:half], y2 * inv * g[half:]
         if head < nh + nkv:  # RoPE (HF convention): (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin)
             cs, sn = cos[j0:j1], sin[j0:j1]
             y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
@@ -461,9 +481,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec("attn_norm_qkv_rope",
                "rows [start,end) of wqkv @ rmsnorm(x); RoPE on q/k heads; q to `q`, k/v appended to the cache at pos",
                True, {"start": "first fused-QKV row, even (rows in RoPE-pair order: a head's rows 2j, 2j+1 are its "
-                               "rows j, j+hd/2; whole heads are the same rows in either order)",
+                               "rows j, j+hd/2; whole heads are the same rows in either order; with qk_norm, q and k "
+                               "tiles are whole heads)",
                       "end": "end row, even"},
-               _check_rows(lambda c: c.qkv_size, lambda c: 2), _fp_qkv,
+               _check_qkv, _fp_qkv,
                _tile_rows("attn_norm_qkv_rope", lambda c: c.qkv_size),
                _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_qkv),
         OpSpec("attn_partial",

@@ -11,7 +11,7 @@ from typing import Any
 
 from megasynth.ir.catalogue import MERGE_OPS, OPS, Access, ArgError, Geometry, check_instruction
 from megasynth.ir.errors import ScheduleError
-from megasynth.ir.model import ModelConfig
+from megasynth.ir.model import ConfigError, ModelConfig
 from megasynth.ir.schedule import Schedule
 
 
@@ -72,8 +72,10 @@ def geometry_of(schedule: Schedule, file: str | None = None) -> Geometry | None:
         return None
     try:
         cfg = ModelConfig.from_hf(schedule.model.config)
+    except ConfigError as exc:
+        raise ScheduleError(f"model config: {exc}", f"$.model.config.{exc.key}", file) from None
     except (TypeError, ValueError) as exc:
-        raise ScheduleError(f"model config is not a valid Llama config: {exc}", "$.model.config", file) from None
+        raise ScheduleError(f"model config is not a valid config: {exc}", "$.model.config", file) from None
     splits = 1
     for ins in schedule.instructions:
         s = ins.args.get("splits") if ins.op in ("attn_partial", *MERGE_OPS) else None

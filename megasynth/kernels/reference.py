@@ -72,12 +72,19 @@ def decode_step(cfg: ModelConfig, weights: Weights, k_cache: torch.Tensor, v_cac
     cos, sin = rope_cos_sin(cfg, pos, k_cache.device)
     x = weights["embed"][token].float()
     for layer in range(cfg.num_hidden_layers):
-        w = {name: weights[f"layers.{layer}.{name}"].float()
-             for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")}
-        # attention block: x = x + wo @ attention(rope(q), rope(k), v)
-        q, k, v = (w["wqkv"] @ rms_norm(x, w["attn_norm"], eps)).split([cfg.q_size, cfg.kv_size, cfg.kv_size])
-        q = apply_rope(q.view(nh, hd), cos, sin)
-        k_cache[layer, :, pos] = apply_rope(k.view(nkv, hd), cos, sin).to(k_cache.dtype)
+        names = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate", "w_up", "w_down",
+                 *(("bqkv",) if cfg.qkv_bias else ()), *(("q_norm", "k_norm") if cfg.qk_norm else ()))
+        w = {name: weights[f"layers.{layer}.{name}"].float() for name in names}
+        # attention block: x = x + wo @ attention(rope(qk_norm(q)), rope(qk_norm(k)), v)
+        qkv = w["wqkv"] @ rms_norm(x, w["attn_norm"], eps)
+        if cfg.qkv_bias:  # Qwen2: q, k and v projections carry a bias
+            qkv = qkv + w["bqkv"]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size])
+        q, k = q.view(nh, hd), k.view(nkv, hd)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head, before RoPE
+            q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+        q = apply_rope(q, cos, sin)
+        k_cache[layer, :, pos] = apply_rope(k, cos, sin).to(k_cache.dtype)
         v_cache[layer, :, pos] = v.view(nkv, hd).to(v_cache.dtype)
         o = attention(cfg, q, k_cache[layer, :, :pos + 1].float(), v_cache[layer, :, :pos + 1].float())
         x = x + w["wo"] @ o

@@ -3,7 +3,8 @@
 Names and shapes (megasynth/ir/catalogue.py): `embed` [V,H]; per layer `layers.{l}.attn_norm` [H], `layers.{l}.wqkv`
 [q+2kv, H] (HF q_proj, k_proj, v_proj stacked by rows), `layers.{l}.wo` [H, nH*hd], `layers.{l}.mlp_norm` [H],
 `layers.{l}.w_gate` [I,H], `layers.{l}.w_up` [I,H], `layers.{l}.w_down` [H,I]; `final_norm` [H]; `lm_head` [V,H],
-the very same tensor as `embed` when the head is tied.
+the very same tensor as `embed` when the head is tied. With `qkv_bias` (Qwen2), `layers.{l}.bqkv` [q+2kv] (HF q, k, v
+biases stacked); with `qk_norm` (Qwen3), `layers.{l}.q_norm` [hd] and `layers.{l}.k_norm` [hd].
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megasynth.ir.model import ModelConfig
+from megasynth.ir.model import CheckpointConfigError, HFModel, ModelConfig, read_hf_config
 
 Weights = dict[str, torch.Tensor]
 
@@ -33,6 +34,8 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({
             p + "attn_norm": (h,),
             p + "wqkv": (cfg.qkv_size, h),
+            **({p + "bqkv": (cfg.qkv_size,)} if cfg.qkv_bias else {}),
+            **({p + "q_norm": (cfg.hd,), p + "k_norm": (cfg.hd,)} if cfg.qk_norm else {}),
             p + "wo": (h, cfg.q_size),
             p + "mlp_norm": (h,),
             p + "w_gate": (i, h),
@@ -49,7 +52,8 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
                    device: str | torch.device = "cpu", draw_on: str = "cpu") -> Weights:
     """Seeded random weights that keep activations O(1) over many layers (so bf16 comparisons mean something).
 
-    Matrices are normal / sqrt(fan_in), so a matvec of an O(1) vector is O(1); norm weights are 1 + 0.1 * normal.
+    Matrices are normal / sqrt(fan_in), so a matvec of an O(1) vector is O(1); norm weights are 1 + 0.1 * normal,
+    QKV biases 0.1 * normal.
     The embedding is normal / sqrt(H) when tied (logits O(1)) and normal otherwise. Values are drawn from one
     `torch.Generator(seed)` on `draw_on` in `weight_shapes` order, then cast and moved tensor by tensor (peak extra
     memory: one tensor). The default draws on the CPU, so the values do not depend on the device; `draw_on="cuda"`
@@ -58,7 +62,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
     gen = torch.Generator(device=draw_on).manual_seed(seed)
     out: Weights = {}
     for name, shape in weight_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith(".bqkv"):
+            t = 0.1 * torch.randn(shape, generator=gen, device=draw_on)
+        elif len(shape) == 1:
             t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=draw_on)
         elif name == "embed":
             t = torch.randn(shape, generator=gen, device=draw_on)
@@ -84,6 +90,9 @@ def _hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
         names.update({
             p + "attn_norm": [hf + "input_layernorm.weight"],
             p + "wqkv": [hf + f"self_attn.{x}_proj.weight" for x in "qkv"],
+            **({p + "bqkv": [hf + f"self_attn.{x}_proj.bias" for x in "qkv"]} if cfg.qkv_bias else {}),
+            **({p + "q_norm": [hf + "self_attn.q_norm.weight"], p + "k_norm": [hf + "self_attn.k_norm.weight"]}
+               if cfg.qk_norm else {}),
             p + "wo": [hf + "self_attn.o_proj.weight"],
             p + "mlp_norm": [hf + "post_attention_layernorm.weight"],
             p + "w_gate": [hf + "mlp.gate_proj.weight"],
@@ -97,14 +106,15 @@ def _hf_names(cfg: ModelConfig) -> dict[str, list[str]]:
 
 
 def _hf_part_shapes(cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    if name.endswith(".wqkv"):
-        h = cfg.hidden_size
-        return [(cfg.q_size, h), (cfg.kv_size, h), (cfg.kv_size, h)]
+    if name.endswith((".wqkv", ".bqkv")):
+        rest = shape[1:]
+        return [(cfg.q_size, *rest), (cfg.kv_size, *rest), (cfg.kv_size, *rest)]
     return [shape]
 
 
 def to_hf_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of load_hf_weights: HF `LlamaForCausalLM` names (no `lm_head.weight` when tied).
+    """The inverse of load_hf_weights: HF `LlamaForCausalLM` / `Qwen2ForCausalLM` / `Qwen3ForCausalLM` names (no
+    `lm_head.weight` when tied).
 
     Tensors are fresh copies (no shared storage), so the result can go straight to `safetensors.torch.save_file`.
     """
@@ -118,48 +128,18 @@ def to_hf_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, torch.Tens
     return out
 
 
-def _rope_from_hf(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, Llama-3 scaling or None) from either the 4.x keys or transformers 5's `rope_parameters`."""
-    params = config.get("rope_parameters")
-    theta = config.get("rope_theta")
-    scaling = config.get("rope_scaling")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", theta)
-        if params.get("rope_type", params.get("type", "default")) != "default":
-            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
-    return float(theta if theta is not None else 10000.0), scaling
-
-
 def config_from_hf_dir(path: str | Path) -> ModelConfig:
-    """Read a checkpoint folder's config.json (HF LlamaConfig defaults where a key is absent)."""
-    file = Path(path) / "config.json"
+    """Read a checkpoint folder's config.json (each family's HF defaults where a key is absent); anything the
+    megakernel cannot run raises `WeightsError` naming the file and the key."""
+    return read_checkpoint(path).config
+
+
+def read_checkpoint(path: str | Path) -> HFModel:
+    """`config_from_hf_dir` with the family and the longest context (`max_position_embeddings`)."""
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise WeightsError(f"{file}: no config.json in the checkpoint folder") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise WeightsError(f"{file}: cannot read config.json: {exc}") from None
-    if not isinstance(config, dict):
-        raise WeightsError(f"{file}: $ must be a JSON object")
-    if config.get("hidden_act", "silu") != "silu":
-        raise WeightsError(f"{file}: $.hidden_act = {config['hidden_act']!r}; only 'silu' (SwiGLU) is supported")
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise WeightsError(f"{file}: $.{key} = true; biases are not supported")
-    theta, scaling = _rope_from_hf(config)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
-        raise WeightsError(f"{file}: $.rope_scaling = {scaling!r}; only Llama-3 scaling is supported")
-    hf = {**config, "rope_theta": theta, "rope_scaling": scaling,
-          "rms_norm_eps": config.get("rms_norm_eps", 1e-6),
-          "tie_word_embeddings": bool(config.get("tie_word_embeddings", False))}
-    if hf.get("num_key_value_heads") is None:
-        hf["num_key_value_heads"] = config.get("num_attention_heads")
-    try:
-        return ModelConfig.from_hf(hf)
-    except (TypeError, ValueError) as exc:
-        raise WeightsError(f"{file}: not a valid Llama config: {exc}") from None
+        return read_hf_config(path)
+    except CheckpointConfigError as exc:
+        raise WeightsError(str(exc)) from None
 
 
 def _tensor_files(folder: Path) -> dict[str, Path]:
@@ -185,7 +165,8 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
 
 def load_hf_weights(path: str | Path, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> Weights:
-    """Load an HF Llama safetensors checkpoint folder into the catalogue's packing; shapes are checked against cfg."""
+    """Load an HF safetensors checkpoint folder (Llama, Mistral, Qwen2, Qwen3) into the catalogue's packing; shapes
+    are checked against cfg."""
     from safetensors import safe_open
 
     folder = Path(path)

@@ -54,10 +54,12 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
         return [{"start": s, "end": e, "k_start": k0, "k_end": k1} for s, e in _tiles(rows, t.get(op, 16))
                 for k0, k1 in kt]
 
+    qkv_align = c.hd if c.qk_norm else 2  # RoPE pairs; QK-norm normalises whole heads, so tiles round to heads
     prev = 0
     for layer in range(c.num_hidden_layers):
         qkv = add("attn_norm_qkv_rope", layer, [{"start": s, "end": e} for s, e in
-                                               _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), 2)], [prev])
+                                               _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), qkv_align)],
+                  [prev])
         part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits}
                                            for g in range(c.num_key_value_heads) for s in range(splits)], [qkv])
         if strategy.fuse_attn_reduce:  # o_proj merges the splits of its K range's heads itself

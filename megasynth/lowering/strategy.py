@@ -192,12 +192,14 @@ def wave_tiles(rows: int, workers: int, splits: tuple[int, ...] = (1,), align: i
 
 def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
-    are RoPE pairs (any even row count; a whole head is `head_dim` rows)."""
+    are RoPE pairs (any even row count; a whole head is `head_dim` rows), whole heads for a QK-norm model."""
     c = spec.config
     rows = _rows_of(spec)[op]
     if op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
         base = {8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, c.hd, 2 * c.hd}
         cands = base | set(wave_tiles(rows, workers, align=2, box=2 * BOX_ROWS))
+        if c.qk_norm:  # QK-norm needs whole q and k heads: only whole-head tiles
+            cands = {t for t in cands if t % c.hd == 0} | {c.hd * n for n in (1, 2, 4) if c.hd * n <= rows}
     else:
         lo, hi = {"final_norm_lm_head": (256, 8192)}.get(op, (8, 256))
         pows = {1 << k for k in range(20) if lo <= 1 << k <= hi}

@@ -130,7 +130,7 @@ def test_bad_input_is_one_located_line(tmp_path: Path, name: str, mutate: Callab
     assert "\n" not in line and line.startswith(f"{file}: {path}: ")
     res = CliRunner().invoke(main, [str(file)])
     assert res.exit_code == 2
-    assert f"error: {file}: {path}: " in res.stderr
+    assert f"{file}: MALFORMED\n  {path}: " in res.stdout  # the text report names it once, on stdout
     assert "Traceback" not in res.output
 
 

@@ -1,0 +1,176 @@
+"""Qwen3 (QK-norm, head_dim != hidden/heads), Qwen2.5 (QKV bias), Llama with an explicit head_dim and Mistral: the
+reference decode step against transformers (fp32, eager) from our weights, the CPU executor against the reference
+under several legal interleavings and tilings, the QK-norm tiling rule, and the checkpoint round trip."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from megasynth.ir.catalogue import ArgError, Geometry, check_instruction
+from megasynth.ir.errors import ScheduleError
+from megasynth.ir.model import ModelConfig
+from megasynth.ir.program import resolve
+from megasynth.ir.schedule import parse_schedule
+from megasynth.kernels.cpu_executor import run_program
+from megasynth.kernels.reference import decode_step, new_kv_cache
+from megasynth.kernels.weights import load_hf_weights, random_weights, to_hf_state_dict, weight_shapes
+from megasynth.lowering.lower import lower
+from megasynth.lowering.models import MODELS, ModelSpec
+from megasynth.lowering.strategy import Strategy, tile_choices
+from megasynth.validator.verify import verify
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+_SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "vocab_size": 128}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16}
+FAMILIES: dict[str, ModelConfig] = {
+    "qwen3": ModelConfig(**_SIZES, num_key_value_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, qk_norm=True),
+    "qwen2": ModelConfig(**_SIZES, num_key_value_heads=2, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-6,
+                         tie_word_embeddings=False, qkv_bias=True),
+    "llama": ModelConfig(**_SIZES, num_key_value_heads=2, head_dim=32, rope_theta=5e5, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, rope_scaling=_LLAMA3),
+    "mistral": ModelConfig(**_SIZES, num_key_value_heads=1, head_dim=16, rope_theta=1e6, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False),
+}
+MAX_SEQ = 16
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def hf_model(family: str, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
+    """The transformers model of `family` (fp32, eager) with our weights loaded."""
+    import transformers
+
+    cls = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "mistral": "MistralConfig"}[family]
+    rope = {"rope_type": "default", **(cfg.rope_scaling_dict() or {}), "rope_theta": cfg.rope_theta}
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    config = getattr(transformers, cls)(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hd, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, max_position_embeddings=64,
+        attn_implementation="eager", **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    missing, unexpected = model.load_state_dict(to_hf_state_dict(weights, cfg), strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    return model
+
+
+def _tokens(cfg: ModelConfig, n: int = 8) -> list[int]:
+    return torch.randint(0, cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_reference_matches_transformers(family: str) -> None:
+    cfg = FAMILIES[family]
+    weights = random_weights(cfg, seed=2)
+    tokens = _tokens(cfg)
+    k, v = new_kv_cache(cfg, MAX_SEQ)
+    ours = [decode_step(cfg, weights, k, v, t, pos) for pos, t in enumerate(tokens)]
+    with torch.no_grad():
+        theirs = hf_model(family, cfg, weights)(torch.tensor([tokens])).logits[0]
+    for pos in range(len(tokens)):
+        assert rel_err(ours[pos], theirs[pos]) <= 1e-4, (pos, rel_err(ours[pos], theirs[pos]))
+    assert rel_err(ours[0], ours[-1]) > 0.1
+
+
+def test_the_variations_matter() -> None:
+    """Dropping the bias or the QK-norm weights changes the logits: the reference really applies them."""
+    for family, names in (("qwen2", ("bqkv",)), ("qwen3", ("q_norm", "k_norm"))):
+        cfg = FAMILIES[family]
+        weights = random_weights(cfg, seed=2)
+        plain = {n: (torch.zeros_like(t) if n.endswith("bqkv") else torch.ones_like(t))
+                 if n.endswith(names) else t for n, t in weights.items()}
+        ka, kb = new_kv_cache(cfg, 4), new_kv_cache(cfg, 4)  # q and k matter from the second position on
+        for pos, token in enumerate([3, 9, 27]):
+            a, b = decode_step(cfg, weights, *ka, token, pos), decode_step(cfg, plain, *kb, token, pos)
+        assert rel_err(a, b) > 1e-3, family
+
+
+CASES = [
+    ("qwen3", 3, {}),
+    ("qwen3", 5, {"attn_splits": 3, "tiles": {"attn_norm_qkv_rope": 32}, "k_splits": {"o_proj_residual": 2},
+                  "fuse_attn_reduce": True}),
+    ("qwen2", 4, {"tiles": {"attn_norm_qkv_rope": 6}, "attn_splits": 2}),
+    ("llama", 6, {"tiles": {"attn_norm_qkv_rope": 10}, "attn_splits": 3, "k_splits": {"down_proj_residual": 2}}),
+    ("mistral", 3, {"tiles": {"attn_norm_qkv_rope": 4, "final_norm_lm_head": 48}}),
+]
+
+
+@pytest.mark.parametrize(("family", "workers", "knobs"), CASES)
+def test_cpu_executor_matches_reference(family: str, workers: int, knobs: dict) -> None:
+    cfg = FAMILIES[family]
+    spec = ModelSpec(family, family, cfg, MAX_SEQ)
+    schedule = lower(spec, workers, Strategy(**knobs))
+    assert verify(schedule).accepted
+    prog = resolve(schedule)
+    weights = random_weights(cfg, seed=4)
+    ref = new_kv_cache(cfg, MAX_SEQ)
+    caches = {seed: new_kv_cache(cfg, MAX_SEQ) for seed in range(4)}
+    for pos, token in enumerate(_tokens(cfg, 5)):
+        want = decode_step(cfg, weights, *ref, token, pos)
+        for seed, (k, v) in caches.items():
+            got = run_program(prog, weights, k, v, token, pos, seed=seed + 10 * pos)
+            assert rel_err(got, want) <= 1e-5, (pos, seed, rel_err(got, want))
+            assert rel_err(k[:, :, :pos + 1], ref[0][:, :, :pos + 1]) <= 1e-6
+
+
+def test_qk_norm_tiles_are_whole_q_and_k_heads() -> None:
+    """A pair tile cannot see its head's sum of squares: the catalogue refuses a QKV tile that cuts a q or k head of
+    a QK-norm model (v rows may still be pairs), and the lowering rounds QKV tiles to whole heads."""
+    cfg = FAMILIES["qwen3"]
+    geo = Geometry(cfg, MAX_SEQ, 1)
+    qk_end = cfg.q_size + cfg.kv_size  # 192 with hd 32
+    for start, end in [(0, 16), (16, 64), (160, 170), (qk_end - 2, qk_end + 2)]:
+        with pytest.raises(ArgError, match="cuts a q or k head"):
+            check_instruction(geo, "attn_norm_qkv_rope", 0, {"start": start, "end": end})
+    for start, end in [(0, 32), (32, 96), (qk_end - 32, qk_end + 6), (qk_end + 2, qk_end + 4)]:
+        check_instruction(geo, "attn_norm_qkv_rope", 0, {"start": start, "end": end})
+    plain = FAMILIES["qwen2"]
+    check_instruction(Geometry(plain, MAX_SEQ, 1), "attn_norm_qkv_rope", 0, {"start": 2, "end": 6})
+
+    spec = ModelSpec("qwen3", "qwen3", cfg, MAX_SEQ)
+    doc = lower(spec, 4, Strategy(tiles={"attn_norm_qkv_rope": 6})).to_json()
+    qkv = [ins["args"] for ins in doc["instructions"] if ins["op"] == "attn_norm_qkv_rope"]
+    assert qkv and all(a["start"] % cfg.hd == 0 and a["end"] % cfg.hd == 0 for a in qkv)
+    assert all(t % cfg.hd == 0 for t in tile_choices(spec, 132, "attn_norm_qkv_rope"))
+    assert all(t % 128 == 0 for t in tile_choices(MODELS["qwen3-8b"], 132, "attn_norm_qkv_rope"))
+
+    i = next(k for k, ins in enumerate(doc["instructions"]) if ins["op"] == "attn_norm_qkv_rope")
+    doc["instructions"][i]["args"] = {"start": 0, "end": 16}
+    with pytest.raises(ScheduleError, match="cuts a q or k head") as info:
+        resolve(parse_schedule(doc))
+    assert info.value.path == f"$.instructions[{i}]"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_checkpoint_round_trip(tmp_path, family: str) -> None:
+    cfg = FAMILIES[family]
+    weights = random_weights(cfg, seed=9)
+    sd = to_hf_state_dict(weights, cfg)
+    want = {"qwen3": {"model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"},
+            "qwen2": {f"model.layers.1.self_attn.{x}_proj.bias" for x in "qkv"} | {"lm_head.weight"}}[family]
+    assert want <= set(sd)
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    loaded = load_hf_weights(tmp_path, cfg)
+    assert set(loaded) == set(weights)
+    for name in weights:
+        assert torch.equal(loaded[name], weights[name]), name
+
+
+def test_llama_weights_unchanged() -> None:
+    """The new weights exist only for the models that have them: a Llama draws exactly the tensors it always did."""
+    names = set(weight_shapes(MODELS["tiny"].config))
+    assert not any(n.endswith(("bqkv", "q_norm", "k_norm")) for n in names)
+    assert weight_shapes(FAMILIES["qwen3"])["layers.0.q_norm"] == (32,)
+    assert weight_shapes(FAMILIES["qwen2"])["layers.1.bqkv"] == (FAMILIES["qwen2"].qkv_size,)
