@@ -5,18 +5,29 @@ default; `KernelConfig` with --kernel v9), e.g.
 
     python scripts/compile_check.py --model llama-8b s8=slots=8 b4=boxes=4
     python scripts/compile_check.py --kernel v9 ns3=num_stages=3
+    python scripts/compile_check.py --model qwen3-0.6b mma=mma=True
+
+--model takes a named model (megasynth/lowering/models.py: the Llama, Qwen2.5, Qwen3 and Mistral rows) or a
+checkpoint folder; --config a model config of your own, as JSON text or a file (ModelConfig's fields, HF names), e.g.
+a tiny QK-norm model with a head_dim of its own:
+
+    python scripts/compile_check.py --config '{"hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+        "head_dim": 128, "qk_norm": true, "tie_word_embeddings": false}'
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.v9 import KernelConfig  # noqa: E402
@@ -35,14 +46,22 @@ def parse_variant(text: str, cls: type) -> tuple[str, Any]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="llama-1b")
+    ap.add_argument("--model", default="llama-1b", help="a named model or a checkpoint folder")
+    ap.add_argument("--config", help="a model config instead of --model: JSON text, or a file that holds it")
+    ap.add_argument("--max-seq-len", type=int, default=None,
+                    help="KV cache positions (default: the model's; 4096 with --config)")
     ap.add_argument("--kernel", choices=["v10", "v9"], default="v10")
     ap.add_argument("variants", nargs="*", help="NAME=key=value,... (StreamConfig / KernelConfig fields)")
     args = ap.parse_args()
-    spec = get_model(args.model)
+    if args.config:
+        text = Path(args.config).read_text(encoding="utf-8") if Path(args.config).is_file() else args.config
+        model, seq = ModelConfig.from_hf(json.loads(text)), args.max_seq_len or 4096
+    else:
+        spec = get_model(args.model)
+        model, seq = spec.config, args.max_seq_len or spec.max_seq_len
     cls, build = (StreamConfig, compile_v10) if args.kernel == "v10" else (KernelConfig, compile_v9)
     for vname, cfg in [("default", cls())] + [parse_variant(v, cls) for v in args.variants]:
-        _, res = build(spec.config, spec.max_seq_len, cfg)
+        _, res = build(model, seq, cfg)
         print(f"{vname:12s} {res}", flush=True)
     return 0
 

@@ -285,3 +285,66 @@ def test_trace_export():
         assert all(ph[i][0] == 0 for i, op in enumerate(ops) if op not in staged)
         # (each thread reads the clock itself; no barrier between the op's end and the signals' end: 0.5 us slack)
         assert all(raw[i][1] <= ph[i][1] <= raw[i][2] + 500 for i in range(len(ops)))
+
+
+def _tiny_qwen(family: str):
+    """Tiny specs of the families beyond Llama (the configs of tests/kernels/test_stream_compile.py's compile checks).
+    Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per head, as the real models) with hidden 256 and 4 heads,
+    untied head. Qwen2: q/k/v bias, hidden 192 (the last K box zero-filled), 3 query heads per KV head, tied head."""
+    from megasynth.ir.model import ModelConfig
+    from megasynth.lowering.models import ModelSpec
+
+    if family == "qwen3":
+        cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, vocab_size=320, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, qk_norm=True)
+    else:
+        cfg = ModelConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
+                          num_key_value_heads=2, vocab_size=288, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                          tie_word_embeddings=True, qkv_bias=True)
+    return ModelSpec(f"tiny-{family}", f"test config: {family} family", cfg, 64)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_tiny_qwen_families(family):
+    """QK-norm (Qwen3) and the QKV bias (Qwen2) on v10: whole-head QKV tiles; for Qwen3 tiles of 5 heads (one spans
+    q and k heads, the other k and v heads), for Qwen2 10-row pair tiles that straddle heads; K splits, the fused
+    attn_reduce_o_proj, per-instruction counters, the tensor-core consumer; and interpreter v9 on the same model."""
+    from megasynth.kernels.gpu import KernelConfig
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec = _tiny_qwen(family)
+    c = spec.config
+    w = _weights(c, seed=9)
+    hist = spec.max_seq_len // 2
+    mk = _decode_and_compare(spec, lower(spec, 8), w, range(hist, hist + 6), hist)
+    assert mk.v10
+    qkv = 5 * c.hd if family == "qwen3" else 10
+    strat = Strategy(attn_splits=3, k_splits={"o_proj_residual": 2, "down_proj_residual": 2},
+                     tiles={"attn_norm_qkv_rope": qkv, "o_proj_residual": 8, "mlp_norm_gate_up": 24,
+                            "down_proj_residual": 8, "final_norm_lm_head": 40})
+    _decode_and_compare(spec, _variant(spec, 5, strat, seed=3), w, range(0, 4), 0, mk=mk)
+    fused = Strategy(attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 2},
+                     tiles={"attn_norm_qkv_rope": 2 * c.hd if family == "qwen3" else 32, "o_proj_residual": 16},
+                     default_granularity="tile")
+    _decode_and_compare(spec, lower(spec, 7, fused), w, range(hist, hist + 3), hist, mk=mk)
+    mma = _decode_and_compare(spec, lower(spec, 6), w, range(hist, hist + 3), hist, config=StreamConfig(mma=True))
+    assert mma.v10 and mma.kcfg.mma
+    mk9 = _decode_and_compare(spec, lower(spec, 6), w, range(hist, hist + 3), hist, config=KernelConfig())
+    assert not mk9.v10
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen2.5-0.5b"])
+def test_qwen_full_size(name):
+    """The published shapes on v10, random weights: Qwen3-0.6B (head_dim 128, q rows 2048 against hidden 1024, QK-norm
+    over 4 groups per head), Qwen2.5-0.5B (hidden 896: a partial last K box; 7 query heads per KV head; QKV bias);
+    naive, then the searched shape (16-pair QKV tiles where the family allows them, fused attn_reduce_o_proj)."""
+    spec = get_model(name)
+    c = spec.config
+    w = _weights(c, seed=0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mk = _decode_and_compare(spec, lower(spec, sms), w, range(2048, 2056), 2048)
+    tiles = {"attn_norm_qkv_rope": c.hd if c.qk_norm else 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32}
+    strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True, k_splits={"down_proj_residual": 2},
+                     edges={"attn_partial->attn_reduce_o_proj": "head"})
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3004), 3000, mk=mk)

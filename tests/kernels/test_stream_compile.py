@@ -8,13 +8,15 @@ import importlib.util
 
 import pytest
 
+from megasynth.ir.model import ModelConfig
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton)"),
     pytest.mark.usefixtures("single_thread"),
 ]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-mha", "llama-1b", "llama-8b"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-mha", "llama-1b", "llama-8b", "qwen3-0.6b"])
 def test_v10_compiles_without_spills(model: str) -> None:
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
@@ -26,6 +28,94 @@ def test_v10_compiles_without_spills(model: str) -> None:
     assert res.stack == 0, f"{model}: {res.stack} bytes of spill stack"
     assert res.shared <= SMEM_LIMIT, f"{model}: {res.shared} B of shared memory > {SMEM_LIMIT}"
     assert stream_geometry(spec.config, StreamConfig())["NS"] >= 4, "the ring should hold at least 4 slots"
+
+
+def _qwen(family: str) -> ModelConfig:
+    """Tiny configs of the two families beyond Llama. Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per
+    head) with hidden 256 and 4 heads (q rows 512 != hidden), untied head. Qwen2: q/k/v bias, hidden 192 (not a power of
+    two: the last K box is zero-filled), 3 query heads per KV head."""
+    if family == "qwen3":
+        return ModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=320, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False, qk_norm=True)
+    return ModelConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
+                       num_key_value_heads=2, vocab_size=288, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=True, qkv_bias=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_v10_compiles_qwen_families_without_spills(family: str) -> None:
+    """The QKV bias and QK-norm builds fit the budget of the Llama build: no spill stack, shared memory within a CTA's
+    (QK-norm keeps a head's unrotated groups in registers, not shared memory); the tensor-core build too."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_constexprs
+
+    cfg = _qwen(family)
+    consts = stream_constexprs(cfg, 64, StreamConfig(), False)
+    assert (consts["QKV_BIAS"], consts["QK_NORM"]) == (family == "qwen2", family == "qwen3")
+    assert consts["QG"] == (4 if family == "qwen3" else 1)  # hd 128: 64 pairs, 4 groups of 16
+    if family == "qwen3":  # the head dimension is its own, not hidden / heads
+        assert consts["HD"] == cfg.hd == 128 != cfg.hidden_size // cfg.num_attention_heads
+    for sc in (StreamConfig(), StreamConfig(mma=True)):
+        _, res = compile_v10(cfg, 64, sc)
+        assert res.stack == 0, f"{family} {sc}: {res.stack} bytes of spill stack"
+        assert res.shared <= SMEM_LIMIT, f"{family} {sc}: {res.shared} B of shared memory > {SMEM_LIMIT}"
+
+
+def test_llama_build_has_none_of_the_family_code() -> None:
+    """QKV bias and QK-norm are constexpr-gated: the Llama build never reads their weights (its only trace of them is
+    two kernel parameters), the Qwen2 build reads the bias alone and the Qwen3 build the stacked norm weights alone."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import get_model
+
+    tiny = get_model("tiny").config
+    # bqkv_ptr and qk_norm_ptr follow final_norm_ptr (the 13th argument): kernel parameters 13 and 14
+    bias, norm = "[stream_megakernel_param_13]", "[stream_megakernel_param_14]"
+    reads = {}
+    for name, cfg in (("llama", tiny), ("qwen3", _qwen("qwen3")), ("qwen2", _qwen("qwen2"))):
+        ptx = compile_v10(cfg, 64, StreamConfig())[0].asm["ptx"]
+        assert ".global .align 1 stream_megakernel_param_14," in ptx  # a pointer, as bqkv_ptr and qk_norm_ptr are
+        reads[name] = (bias in ptx, norm in ptx)
+    assert reads == {"llama": (False, False), "qwen3": (False, True), "qwen2": (True, False)}
+
+
+def test_v9_compiles_qwen_families_without_spills() -> None:
+    from megasynth.kernels.gpu.offline import compile_v9
+    from megasynth.kernels.gpu.v9 import KernelConfig
+
+    for family in ("qwen3", "qwen2"):
+        _, res = compile_v9(_qwen(family), 64, KernelConfig())
+        assert res.stack == 0, f"{family}: {res.stack} bytes of spill stack"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_stacked_family_weights(family: str) -> None:
+    """stack_weights passes each family's extra weights as the kernels index them: `bqkv` [L, q+2kv] fp32, `qk_norm`
+    [L, 2 hd] fp32 with q_norm first; an untied head keeps its own storage."""
+    import torch
+
+    from megasynth.kernels.gpu.runtime import stack_weights
+    from megasynth.kernels.weights import random_weights
+
+    cfg = _qwen(family)
+    w = random_weights(cfg, seed=1)
+    out = stack_weights(cfg, w, torch.device("cpu"))
+    n = cfg.num_hidden_layers
+    if family == "qwen3":
+        assert "bqkv" not in out and out["qk_norm"].shape == (n, 2 * cfg.hd) and out["qk_norm"].dtype == torch.float32
+        assert torch.equal(out["qk_norm"][1, :cfg.hd], w["layers.1.q_norm"].float())
+        assert torch.equal(out["qk_norm"][1, cfg.hd:], w["layers.1.k_norm"].float())
+        assert out["lm_head"].data_ptr() != out["embed"].data_ptr()
+        assert torch.equal(out["lm_head"], w["lm_head"].to(torch.bfloat16))
+    else:
+        assert "qk_norm" not in out and out["bqkv"].shape == (n, cfg.qkv_size)
+        assert torch.equal(out["bqkv"][1], w["layers.1.bqkv"].float())
+        assert out["lm_head"].data_ptr() == out["embed"].data_ptr()
+    assert out["wqkv"].shape == (n, cfg.qkv_size, cfg.hidden_size) and out["wo"].shape == (n, cfg.hidden_size,
+                                                                                           cfg.q_size)
 
 
 def test_v10_trace_build_fits_too() -> None:

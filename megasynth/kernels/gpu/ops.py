@@ -144,10 +144,13 @@ def op_embed(embed_ptr, x_ptr, token, start, end, H: tl.constexpr, BE: tl.conste
 
 
 @triton.jit
-def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, start, end, pos,
-                H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr, KVS: tl.constexpr,
-                S: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr):
-    """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache."""
+def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, start, end,
+                pos, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr, KVS: tl.constexpr,
+                S: tl.constexpr, BLOCK_H: tl.constexpr, EPS: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
+                QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+    """Rows [start, end) of wqkv @ rmsnorm(x), one head at a time; RoPE (HF halves) on q and k; k/v into the cache.
+    With QKV_BIAS (Qwen2) `b_ptr` [L, q+2kv] is added to the rows; with QK_NORM (Qwen3) each q and k head is
+    RMS-normalised before RoPE with `qkn_ptr` [L, 2 hd] (q_norm then k_norm): a whole head is in registers here."""
     HALF: tl.constexpr = HD // 2
     QKV: tl.constexpr = QS + 2 * KVS
     nw = norm_ptr + layer * H
@@ -158,7 +161,15 @@ def op_qkv_rope(x_ptr, norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_p
     rtrue = j < HALF
     for r in range(start, end, HD):
         y1, y2 = dot_rows2(wl, wl, H, r + j, r + HALF + j, rtrue, x_ptr, nw, H, EPS, HALF, BK, NS)
+        if QKV_BIAS:
+            y1 += tl.load(b_ptr + layer * QKV + r + j)
+            y2 += tl.load(b_ptr + layer * QKV + r + HALF + j)
         if r < QS + KVS:
+            if QK_NORM:
+                inv = 1.0 / tl.sqrt((tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)) / HD + EPS)
+                nrm = qkn_ptr + layer * (2 * HD) + tl.where(r < QS, 0, HD)  # q_norm, then k_norm
+                y1 = y1 * inv * tl.load(nrm + j)
+                y2 = y2 * inv * tl.load(nrm + HALF + j)
             o1 = y1 * cos - y2 * sin
             o2 = y2 * cos + y1 * sin
             if r < QS:

@@ -41,7 +41,8 @@ def default_config(device: torch.device) -> Any:
 
 def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """Catalogue weights -> per-kind stacks across layers (one base pointer + layer offset): matrices bf16, norms
-    fp32; a tied LM head shares the embedding's storage."""
+    fp32; a tied LM head shares the embedding's storage. With `qkv_bias`, `bqkv` [L, qkv] fp32; with `qk_norm`,
+    `qk_norm` [L, 2 hd] fp32 (each layer's q_norm then k_norm)."""
     n = cfg.num_hidden_layers
 
     def mat(name: str) -> torch.Tensor:
@@ -59,12 +60,20 @@ def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: to
     tied = weights["lm_head"] is weights["embed"] or (
         weights["lm_head"].shape == weights["embed"].shape
         and weights["lm_head"].data_ptr() == weights["embed"].data_ptr())
+    if cfg.qkv_bias:
+        out["bqkv"] = vec("bqkv")
+    if cfg.qk_norm:
+        out["qk_norm"] = torch.cat([vec("q_norm"), vec("k_norm")], dim=1).contiguous()
     out["lm_head"] = out["embed"] if tied else weights["lm_head"].to(device=device, dtype=torch.bfloat16).contiguous()
     shapes = {"wqkv": (n, cfg.qkv_size, cfg.hidden_size), "wo": (n, cfg.hidden_size, cfg.q_size),
               "w_gate": (n, cfg.intermediate_size, cfg.hidden_size), "w_up": (n, cfg.intermediate_size,
                                                                                cfg.hidden_size),
               "w_down": (n, cfg.hidden_size, cfg.intermediate_size), "embed": (cfg.vocab_size, cfg.hidden_size),
               "lm_head": (cfg.vocab_size, cfg.hidden_size)}
+    if cfg.qkv_bias:
+        shapes["bqkv"] = (n, cfg.qkv_size)
+    if cfg.qk_norm:
+        shapes["qk_norm"] = (n, 2 * cfg.hd)
     for name, shape in shapes.items():
         if tuple(out[name].shape) != shape:
             raise ValueError(f"weight {name} has shape {tuple(out[name].shape)}, expected {shape}")
@@ -164,18 +173,22 @@ class Megakernel:
     def _args(self, p: Packed, trace: bool) -> tuple[Any, list[Any], dict[str, Any]]:
         """The kernel to launch (v9 or v10), its runtime arguments and its compile-time parameters."""
         d, w, c, k = p.device, self.w, self.cfg, self.kcfg
+        # the family's extra weights; a model without them passes a stand-in the kernel never reads (its build has
+        # the code compiled out: QKV_BIAS / QK_NORM)
+        extra = [w.get("bqkv", w["attn_norm"]), w.get("qk_norm", w["attn_norm"])]
         if self.v10:
             from megasynth.kernels.gpu.stream import stream_constexprs, stream_megakernel
 
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
-                    self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *self.descs, self.x,
-                    self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits,
-                    self.cos, self.sin, self.timeout_ns]
+                    self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *extra, *self.descs,
+                    self.x, self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
+                    self.logits, self.cos, self.sin, self.timeout_ns]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
-                w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], self.x, self.q, self.k_cache, self.v_cache,
-                d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.timeout_ns]
+                w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], *extra, self.x, self.q, self.k_cache,
+                self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin,
+                self.timeout_ns]
         return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace)
 
     def _check_residency(self, p: Packed, trace: bool) -> None:

@@ -395,46 +395,117 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
 
 
 @gluon.jit
-def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1,
-            pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr,
-            blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
+            sin_ptr, layer, a0, a1, pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+            S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr,
+            NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr,
+            MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
-    pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos."""
+    pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos.
+
+    With QKV_BIAS (Qwen2) the rows' bias is added after the norm's scale. With QK_NORM (Qwen3) each q and k head is
+    RMS-normalised (its own weights, `_qk_norm_rope`) before RoPE: the norm needs the whole head's sum of squares and a
+    head spans hd / 32 groups, so the head's groups are kept unrotated in registers ([16, QG] per half, column g =
+    group g) and rotated once its last group is in (the tile holds whole q and k heads: the catalogue's check). Their
+    layout has a row's QG columns in one thread's registers (no register holds a copy of another, so the sums count
+    each value once) and the rows where `blk`'s row vectors have them (so the group's vectors convert for free)."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
+    QKV: gl.constexpr = (NH + 2 * NKV) * HD
     ss = _stage(vstage, x_ptr, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, True, NCHH, BK, blk, MMA, tr, TRACE)
     rstd = 1.0 / gl.sqrt(ss / H + EPS)
     i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, blk))
+    if QK_NORM:
+        hl: gl.constexpr = gl.BlockedLayout([1, QG], [1, 32], [num_warps, 1], [1, 0])
+        gcol = gl.expand_dims(gl.arange(0, QG, layout=gl.SliceLayout(0, hl)), 0)  # [1, QG]: a head's groups
+        h1 = gl.zeros([BR, QG], gl.float32, hl)
+        h2 = gl.zeros([BR, QG], gl.float32, hl)
     p = a0 // 2
     pend = a1 // 2
     while p < pend:
         head, j, n = _qkv_group(p, pend, HALF)
         jj = j + i16
         m = i16 < n
-        # the rotation's cos/sin before the K loop: their round trip overlaps the stream instead of following it
-        rot = m & (head < NH + NKV)
-        cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        if QKV_BIAS:  # loaded before the K loop, as cos/sin: the round trip overlaps the stream
+            bias = b_ptr + layer * QKV + head * HD + jj
+            b1 = gl.load(bias, mask=m, other=0.0)
+            b2 = gl.load(bias + HALF, mask=m, other=0.0)
+        if not QK_NORM:
+            # the rotation's cos/sin before the K loop: their round trip overlaps the stream instead of following it
+            rot = m & (head < NH + NKV)
+            cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+            sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
         t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
         y1 = y1 * rstd
         y2 = y2 * rstd
-        if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
-            o1 = y1 * cs - y2 * sn
-            o2 = y2 * cs + y1 * sn
-            if head < NH:
-                gl.store(q_ptr + head * HD + jj, o1, mask=m)
-                gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+        if QKV_BIAS:
+            y1 = y1 + b1
+            y2 = y2 + b2
+        if QK_NORM:
+            if head < NH + NKV:
+                sel = gcol == j // BR
+                z1 = gl.convert_layout(gl.where(m, y1, 0.0), gl.SliceLayout(1, hl))
+                z2 = gl.convert_layout(gl.where(m, y2, 0.0), gl.SliceLayout(1, hl))
+                h1 = gl.where(sel, gl.expand_dims(z1, 1), h1)
+                h2 = gl.where(sel, gl.expand_dims(z2, 1), h2)
+                if j + n == HALF:  # the head's last group: every column of h1/h2 is this head's
+                    _qk_norm_rope(h1, h2, gcol, qkn_ptr, q_ptr, kc_ptr, cos_ptr, sin_ptr, layer, head, pos, NH, NKV,
+                                  HD, S, EPS, QG, hl)
             else:
-                cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
-                gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
-                gl.store(kc_ptr + cb + HALF + jj, o2.to(gl.bfloat16), mask=m)
+                cb = ((layer * NKV + head - NH - NKV).to(gl.int64) * S + pos) * HD
+                gl.store(vc_ptr + cb + jj, y1.to(gl.bfloat16), mask=m)
+                gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
         else:
-            cb = ((layer * NKV + head - NH - NKV).to(gl.int64) * S + pos) * HD
-            gl.store(vc_ptr + cb + jj, y1.to(gl.bfloat16), mask=m)
-            gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
+            if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
+                o1 = y1 * cs - y2 * sn
+                o2 = y2 * cs + y1 * sn
+                if head < NH:
+                    gl.store(q_ptr + head * HD + jj, o1, mask=m)
+                    gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+                else:
+                    cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
+                    gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
+                    gl.store(kc_ptr + cb + HALF + jj, o2.to(gl.bfloat16), mask=m)
+            else:
+                cb = ((layer * NKV + head - NH - NKV).to(gl.int64) * S + pos) * HD
+                gl.store(vc_ptr + cb + jj, y1.to(gl.bfloat16), mask=m)
+                gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
         p += n
     return t
+
+
+@gluon.jit
+def _qk_norm_rope(h1, h2, gcol, qkn_ptr, q_ptr, kc_ptr, cos_ptr, sin_ptr, layer, head, pos, NH: gl.constexpr,
+                  NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QG: gl.constexpr,
+                  hl: gl.constexpr):
+    """One whole q or k head (h1: its pairs' first-half values, h2: their partners, [16, QG] with pair 16 g + i at
+    [i, g], zero past hd / 2): y * rsqrt(mean(y^2) + eps) * (q_norm or k_norm), then RoPE, then q to `q` or k into
+    the cache at pos. The norm weights are stacked per layer as [q_norm, k_norm]."""
+    HALF: gl.constexpr = HD // 2
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, hl))
+    inv = 1.0 / gl.sqrt(gl.sum(gl.sum(h1 * h1 + h2 * h2, axis=1), axis=0) / HD + EPS)
+    is_k = head >= NH
+    nrm = qkn_ptr + layer * (2 * HD) + is_k.to(gl.int32) * HD
+    cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
+    for g in gl.static_range(QG):
+        if g * BR < HALF:
+            jj = g * BR + i16
+            m = jj < HALF
+            w1 = gl.load(nrm + jj, mask=m, other=0.0)
+            w2 = gl.load(nrm + HALF + jj, mask=m, other=0.0)
+            cs = gl.load(cos_ptr + pos * HALF + jj, mask=m, other=0.0)
+            sn = gl.load(sin_ptr + pos * HALF + jj, mask=m, other=0.0)
+            col = gcol == g
+            y1 = gl.sum(gl.where(col, h1, 0.0), axis=1) * inv * w1
+            y2 = gl.sum(gl.where(col, h2, 0.0), axis=1) * inv * w2
+            o1 = y1 * cs - y2 * sn
+            o2 = y2 * cs + y1 * sn
+            if is_k:
+                gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
+                gl.store(kc_ptr + cb + HALF + jj, o2.to(gl.bfloat16), mask=m)
+            else:
+                gl.store(q_ptr + head * HD + jj, o1, mask=m)
+                gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
 
 
 @gluon.jit
@@ -795,12 +866,13 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
 
 @gluon.jit
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-             embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+             embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
              x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
              timeout_ns, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-             NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
+             QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+             NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, num_warps: gl.constexpr):
@@ -829,9 +901,9 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         if op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
-            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                        sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps,
-                        tr, TRACE)
+            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
+                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, QKV_BIAS,
+                        QK_NORM, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
                                  empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
@@ -879,12 +951,13 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 @gluon.jit
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v,
+    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
+    d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, NS: gl.constexpr,
-    INFLIGHT: gl.constexpr, SB: gl.constexpr,
+    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
+    QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
@@ -912,10 +985,11 @@ def stream_megakernel(
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
-                    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr,
+                    embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, NS,
-                    SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE, MMA, num_warps)),
+                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP,
+                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
+                    MMA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE)),
     ], [1], [LOADER_REGS])
@@ -960,6 +1034,12 @@ def _pow2_floor(n: int) -> int:
 
 def _pow2_ceil(n: int) -> int:
     return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def qk_groups(c: ModelConfig) -> int:
+    """QG: the 16-pair groups of one head (`_qkv_group`), padded to a power of two: the columns of QK-norm's
+    per-head registers (1 without QK-norm, where nothing uses it)."""
+    return _pow2_ceil(-(-c.hd // (2 * 16))) if c.qk_norm else 1
 
 
 def _group_lanes(c: ModelConfig) -> int:
@@ -1009,7 +1089,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
-        GP=_group_lanes(c), NS=geo["NS"],
+        GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],

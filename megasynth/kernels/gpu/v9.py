@@ -54,7 +54,8 @@ def _load_row(ins_ptr, q, q1, ROWW: tl.constexpr):
 def v9_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, qitems_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr,
-    x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
+    bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr,
+    cos_ptr, sin_ptr,
     timeout_ns,
     H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
     EPS: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, GP: tl.constexpr,
@@ -63,7 +64,7 @@ def v9_megakernel(
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
     FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
-    WARM_GU: tl.constexpr,
+    WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -145,8 +146,9 @@ def v9_megakernel(
             if op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
-                ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer,
-                                a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV, NS)
+                ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr,
+                                cos_ptr, sin_ptr, layer, a0, a1, pos, H, NKV, HD, QS, KVS, S, BLOCK_H, EPS, BK_QKV,
+                                NS, QKV_BIAS, QK_NORM)
             elif op == OP_PARTIAL:
                 if ATTN_MMA:
                     ops.op_attn_partial_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos,
@@ -247,6 +249,6 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
-        WARM_GU=k.warm_gu,
+        WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm,
         num_warps=k.num_warps, num_stages=1)
 
