@@ -44,9 +44,11 @@ from megasynth.ir.errors import ScheduleError
               help="Cost-model parameters (default: megasynth/data/h200_costmodel.json).")
 @click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None,
-              help="Processes that lower and validate candidates ahead of the timer [default: on a GPU min(8, "
-              "cores - 1), else 1].")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+              help="Worker processes that lower and validate candidates while this process times (GPU) or estimates "
+              "(CPU) them [default: the cores this process may use, less one for the timer on a GPU, at most 8; 1 "
+              "runs everything in this process].")
+@click.option("--no-progress", is_flag=True,
+              help="No progress on stderr (by default a progress bar on a terminal, else one line per candidate).")
 @click.option("--llm-model", default=None, metavar="NAME", help="Agent: model name (default $OPENAI_MODEL, else "
               "gpt-4o-mini). Endpoint: OPENAI_BASE_URL / OPENAI_API_KEY (see docs/agent.md).")
 @click.option("--llm-max-calls", type=click.IntRange(1, 100_000), default=None,
@@ -64,7 +66,8 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from megasynth.lowering.costmodel import load_params
     from megasynth.lowering.models import get_model
-    from megasynth.search.loop import SearchConfig, run_search
+    from megasynth.search.config import SearchConfig
+    from megasynth.search.loop import run_search
 
     try:
         get_model(model_name)
@@ -81,7 +84,7 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, lease_s=lease, interleavings=interleavings,
                        final_interleavings=final_interleavings, ctx=ctx, gpu=False if cpu else None,
-                       progress=not no_progress and sys.stderr.isatty(),
+                       progress=not no_progress,
                        cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
                        llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
                             "timeout_s": llm_timeout})

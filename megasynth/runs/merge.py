@@ -1,6 +1,6 @@
 """`synth runs merge`: one run folder out of the folders of machines that worked one study without sharing runs/.
 
-The study (its claims, `megasynth.search.claims`) says which candidates exist and what each one's outcome is; the folders
+The study (its claims, `megasynth.runs.study`) says which candidates exist and what each one's outcome is; the folders
 hold their files. Each done claim's files are copied from the folder whose candidate has the claim's schedule key; a
 candidate no folder has is written from the study's record (timing and validation; the schedule is rebuilt from its
 strategy and patches when it is read, see `RunDir.load_candidate`). Files that the study does not know (a process
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megasynth.runs.rundir import RunDir, candidate_id
 from megasynth.atomic import write_json_atomic
+from megasynth.runs.rundir import RunDir, candidate_id
 
 
 @dataclass
@@ -45,7 +45,7 @@ def _storage_of(sources: list[RunDir], storage: str | None) -> str:
     named = {str(r.info.get("storage")) for r in sources if r.info.get("storage")}
     urls = sorted(u for u in named if "://" in u)
     if len(urls) > 1:
-        from megasynth.search.claims import shown
+        from megasynth.runs.study import shown
 
         raise ValueError(f"the folders name different storages ({', '.join(map(shown, urls))}); pick one with "
                          "--storage")
@@ -71,7 +71,7 @@ def _same(doc: dict[str, Any] | None, want: dict[str, Any]) -> bool:
 def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> Merged:
     """Merge the run folders of one study into `dest` (which must not exist or be empty). Raises ValueError (a
     `StorageError` for the storage) with a one-line reason when they cannot be merged."""
-    from megasynth.search.claims import Claims, make_engine, normalize_url, shown, study_name, without_password
+    from megasynth.runs.study import Claims, make_engine, normalize_url, shown, study_name, without_password
 
     sources = [RunDir(f) for f in folders]
     for r in sources:

@@ -446,8 +446,9 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 
 def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None]]:
-    """The steps of a `megasynth-measured-steps/1` file (e.g. bench/v10/measured_steps.json) as (label, schedule
-    lowered from the recorded strategy, ctx, ms, trace summary or None)."""
+    """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms and an
+    optional trace summary each) as (label, schedule lowered from the recorded strategy, ctx, ms, trace summary or
+    None)."""
     import json
 
     from megasynth.lowering.lower import lower
@@ -478,7 +479,7 @@ def run_steps(run_dirs: list[str], skipped: list[str] | None = None) -> list[Ste
         best, trace = None, None
         try:
             best = json.loads((rd.path / "best" / "timing.json").read_text(encoding="utf-8")).get("candidate")
-            trace = json.loads((rd.path / "best" / "trace.json").read_text(encoding="utf-8"))
+            trace = rd.best_trace()
         except (OSError, ValueError):
             pass
         if trace is not None and trace.get("metadata", {}).get("estimated", True):

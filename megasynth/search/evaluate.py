@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
@@ -21,11 +21,9 @@ from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.patches import apply_patches
 from megasynth.lowering.strategy import Strategy
 from megasynth.runs.rundir import BASELINE, RunDir, schedule_key
+from megasynth.search.config import SearchConfig
 from megasynth.search.proposers.base import Proposal, Result
 from megasynth.validator.verify import Options, Report, verify
-
-if TYPE_CHECKING:
-    from megasynth.search.loop import SearchConfig
 
 # --------------------------------------------------------------------------------------------------------------
 # Timing
@@ -306,7 +304,7 @@ class Evaluator:
                        f"{cfg.final_interleavings}; not promoted")
             return full
         on_disk = self.run.best_ms()
-        if on_disk is not None and on_disk <= timing["ms"] and (self.run.path / "best" / "schedule.json").exists():
+        if on_disk is not None and on_disk <= timing["ms"] and self.run.has_best_schedule():
             return None  # another process sharing the run found a better one
         trace = self.timer.trace(schedule) if self.timer else (est.trace if est else None)
         validation = {**full.to_json(), "interleavings": cfg.final_interleavings}

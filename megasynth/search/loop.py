@@ -1,8 +1,9 @@
 """The search loop: propose -> lower -> patch -> validate -> time (GPU) or estimate (cost model) -> runs/<run>/.
 
-This module is the loop and its bookkeeping (the study, resume, the baseline, duplicates, stopping); one candidate's
-evaluation is `megasynth.search.evaluate`, the worker processes of `--jobs` are `megasynth.search.pool`, the claims that
-split the work between processes are `megasynth.search.claims`, and the proposers' selection is
+This module is the loop and its bookkeeping (the study, resume, the baseline, duplicates, stopping, progress); its
+settings are `megasynth.search.config`, one candidate's evaluation is `megasynth.search.evaluate`, the worker processes
+of `--jobs` are `megasynth.search.pool`, the claims that split the work between processes are `megasynth.runs.study`
+(with the proposal keys and the Optuna study of `megasynth.search.claims`), and the proposers' selection is
 `megasynth.search.proposers.auto`.
 
 Every candidate is a claim of the study (SQLite `runs/<run>/study.db` by default, any SQLAlchemy URL with `storage`,
@@ -24,30 +25,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
-from megasynth.lowering.costmodel import CostParams, load_params
+from megasynth.lowering.costmodel import load_params
 from megasynth.lowering.models import get_model
 from megasynth.lowering.strategy import parse_strategy
 from megasynth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key, status_of
-from megasynth.search.claims import (
-    HEARTBEAT_S,
-    LEASE_S,
-    Claims,
-    ScheduleClaim,
-    SharedStudy,
-    StorageError,
-    open_study,
-    proposal_key,
-    shown,
-    study_name,
-    without_password,
-)
+from megasynth.runs.study import Claims, StorageError, shown, study_name, without_password
+from megasynth.search.claims import ScheduleClaim, SharedStudy, open_study, proposal_key
+from megasynth.search.config import SearchConfig, default_jobs
 from megasynth.search.evaluate import (
     Evaluator,
     Standing,
@@ -64,33 +54,6 @@ MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search s
 MAX_DUPLICATES = 500  # proposals held elsewhere or repeating an evaluated schedule, per process, before it stops
 POLL_S = 0.5  # between looks at the study while every slot is taken and some are still being evaluated elsewhere
 STOP, WAIT = "stop", "wait"
-
-
-@dataclass
-class SearchConfig:
-    model: str = "llama-1b"
-    workers: int | None = None  # None: the GPU's SM count, else 132
-    proposer: str = "auto"
-    budget: int = 50  # candidates in the study (all processes together), baseline included
-    time_limit: float | None = None  # seconds for this process
-    seed: int = 0
-    runs_dir: Path = Path("runs")
-    run: str | None = None  # run name to create, or to resume with `resume=True`
-    resume: bool = False
-    storage: str | None = None
-    interleavings: int = 200
-    final_interleavings: int = 1000
-    ctx: int = 1024
-    batch: int = 4  # proposals asked for per round
-    jobs: int | None = None  # processes lowering+validating ahead of the timer; None: GPU min(8, cores - 1), CPU 1
-    prescreen: float = 1.5  # GPU only: skip timing when the estimate is worse than prescreen x the best estimate
-    gpu: bool | None = None  # None: use the GPU when CUDA is present
-    progress: bool = True
-    cost_params: CostParams | None = None
-    llm: dict[str, Any] = field(default_factory=dict)  # the agent's --llm-* options (proposers.llm.LLMOptions)
-    notice: Callable[[str], None] = field(default=lambda msg: print(msg, file=sys.stderr))
-    lease_s: float = LEASE_S  # a claim whose owner was silent this long is taken over (see megasynth.search.claims)
-    heartbeat_s: float = HEARTBEAT_S  # how often this process refreshes its claims
 
 
 @dataclass
@@ -400,10 +363,10 @@ class Search:
                                          ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
         self._reap()
         self._catch_up_best()
-        bar = _Progress(cfg.budget, cfg.progress)
+        bar = _Progress(cfg.budget, cfg.progress, sys.stderr.isatty())
         self.claims.start_heartbeat(cfg.heartbeat_s)
         try:
-            jobs = cfg.jobs if cfg.jobs is not None else (min(8, max(1, (os.cpu_count() or 2) - 1)) if self.gpu else 1)
+            jobs = cfg.jobs if cfg.jobs is not None else default_jobs(self.gpu)
             if jobs > 1:
                 self._run_parallel(bar, jobs, t_start)
             else:
@@ -440,7 +403,7 @@ class Search:
 
     def _run_sequential(self, bar: _Progress, t_start: float) -> None:
         while True:
-            bar.update(self._sync(), self.standing.best, self.standing.baseline_ms, not self.gpu)
+            bar.update(self._sync(), self.standing, not self.gpu)
             if self._timed_out(t_start):
                 break
             nxt = self._next_claim(self.cfg.batch)
@@ -461,7 +424,7 @@ class Search:
         slots: dict[int, int] = {}  # id(proposal) -> its slot
         with Pool(jobs, cfg.model, self.workers, cfg.interleavings, cfg.seed) as pool:
             while True:
-                bar.update(self._sync(), self.standing.best, self.standing.baseline_ms, not self.gpu)
+                bar.update(self._sync(), self.standing, not self.gpu)
                 waiting = False
                 while not self._timed_out(t_start) and len(pool) < jobs:
                     nxt = self._next_claim(max(cfg.batch, jobs), busy=len(pool) > 0)
@@ -496,31 +459,69 @@ class Search:
 
 
 class _Progress:
-    """A rich progress bar with the best so far (silent when disabled)."""
+    """How far the search is, on stderr: a rich progress bar with the best so far on a terminal; elsewhere (CI, a
+    `| tee` log) a plain line per finished candidate, and one every LINE_EVERY_S while none finishes, so that a log
+    shows the search is alive; nothing when disabled."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.enabled = enabled
-        if not enabled:
+    LINE_EVERY_S = 10.0
+
+    def __init__(self, total: int, enabled: bool, terminal: bool) -> None:
+        self.total = total
+        self.mode = "off" if not enabled else "bar" if terminal else "lines"
+        self.done: int | None = None
+        self.seen = 0  # results of the standing already reported
+        self.t0 = self.last_line = time.monotonic()
+        if self.mode != "bar":
             return
+        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(TextColumn("[bold]search"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.description}"), transient=False)
+                                 TimeElapsedColumn(), TextColumn("{task.description}"), transient=False,
+                                 console=Console(stderr=True))  # (stdout keeps the summary alone)
         self.task = self.progress.add_task("", total=total)
         self.progress.start()
 
-    def update(self, done: int, best: Result | None, baseline: float | None, estimated: bool) -> None:
-        if not self.enabled:
-            return
-        text = ""
-        if best is not None and best.ms is not None:
-            text = f"best {best.candidate} {best.ms:.4f} ms" + (" (estimated)" if estimated else "")
-            if baseline:
-                text += f"  {baseline / best.ms:.2f}x vs naive"
-        self.progress.update(self.task, completed=done, description=text)
+    @staticmethod
+    def best_text(standing: Standing, estimated: bool) -> str:
+        best, baseline = standing.best, standing.baseline_ms
+        if best is None or best.ms is None:
+            return ""
+        text = f"best {best.candidate} {best.ms:.4f} ms" + (" (estimated)" if estimated else "")
+        if baseline:
+            text += f"  {baseline / best.ms:.2f}x vs naive"
+        return text
+
+    @staticmethod
+    def outcome(res: Result) -> str:
+        if res.accepted:
+            return f"{res.candidate} accepted {res.ms:.4f} ms" if res.ms is not None else f"{res.candidate} accepted"
+        if res.screened is not None:
+            return f"{res.candidate} screened"
+        return f"{res.candidate} rejected"
+
+    def update(self, done: int, standing: Standing, estimated: bool) -> None:
+        if self.mode == "bar":
+            self.progress.update(self.task, completed=done, description=self.best_text(standing, estimated))
+        elif self.mode == "lines":
+            now = time.monotonic()
+            first = self.done is None  # (on a resume the results so far are not news: the count says them)
+            new = [] if first else standing.history[self.seen:]
+            idle = not first and done == self.done and not new
+            if idle and now - self.last_line < self.LINE_EVERY_S:
+                return
+            self.seen, self.done, self.last_line = len(standing.history), done, now
+            parts = [f"search {done}/{self.total}", f"{now - self.t0:.0f} s"]
+            if new:
+                parts.append(", ".join(self.outcome(r) for r in new[-3:]) + (f" (+{len(new) - 3} more)"
+                                                                              if len(new) > 3 else ""))
+            elif idle:
+                parts.append("waiting for candidates in progress")
+            parts.append(self.best_text(standing, estimated))
+            print("  ".join(p for p in parts if p), file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.mode == "bar":
             self.progress.stop()
 
 

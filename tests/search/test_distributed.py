@@ -22,8 +22,10 @@ from pathlib import Path
 import pytest
 
 from megasynth.runs.rundir import BASELINE, RunDir, candidate_id
-from megasynth.search.claims import Claims, ScheduleClaim, make_engine, normalize_url, open_study, study_name
-from megasynth.search.loop import Search, SearchConfig
+from megasynth.runs.study import Claims, make_engine, normalize_url, study_name
+from megasynth.search.claims import ScheduleClaim, open_study
+from megasynth.search.config import SearchConfig
+from megasynth.search.loop import Search
 
 PG_ENV = "MEGASYNTH_TEST_POSTGRES"
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,6 +1,6 @@
 """The LLM agent against a real OpenAI-compatible HTTP server on 127.0.0.1 (scripted replies), driven by the real
 `openai` client: structured output and its fallback, error feedback, bounded retries on timeouts/429/5xx, the
-transcript, the token budget of the briefing, and (when the search loop exists) the whole search on `tiny`."""
+transcript, the token budget of the briefing, and the whole search on `tiny`."""
 
 from __future__ import annotations
 
@@ -379,7 +379,9 @@ def test_auto_picks_the_agent_only_with_an_endpoint(monkeypatch: pytest.MonkeyPa
 
 def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterexample(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    search = pytest.importorskip("megasynth.search.loop")
+    from megasynth.search.config import SearchConfig
+    from megasynth.search.loop import run_search
+
     pytest.importorskip("megasynth.lowering.patches")
     naive = lower(TINY, 8)
     victim = next(i for i in naive.instructions if i.op == "o_proj_residual" and i.layer == 0)
@@ -393,12 +395,12 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     with ScriptedServer(script) as srv:
         monkeypatch.setenv("OPENAI_BASE_URL", srv.base_url)
-        cfg = search.SearchConfig(model="tiny", workers=8, proposer="llm", budget=4, seed=0, runs_dir=tmp_path,
-                                  run="agent", interleavings=20, final_interleavings=50, ctx=64, gpu=False,
-                                  progress=False, notice=lambda m: None,
-                                  llm={"model": "scripted", "timeout_s": 2.0, "max_calls": 12, "attempts": 3,
-                                       "backoff_s": 0.01, "backoff_max_s": 0.05})
-        summary = search.run_search(cfg)
+        cfg = SearchConfig(model="tiny", workers=8, proposer="llm", budget=4, seed=0, runs_dir=tmp_path, run="agent",
+                           interleavings=20, final_interleavings=50, ctx=64, gpu=False, progress=False, jobs=1,
+                           notice=lambda m: None,
+                           llm={"model": "scripted", "timeout_s": 2.0, "max_calls": 12, "attempts": 3,
+                                "backoff_s": 0.01, "backoff_max_s": 0.05})
+        summary = run_search(cfg)
     run = tmp_path / "agent"
     # The search finished its budget: baseline + 3 agent proposals.
     assert summary.evaluated == 4 and summary.accepted == 3 and summary.rejected == 1
@@ -431,7 +433,7 @@ def test_search_with_the_agent_rejects_the_racy_proposal_and_shows_its_counterex
     with ScriptedServer([("ok", _answer({"attn_splits": 4}))]) as srv2:
         monkeypatch.setenv("OPENAI_BASE_URL", srv2.base_url)
         cfg.budget, cfg.resume = 5, True
-        assert search.run_search(cfg).evaluated == 1
+        assert run_search(cfg).evaluated == 1
     assert "c0003 [llm]" in srv2.requests[0]["messages"][-1]["content"]
     usage = json.loads((run / "agent_usage.json").read_text())
     assert usage["calls"] == 7 and usage["accepted"] == 3 and usage["rejected"] == 1

@@ -1,6 +1,6 @@
-"""Issue 13, synthesis without hand seeds: the search space, the v10 cost model and its step fit (synthetic data), the
-few-layer surrogate, the descent proposer, screened candidates shown as such, and a search that survives a dead
-worker and a kill -9."""
+"""Synthesis without hand seeds: the search space, the cost model of the v10 interpreter (its weight stream running
+ahead of the waits) and its step fit (synthetic data), the few-layer surrogate, the descent proposer, screened
+candidates shown as such, and a search that survives a dead worker and a kill -9."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec, get_model
 from megasynth.lowering.strategy import BOX_ROWS, SearchSpace, Strategy, wave_tiles
 from megasynth.runs.rundir import RunDir
-from megasynth.search.loop import Search, SearchConfig, run_search
+from megasynth.search.config import SearchConfig
+from megasynth.search.loop import Search, run_search
 from megasynth.search.pool import Pool, prepare
 from megasynth.search.proposers.base import Proposal, Result, SearchContext, strategy_key
 from megasynth.validator.verify import Options, verify
@@ -35,7 +36,8 @@ V10 = CostParams(ops={op: OpParams(eff=1.0, overhead_us=1.0) for op in CostParam
 
 def _cfg(tmp_path: Path, **kw) -> SearchConfig:
     base = dict(model="tiny", workers=8, budget=6, runs_dir=tmp_path, run="r", interleavings=20,
-                final_interleavings=50, ctx=64, gpu=False, progress=False, proposer="seeds", notice=lambda m: None)
+                final_interleavings=50, ctx=64, gpu=False, progress=False, proposer="seeds", notice=lambda m: None,
+                jobs=1)
     base.update(kw)
     return SearchConfig(**base)
 
@@ -401,7 +403,7 @@ def test_resume_rewrites_a_best_that_a_kill_left_behind(tmp_path: Path) -> None:
 def test_a_best_recorded_by_a_process_that_died_before_writing_best_is_written_at_the_end(tmp_path: Path,
                                                                                           monkeypatch) -> None:
     """One of several processes sharing a run records a new best, then dies before it writes best/ (CI caught this in
-    the SIGKILL test of tests/test_distributed.py): whoever ends the search last writes best/ for it."""
+    the SIGKILL test of tests/search/test_distributed.py): whoever ends the search last writes best/ for it."""
     from megasynth.search import evaluate, loop
     from megasynth.search.evaluate import Evaluator
 
@@ -438,7 +440,8 @@ def test_a_best_recorded_by_a_process_that_died_before_writing_best_is_written_a
 _PARALLEL = """
 import sys
 from pathlib import Path
-from megasynth.search.loop import SearchConfig, run_search
+from megasynth.search.config import SearchConfig
+from megasynth.search.loop import run_search
 run_search(SearchConfig(model="tiny", workers=8, budget=1000, runs_dir=Path(sys.argv[1]), run="killed", jobs=2,
                         interleavings=10, final_interleavings=20, ctx=64, gpu=False, progress=False,
                         proposer="evolve", notice=lambda m: None))

@@ -16,8 +16,8 @@ _Q32 = {**_V9, "attn_norm_qkv_rope": 32}
 _D32K2 = {"tiles": {**_Q32, "down_proj_residual": 32}, "k_splits": {"o_proj_residual": 1, "down_proj_residual": 2}}
 _ATTN_FINE = {"attn_norm_qkv_rope->attn_partial": "head", "attn_partial->attn_reduce": "head"}
 
-#: Hand-ordered starting points: (rationale, strategy fields), best measured first (llama-1b, H200, ctx 1024,
-#: interpreter v10 unless said otherwise; bench/v10/gpu_check_run20_schedules.json). Tile sizes in rows.
+#: Hand-ordered starting points: (rationale, strategy fields), best measured first (llama-1b, H200, ctx 1024, on the
+#: v10 interpreter unless said otherwise; the measurements behind each are in docs/perf-notes.md). Tile sizes in rows.
 SEEDS: list[tuple[str, dict[str, Any]]] = [
     ("hand-tuned on v10: QKV pair tiles 32, down 32 rows K-split 2, gate/up 64, LM head 1024, 16 splits (0.892 ms)",
      {"attn_splits": 16, **_D32K2}),
