@@ -23,7 +23,8 @@ from megasynth.ir.errors import ScheduleError
 @click.command("calibrate")
 @click.argument("traces", nargs=-1, type=click.Path(dir_okay=False, exists=True))
 @click.option("--schedule", "schedules", multiple=True, type=click.Path(dir_okay=False, exists=True),
-              help="The schedule of each trace, in the same order (default: schedule.json beside each trace).")
+              help="The schedule of each trace, in the same order (default: schedule.json[.gz] beside each trace). "
+              "Traces and schedules may be gzip-compressed, as a run's best/ keeps them.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default=None,
               help="Write the fitted parameters here (e.g. megasynth/data/h200_costmodel.json).")
 @click.option("--prior", type=click.Path(dir_okay=False, exists=True), default=None,
@@ -32,7 +33,7 @@ from megasynth.ir.errors import ScheduleError
 @click.option("--fit-run", "fit_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A runs/<run> folder of a GPU search: fit to its measured candidates (and its best's trace).")
 @click.option("--measured", "measured_files", multiple=True, type=click.Path(dir_okay=False, exists=True),
-              help="A megasynth-measured-steps/1 file (e.g. bench/v10/measured_steps.json): fit to its steps too.")
+              help="A megasynth-measured-steps/1 file (steps lowered from recorded strategies): fit to its steps too.")
 @click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates. "
               "Alone (nothing to fit), it checks the prior (default: the committed model) and writes nothing.")
@@ -92,13 +93,14 @@ def _check_only(params: Any, check_runs: list[str]) -> None:
 
 def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_estimated: bool
                  ) -> tuple[list[tuple[dict[str, Any], Any]], set[str]]:
-    from megasynth.ir.schedule import load_schedule
+    from megasynth.ir.schedule import loads_schedule
+    from megasynth.runs.rundir import stored
 
     pairs, devices = [], set()
     for k, tpath in enumerate(traces):
         try:
-            trace = json.loads(Path(tpath).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
+            trace = json.loads(_read_maybe_gz(Path(tpath)))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             click.echo(f"error: {tpath}: $: cannot read trace: {exc}", err=True)
             sys.exit(2)
         meta = trace.get("metadata", {}) if isinstance(trace, dict) else {}
@@ -110,13 +112,32 @@ def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_esti
                        "measurement", err=True)
             sys.exit(2)
         devices.add(str(meta.get("device")))
-        spath = Path(schedules[k]) if schedules else Path(tpath).with_name("schedule.json")
+        spath = Path(schedules[k]) if schedules else (stored(Path(tpath).with_name("schedule.json"))
+                                                        or Path(tpath).with_name("schedule.json"))
         try:
-            pairs.append((trace, load_schedule(spath)))
+            text = _read_maybe_gz(spath)
+        except (OSError, UnicodeDecodeError) as exc:
+            click.echo(f"error: {spath}: $: cannot read file: {getattr(exc, 'strerror', None) or exc}", err=True)
+            sys.exit(2)
+        try:
+            pairs.append((trace, loads_schedule(text, str(spath))))
         except ScheduleError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
     return pairs, devices
+
+
+def _read_maybe_gz(path: Path) -> str:
+    """A file's text, decompressed when it is gzip (a run's best/trace.json.gz and best/schedule.json.gz)."""
+    import gzip
+
+    data = path.read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        try:
+            data = gzip.decompress(data)
+        except EOFError as exc:
+            raise OSError(f"truncated gzip file ({exc})") from None
+    return data.decode("utf-8")
 
 
 def _errors_line(what: str, summary: dict[str, Any]) -> str:
@@ -164,8 +185,8 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
                      + (f" ({device})" if device else ""),
                      notes="synth calibrate (v10 step fit): " + ", ".join(result.free) + " fitted by Levenberg-"
                      "Marquardt to the log error of whole-step times (and traced makespans and per-op means); "
-                     f"{len(held)} steps held out. Refit: synth calibrate --fit-run runs/<gpu run>... "
-                     "--measured bench/v10/measured_steps.json -o megasynth/data/h200_costmodel.json")
+                     f"{len(held)} steps held out. Refit: synth calibrate --fit-run <GPU run folder>... "
+                     "[--measured <steps file>] -o megasynth/data/h200_costmodel.json")
     fitted = error_summary(fit_set, params)
     click.echo(_errors_line("fit", fitted))
     held_sum = error_summary(held, params)

@@ -9,10 +9,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
-from megasynth.runs.report import Run, fmt_ms, list_runs, load_run, write_index, write_report
+from megasynth.runs.reader import Run, list_runs, load_run, parse_trace, read_json, summarize
+from megasynth.runs.report import fmt_ms, ranking_decimals, write_index, write_report
 
 _RUNS_DIR = click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                          help="The folder that holds one folder per run.")
@@ -39,24 +41,52 @@ def runs() -> None:
     """Browse runs/: a leaderboard, one run's summary, HTML reports with the SM timeline, a local server."""
 
 
+def _console() -> Any:
+    """A console as wide as the terminal (COLUMNS, else 80 when not a terminal): every table fits it, wrapping its
+    text columns rather than running past the edge."""
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def _table(*columns: tuple[str, dict[str, Any]], **options: Any) -> Any:
+    """A table with light rules and one space between columns (narrow enough for 80 columns): `columns` are
+    (header, `rich.table.Column` options); numbers do not wrap, text columns share what is left."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE_HEAD, padding=0, show_edge=False, **options)
+    for header, opts in columns:
+        table.add_column(header, **opts)
+    return table
+
+
 @runs.command("list")
 @_RUNS_DIR
 def list_cmd(runs_dir: str) -> None:
     """The leaderboard: one row per run, newest first."""
-    from rich.console import Console
-    from rich.table import Table
-
     found = list_runs(runs_dir)
     if not found:
         click.echo(f"no runs in {runs_dir}/ (run `synth search` first)", err=True)
         return
-    table = Table("run", "model", "GPU", "best ms/token", "vs naive", "accepted", "screened", "rejected",
-                  "date (UTC)")
-    for r in found:
-        b, sp = r.best(), r.speedup()
-        table.add_row(r.name, r.model, r.gpu, fmt_ms(b.ms, b.estimated) if b else "—",
-                      f"{sp:.2f}×" if sp else "—", str(r.accepted), str(r.screened), str(r.rejected), r.date)
-    Console(width=200).print(table)
+    bests = [r.best() for r in found]
+    dec = ranking_decimals([b.ms for b in bests if b is not None])
+    counts = [f"{r.accepted}/{r.screened}/{r.rejected}" for r in found]
+    con = _console()
+    # Fixed widths (rich would rather crop a table than wrap it enough): every column but the run's name takes
+    # what its values need, wrapping at spaces (a date over two lines); the name has the rest and folds beyond it.
+    widths = {"model": max(5, *(len(r.model) for r in found)), "best ms/token": 11, "vs naive": 8,
+              "a/s/r": max(5, *map(len, counts)), "GPU": 11, "date (UTC)": 10}
+    name_w = max(12, min(max(len(r.name) for r in found), con.width - sum(widths.values()) - len(widths)))
+    table = _table(("run", {"overflow": "fold", "width": name_w}),
+                   *((h, {"width": w, "justify": "right" if h in ("vs naive", "a/s/r") else "left"})
+                     for h, w in widths.items()),
+                   caption="a/s/r: candidates accepted / screened by the cost model / rejected")
+    for r, b, n in zip(found, bests, counts, strict=True):
+        sp = r.speedup()
+        table.add_row(r.name, r.model, fmt_ms(b.ms, b.estimated, dec) if b else "—", f"{sp:.2f}×" if sp else "—",
+                      n, r.gpu, r.date)
+    con.print(table)
 
 
 @runs.command("show")
@@ -69,39 +99,61 @@ def show_cmd(run: str, runs_dir: str) -> None:
 
 
 def _show(r: Run) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console(width=200)
+    con = _console()
     b, n, sp = r.best(), r.naive(), r.speedup()
     con.print(f"[bold]{r.name}[/bold]  model {r.model}  GPU {r.gpu}  {r.date} UTC")
     cmd = r.info.get("command")
-    if cmd:
-        con.print("command: " + (" ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd)), markup=False)
-    con.print(f"best {fmt_ms(b.ms, b.estimated) if b else '—'}   naive {fmt_ms(n.ms, n.estimated) if n else '—'}   "
-              f"speed-up {f'{sp:.2f}×' if sp else '—'}   accepted {r.accepted}   screened {r.screened}   "
-              f"rejected {r.rejected}")
-    if r.entries:
-        table = Table("candidate", "proposer", "verdict", "ms/token", "note", title="top candidates")
-        order = sorted(r.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else float("inf")))
-        for e in order[:15]:
-            table.add_row(e.candidate, e.proposer, e.verdict, fmt_ms(e.ms, e.estimated), e.note[:60])
+    if cmd:  # one line however wide: it is copied and run again
+        con.print("command: " + (" ".join(map(str, cmd)) if isinstance(cmd, list) else str(cmd)), markup=False,
+                  soft_wrap=True)
+    order = sorted(r.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else float("inf")))[:15]
+    dec = ranking_decimals([e.ms for e in order] + [x.ms for x in (b, n) if x is not None])
+    best_txt, naive_txt = (fmt_ms(x.ms, x.estimated, dec) if x else "—" for x in (b, n))
+    con.print(f"best {best_txt}   naive {naive_txt}   speed-up {f'{sp:.2f}×' if sp else '—'}   accepted {r.accepted}   "
+              f"screened {r.screened}   rejected {r.rejected}")
+    if order:
+        # one label in the header when every time is the cost model's, not one per row
+        all_est = all(e.estimated for e in order if e.ms is not None)
+        table = _table(("candidate", {"no_wrap": True}), ("proposer", {"no_wrap": True}), ("verdict", {}),
+                       ("ms/token (estimated)" if all_est else "ms/token", {"justify": "right"}), ("note", {}),
+                       title="top candidates")
+        for e in order:
+            note = e.note if len(e.note) <= 60 else e.note[:59] + "…"
+            table.add_row(e.candidate, e.proposer, e.verdict, fmt_ms(e.ms, e.estimated and not all_est, dec), note)
         con.print(table)
-    trace_file = r.path / "best" / "trace.json"
-    if trace_file.is_file():
-        from megasynth.runs.report import parse_trace, read_json, summarize
-        from megasynth.trace import TraceError, format_summary, read_trace
-
+    notes: list[str] = []
+    trace_doc = read_json(r.path / "best" / "trace.json", notes)
+    if trace_doc is not None:
         try:
-            summary = summarize(parse_trace(read_trace(trace_file)), read_json(r.path / "best" / "schedule.json"))
-            con.print("best schedule's trace: " + format_summary(summary), markup=False)
-        except TraceError as exc:
+            summary = summarize(parse_trace(trace_doc), read_json(r.path / "best" / "schedule.json"))
+        except ValueError as exc:  # a TraceError names the bad event
             con.print(f"note: {exc}", markup=False)
+        else:
+            _print_trace_summary(con, summary)
+    for note in notes:
+        con.print(f"note: {note}", markup=False)
     report = r.path / "report.html"
     con.print(f"report: {report}" if report.exists() else f"report: not written yet (synth runs report {r.name})",
               markup=False)
     for note in r.notes:
         con.print(f"note: {note}", markup=False)
+
+
+def _print_trace_summary(con: Any, summary: dict[str, Any], top: int = 8) -> None:
+    """`megasynth.trace.summarize`'s result: the makespan and load, time per op (a table) and the critical path."""
+    tag = " (estimated)" if summary.get("estimated") else ""
+    con.print(f"best schedule's trace: makespan {summary['makespan_us']:.1f} µs{tag}, {summary['instructions']} "
+              f"instructions on {summary.get('workers', 0)} SMs, busy {100 * summary.get('busy_fraction', 0):.0f}%, "
+              f"waiting {100 * summary.get('wait_fraction', 0):.0f}%", markup=False)
+    right = {"justify": "right", "no_wrap": True}
+    table = _table(("op", {"no_wrap": True}), ("n", right), ("total µs", right), ("mean µs", right),
+                   ("waited µs", right))
+    for op, d in list(summary["per_op"].items())[:top]:
+        table.add_row(op, str(d["count"]), f"{d['total_us']:.1f}", f"{d['mean_us']:.2f}", f"{d['wait_us']:.1f}")
+    con.print(table)
+    cp = summary.get("critical_path_by_op_us", {})
+    if cp:
+        con.print("critical path: " + ", ".join(f"{op} {us:.1f} µs" for op, us in cp.items()), markup=False)
 
 
 @runs.command("report")
@@ -115,13 +167,17 @@ def report_cmd(run: str | None, bench_file: str | None, runs_dir: str) -> None:
     if bench_file:
         if not run:
             raise click.BadParameter("--bench needs a RUN (the bench belongs to one run)", param_hint="--bench")
-        from megasynth.atomic import write_json_atomic
-        from megasynth.runs.report import read_json
+        import json
 
-        notes: list[str] = []
-        doc = read_json(Path(bench_file), notes)
-        if doc is None:
-            click.echo(f"error: {notes[0] if notes else bench_file + ': unreadable'}", err=True)
+        from megasynth.atomic import write_json_atomic
+
+        try:
+            doc = json.loads(Path(bench_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            click.echo(f"error: {bench_file}: cannot read ({getattr(exc, 'strerror', None) or exc})", err=True)
+            sys.exit(2)
+        except json.JSONDecodeError as exc:
+            click.echo(f"error: {bench_file}: invalid JSON ({exc.msg} at line {exc.lineno})", err=True)
             sys.exit(2)
         write_json_atomic(paths[0] / "bench.json", doc)
     for p in paths:
@@ -174,6 +230,26 @@ def make_server(runs_dir: str | Path, port: int = 0) -> http.server.ThreadingHTT
     class Handler(http.server.SimpleHTTPRequestHandler):
         def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class names it so
             pass
+
+        def send_head(self) -> Any:
+            """X.json that a run keeps as X.json.gz is served decompressed (a trace for a viewer without gzip)."""
+            path = Path(self.translate_path(self.path))
+            gz = path.with_name(path.name + ".gz")
+            if path.suffix != ".json" or path.exists() or not gz.is_file():
+                return super().send_head()
+            import gzip
+            import io
+
+            try:
+                data = gzip.decompress(gz.read_bytes())
+            except (OSError, EOFError):
+                self.send_error(500, f"{gz.name} is not a readable gzip file")
+                return None
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            return io.BytesIO(data)
 
     handler: Callable[..., Handler] = functools.partial(Handler, directory=str(root))
     return http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)

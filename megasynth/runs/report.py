@@ -1,21 +1,18 @@
-"""Read a run folder of runs/ defensively and render it as self-contained HTML (a leaderboard and one report per run).
+"""Draw runs as self-contained HTML: a report per run (`write_report`) and the leaderboard of runs (`write_index`),
+with their charts as SVG and the SM timeline on a <canvas> (10 000+ instructions stay smooth); and the numbers as the
+pages and `synth runs` print them (`fmt_ms`).
 
-Every input is optional: a missing or unreadable file drops its section and leaves a note, never a crash. The HTML
-needs no network when viewed (the CSS and JS of static/ are inlined); the SM timeline is drawn on a <canvas> so that
-10 000+ instructions stay smooth. Numbers that came from the cost model rather than the GPU are labelled "estimated".
-
-This module reads and computes (the `Run`, the trace summary, the geometry of the charts); the markup is in
-templates/ (Jinja2, autoescaped), one template per page and per chart.
+The data comes from `megasynth.runs.reader` (which reads run folders defensively); the markup is in templates/ (Jinja2,
+autoescaped), one template per page and per chart. The HTML needs no network when viewed (the CSS and JS of static/
+are inlined). Numbers that came from the cost model rather than the GPU are labelled "estimated".
 """
 
 from __future__ import annotations
 
-import datetime as _dt
 import functools
 import json
 import math
 import re
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -24,302 +21,32 @@ from jinja2 import Environment, PackageLoader, StrictUndefined
 from jinja2.ext import Extension
 from markupsafe import Markup
 
-from megasynth.runs.rundir import screened_text
 from megasynth.atomic import write_text_atomic
+from megasynth.runs.reader import (
+    Entry,
+    Run,
+    Trace,
+    bench_docs,
+    bench_rows,
+    estimated_floor_ms,
+    first_of,
+    list_runs,
+    load_run,
+    num,
+    parse_trace,
+    read_json,
+    summarize,
+)
+from megasynth.runs.rundir import screened_text, stored
 
 #: Bounds on what one report shows (the data files keep everything).
 MAX_REJECTED_SHOWN = 20
 MAX_SEQUENCE_EVENTS = 60
 MAX_CRITICAL_ROWS = 400
 MAX_FINDINGS_SHOWN = 50
-#: Copy bandwidth measured on the H200 here (DESIGN.md §7); used for a floor only when no bench JSON gives one.
-H200_COPY_TBPS = 4.19
 
-PERFETTO_HINT = ("Open trace.json in Perfetto: ui.perfetto.dev → “Open trace file”, or in Chromium at "
-                 "chrome://tracing → Load.")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading
-
-
-def read_json(path: Path, notes: list[str] | None = None) -> Any:
-    """The parsed JSON at `path`, or None (with a note) when it is missing or unreadable."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if notes is not None:
-            notes.append(f"{path.name}: cannot read ({exc.strerror or exc})")
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        if notes is not None:
-            notes.append(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno}); section omitted")
-        return None
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _first(d: Any, *keys: str) -> Any:
-    """The first present, non-None value of `keys` in a dict (None for anything else)."""
-    if not isinstance(d, dict):
-        return None
-    for k in keys:
-        if d.get(k) is not None:
-            return d[k]
-    return None
-
-
-def _ms_of(d: Any) -> float | None:
-    """Milliseconds per token from a timing/leaderboard record, whatever the writer called it."""
-    v = _num(_first(d, "ms", "median_ms", "ms_per_token", "makespan_ms", "best_ms"))
-    if v is None and isinstance(d, dict):
-        for sub in ("timing", "estimate", "result"):
-            if isinstance(d.get(sub), dict):
-                v = _ms_of(d[sub])
-                if v is not None:
-                    break
-    return v
-
-
-@dataclass
-class Entry:
-    """One candidate on a run's leaderboard. `status`: accepted, screened (the cost model left it out before
-    validation: `estimate_ms`), malformed or rejected."""
-
-    candidate: str
-    ms: float | None
-    estimated: bool
-    accepted: bool
-    proposer: str = ""
-    note: str = ""
-    status: str = ""
-    estimate_ms: float | None = None
-
-    @property
-    def verdict(self) -> str:
-        """The verdict as every page and `synth runs` print it."""
-        if self.status == "screened":
-            return screened_text(self.estimate_ms)
-        return self.status or ("accepted" if self.accepted else "rejected")
-
-
-def _entries(lb: Any) -> list[Entry]:
-    rows = lb
-    if isinstance(lb, dict):
-        rows = _first(lb, "entries", "candidates", "leaderboard", "rows") or []
-    if not isinstance(rows, list):
-        return []
-    out = []
-    for k, r in enumerate(rows):
-        if not isinstance(r, dict):
-            continue
-        cand = _first(r, "candidate", "id", "name")
-        accepted = r.get("accepted")
-        if accepted is None:
-            accepted = r.get("verdict", "accepted") == "accepted"
-        status = str(r.get("status") or ("accepted" if accepted else "rejected"))
-        if not accepted and status == "rejected" and str(r.get("reason", "")).startswith("screened"):
-            status = "screened"  # a leaderboard written before the status field
-        note = _first(r, "rationale", "note") if accepted or status == "screened" else \
-            _first(r, "reason", "error", "rationale", "note")
-        out.append(Entry(str(cand if cand is not None else k), _ms_of(r) if accepted else None,
-                         bool(r.get("estimated", False)), bool(accepted), str(_first(r, "proposer") or ""),
-                         str(note or ""), status, _num(r.get("estimate_ms"))))
-    return out
-
-
-@dataclass
-class Run:
-    """What a run folder holds, read defensively. `notes` says what was missing or unreadable."""
-
-    name: str
-    path: Path
-    info: dict[str, Any] = field(default_factory=dict)
-    entries: list[Entry] = field(default_factory=list)
-    accepted: int = 0
-    rejected: int = 0  # refused by the validator or the GPU check, or malformed (screened ones not included)
-    screened: int = 0
-    notes: list[str] = field(default_factory=list)
-    baseline: str = "c0000"  # the naive baseline's candidate id (leaderboard.json "baseline")
-
-    @property
-    def model(self) -> str:
-        m = _first(self.info, "model")
-        if isinstance(m, dict):
-            m = _first(m, "name")
-        return str(m) if m is not None else "?"
-
-    @property
-    def gpu(self) -> str:
-        g = _first(self.info, "gpu", "device")
-        if isinstance(g, dict):
-            g = _first(g, "name", "device")
-        return str(g) if g else "none (CPU)"
-
-    @property
-    def date(self) -> str:
-        d = _first(self.info, "started", "date", "created", "started_at", "time")
-        if isinstance(d, int | float):
-            return _dt.datetime.fromtimestamp(d, _dt.UTC).strftime("%Y-%m-%d %H:%M")
-        if isinstance(d, str):
-            return d.replace("T", " ")[:16]
-        try:
-            return _dt.datetime.fromtimestamp(self.path.stat().st_mtime, _dt.UTC).strftime("%Y-%m-%d %H:%M")
-        except OSError:
-            return "?"
-
-    def best(self) -> Entry | None:
-        timed = [e for e in self.entries if e.accepted and e.ms is not None]
-        measured = [e for e in timed if not e.estimated]
-        timed = measured or timed  # a GPU measurement beats any estimate
-        if timed:
-            return min(timed, key=lambda e: e.ms or 0.0)
-        timing = read_json(self.path / "best" / "timing.json")
-        ms = _ms_of(timing)
-        if ms is None:
-            return None
-        return Entry("best", ms, bool(_first(timing, "estimated")), True)
-
-    def naive(self) -> Entry | None:
-        """The naive baseline: candidate 0 of every run (leaderboard.json names it), or the one its proposer calls
-        naive; when the leaderboard leaves it out (an estimate among GPU measurements), its own timing.json."""
-        for e in self.entries:
-            if e.candidate == self.baseline:
-                return e
-        for e in self.entries:
-            if e.proposer == "naive" or e.candidate in ("0", "naive", "0000"):
-                return e
-        timing = read_json(self.path / "candidates" / self.baseline / "timing.json")
-        ms = _ms_of(timing)
-        if ms is not None:
-            return Entry(self.baseline, ms, bool(_first(timing, "estimated")), True, "naive")
-        return None
-
-    def speedup(self) -> float | None:
-        b, n = self.best(), self.naive()
-        if b is None or n is None or not b.ms or not n.ms:
-            return None
-        return n.ms / b.ms
-
-
-def load_run(path: str | Path) -> Run:
-    """Read one run folder (runs/<run>/); never raises for missing or malformed files."""
-    p = Path(path)
-    run = Run(p.name, p)
-    info = read_json(p / "run.json", run.notes)
-    if isinstance(info, dict):
-        run.info = info
-    elif not (p / "run.json").exists():
-        run.notes.append("run.json is missing: command, versions and GPU are unknown")
-    lb = read_json(p / "leaderboard.json", run.notes)
-    run.entries = _entries(lb) if lb is not None else []
-    if isinstance(lb, dict) and isinstance(lb.get("baseline"), str):
-        run.baseline = lb["baseline"]
-    if lb is None:
-        run.notes.append("leaderboard.json is missing")
-    cands = [d for d in (p / "candidates").glob("*") if d.is_dir()] if (p / "candidates").is_dir() else []
-    rejs = list((p / "rejected").glob("*.json")) if (p / "rejected").is_dir() else []
-    run.accepted = max(len(cands), sum(1 for e in run.entries if e.accepted))
-    run.screened = sum(1 for e in run.entries if e.status == "screened")
-    run.rejected = max(len(rejs) - run.screened, sum(1 for e in run.entries if not e.accepted) - run.screened)
-    return run
-
-
-def list_runs(runs_dir: str | Path) -> list[Run]:
-    """Every run folder under runs_dir (a folder with a run.json, leaderboard.json or best/), newest first."""
-    root = Path(runs_dir)
-    if not root.is_dir():
-        return []
-    runs = [load_run(d) for d in sorted(root.iterdir()) if d.is_dir() and not d.name.startswith(".")
-            and any((d / f).exists() for f in ("run.json", "leaderboard.json", "best"))]
-    runs.sort(key=lambda r: r.date, reverse=True)
-    return runs
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Traces (the shared format: Chrome trace events, one "X" event per executed instruction)
-
-
-@dataclass
-class Trace:
-    doc: dict[str, Any]  # the trace as read (the shared format)
-    lanes: int
-    events: list[dict[str, Any]]  # {"id", "op", "layer", "tid", "ts", "dur", "wait"} sorted by (tid, ts)
-    metadata: dict[str, Any]
-    lane_names: list[str]
-
-    @property
-    def estimated(self) -> bool:
-        return bool(self.metadata.get("estimated", False))
-
-    @property
-    def makespan_us(self) -> float:
-        return max((e["ts"] + e["dur"] for e in self.events), default=0.0)
-
-
-def parse_trace(doc: Any) -> Trace:
-    """Trace events -> a `Trace`; raises ValueError naming the first bad event (the caller notes and skips it)."""
-    from megasynth.trace import check_trace
-
-    if isinstance(doc, list):
-        doc = {"traceEvents": doc}
-    check_trace(doc, "best/trace.json")  # raises TraceError (a ValueError) naming the JSON path
-    events, names = [], {}
-    for k, ev in enumerate(doc["traceEvents"]):
-        if not isinstance(ev, dict):
-            raise ValueError(f"traceEvents[{k}] is not an object")
-        tid = ev.get("tid", 0)
-        if ev.get("ph") == "M" and ev.get("name") == "thread_name" and isinstance(tid, int):
-            names[tid] = str((ev.get("args") or {}).get("name", f"SM {tid}"))
-        if ev.get("ph") != "X":
-            continue
-        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
-        ts, dur = _num(ev.get("ts")), _num(ev.get("dur"))
-        if ts is None or dur is None or not isinstance(tid, int) or tid < 0:
-            raise ValueError(f"traceEvents[{k}]: ts/dur/tid missing or not numbers")
-        ident = args.get("id")
-        events.append({"id": ident if isinstance(ident, int) else k, "op": str(args.get("op", ev.get("cat", "?"))),
-                       "layer": args.get("layer") if isinstance(args.get("layer"), int) else None, "tid": tid,
-                       "ts": ts, "dur": max(dur, 0.0), "wait": _num(args.get("wait_us")) or 0.0})
-    events.sort(key=lambda e: (e["tid"], e["ts"]))
-    lanes = max([t + 1 for t in names] + [e["tid"] + 1 for e in events] + [0])
-    meta = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
-    return Trace(doc, lanes, events, meta, [names.get(w, f"SM {w}") for w in range(lanes)])
-
-
-def producers_of(schedule: Any) -> dict[int, list[int]] | None:
-    """Instruction id -> the ids that signal a counter it waits on (who can have held it up), from schedule JSON."""
-    if not isinstance(schedule, dict) or not isinstance(schedule.get("instructions"), list):
-        return None
-    signallers: dict[int, list[int]] = {}
-    for ins in schedule["instructions"]:
-        if isinstance(ins, dict):
-            for sg in ins.get("signals") or []:
-                if isinstance(sg, dict) and isinstance(sg.get("counter"), int):
-                    signallers.setdefault(sg["counter"], []).append(ins.get("id"))
-    out: dict[int, list[int]] = {}
-    for ins in schedule["instructions"]:
-        if isinstance(ins, dict) and isinstance(ins.get("id"), int):
-            out[ins["id"]] = [p for w in ins.get("waits") or [] if isinstance(w, dict)
-                              for p in signallers.get(w.get("counter"), [])]
-    return out
-
-
-def summarize(trace: Trace, schedule: Any = None) -> dict[str, Any]:
-    """Time per op, per-SM busy/wait/idle and the critical path, as `megasynth.trace.summarize` (the format's owner)
-    computes them; the schedule, when given, tells it which instructions each one waited on."""
-    from megasynth.trace import summarize as trace_summary
-
-    return trace_summary(trace.doc, producers_of(schedule))
-
+PERFETTO_HINT = ("Open the trace (trace.json.gz) in Perfetto: ui.perfetto.dev → “Open trace file” (it reads gzip), "
+                 "or in Chromium at chrome://tracing → Load.")
 
 # ---------------------------------------------------------------------------------------------------------------
 # Counterexamples (a validator finding's interleaving, normalised for the sequence diagram)
@@ -332,21 +59,21 @@ def counterexample_events(finding: Any) -> list[dict[str, Any]]:
     if not isinstance(finding, dict):
         return []
     details = finding.get("details") if isinstance(finding.get("details"), dict) else finding
-    raw = _first(details, "events", "interleaving", "counterexample", "trace")
+    raw = first_of(details, "events", "interleaving", "counterexample", "trace")
     if isinstance(raw, dict):
-        raw = _first(raw, "events", "steps")
+        raw = first_of(raw, "events", "steps")
     if not isinstance(raw, list):
         return []
     out = []
     for ev in raw:
         if not isinstance(ev, dict):
             continue
-        w = _first(ev, "worker", "w", "sm", "tid")
-        ins = _first(ev, "instruction", "id", "ins")
+        w = first_of(ev, "worker", "w", "sm", "tid")
+        ins = first_of(ev, "instruction", "id", "ins")
         if isinstance(ins, dict):
             ev = {**ins, **{k: v for k, v in ev.items() if k != "instruction"}}
-            ins = _first(ins, "id")
-        kind = str(_first(ev, "kind", "event", "type", "phase", "what") or "start").lower()
+            ins = first_of(ins, "id")
+        kind = str(first_of(ev, "kind", "event", "type", "phase", "what") or "start").lower()
         kind = "end" if kind in ("end", "finish", "e", "signal", "done") else "start"
         if not isinstance(w, int):
             continue
@@ -363,7 +90,7 @@ def counterexample_events(finding: Any) -> list[dict[str, Any]]:
                                          for w in waits) + ")"
             if isinstance(ev.get("counters"), dict) and ev["counters"]:
                 text += " -> " + ", ".join(f"c{c} = {v}" for c, v in ev["counters"].items())
-        out.append({"n": _first(ev, "n", "step", "index"), "worker": w, "instruction": ins, "op": ev.get("op"),
+        out.append({"n": first_of(ev, "n", "step", "index"), "worker": w, "instruction": ins, "op": ev.get("op"),
                     "layer": ev.get("layer"), "kind": kind,
                     "signals": [c for c in sig if isinstance(c, int)],
                     "waits_on": [c for c in wt if isinstance(c, int)],
@@ -388,110 +115,6 @@ def focus_events(events: list[dict[str, Any]], focus: set[int], limit: int = MAX
             if e["kind"] == "start":
                 keep.update(last_end[c] for c in e["waits_on"] if c in last_end)
     return [events[k] for k in sorted(keep)][:limit]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Baselines and the bandwidth floor (from a bench JSON the run folder holds, when present)
-
-
-def _bench_docs(run: Run) -> list[tuple[Path, Any]]:
-    paths = [run.path / "bench.json", run.path / "best" / "bench.json", *sorted((run.path / "bench").glob("*.json"))]
-    docs = []
-    for p in paths:
-        doc = read_json(p, run.notes)
-        if doc is not None:
-            docs.append((p, doc))
-    return docs
-
-
-def bench_rows(doc: Any, ctx: int | None = None) -> tuple[list[tuple[str, float]], float | None, bool]:
-    """(baseline label, median ms) rows, the floor in ms and whether the numbers are estimates, from a bench JSON.
-    Tolerates a list of measurements, a dict name -> measurement, and per-context groups (the run's ctx first)."""
-    if isinstance(doc, dict) and isinstance(doc.get("contexts"), list | dict):
-        groups = doc["contexts"]
-        groups = list(groups.values()) if isinstance(groups, dict) else groups
-        pick = [g for g in groups if isinstance(g, dict) and g.get("ctx") == ctx] or groups[:1]
-        if pick:
-            rows, floor, est = bench_rows(pick[0], ctx)
-            return rows, floor if floor is not None else _num(_first(doc, "floor_ms")), est
-    if isinstance(doc, dict) and isinstance(doc.get("results"), list) and any(
-            isinstance(r, dict) and isinstance(r.get("variants"), dict) for r in doc["results"]):
-        return _bench_by_ctx(doc, ctx)
-    items: Any = _first(doc, "results", "baselines", "measurements", "rows", "variants") if isinstance(doc, dict) \
-        else doc
-    if isinstance(items, dict):
-        items = [{"name": k, **v} if isinstance(v, dict) else {"name": k, "ms": v} for k, v in items.items()]
-    rows: list[tuple[str, float]] = []
-    floor = None
-    for it in items if isinstance(items, list) else []:
-        if not isinstance(it, dict) or (ctx is not None and it.get("ctx") not in (None, ctx)):
-            continue
-        name = str(_first(it, "name", "label", "variant", "baseline") or "?")
-        ms = _ms_of(it)
-        if ms is None:
-            continue
-        if "floor" in name.lower():
-            floor = ms
-        else:
-            rows.append((name, ms))
-    f = _first(doc, "floor_ms") if isinstance(doc, dict) else None
-    if isinstance(f, dict):
-        f = _ms_of(f)
-    if _num(f) is not None:
-        floor = _num(f)
-    est = bool(_first(doc, "estimated")) if isinstance(doc, dict) else False
-    return rows, floor, est
-
-
-def _variant_label(name: str) -> str:
-    """The bench's own label of a variant (megasynth.measure.bench owns them), or the name itself."""
-    try:
-        from megasynth.measure.bench import VARIANTS
-    except Exception:  # noqa: BLE001 - the labels are cosmetic; never fail a report over them
-        return name
-    v = VARIANTS.get(name)
-    return v[0] if v else name
-
-
-def _bench_by_ctx(doc: dict[str, Any], ctx: int | None) -> tuple[list[tuple[str, float]], float | None, bool]:
-    """`synth bench --json` (format megasynth-bench/1): results per ctx, each with variants and a measured floor.
-    A CPU dry run is labelled so (its numbers are CPU timings, not the GPU's)."""
-    recs = [r for r in doc["results"] if isinstance(r, dict) and isinstance(r.get("variants"), dict)]
-    pick = next((r for r in recs if r.get("ctx") == ctx), recs[0])
-    suffix = " (CPU dry run)" if doc.get("dry_run") else ""
-    rows = []
-    for name, v in pick["variants"].items():
-        ms = _ms_of(v) if isinstance(v, dict) and v.get("status", "ok") == "ok" else None
-        if ms is not None:
-            label = _variant_label(name)
-            rows.append((label + ("" if "dry run" in label else suffix) + ("" if pick.get("ctx") == ctx or ctx is None
-                                                              else f" @ctx {pick.get('ctx')}"), ms))
-    floor = _ms_of(pick.get("floor")) if isinstance(pick.get("floor"), dict) else _num(pick.get("floor"))
-    return rows, floor, False
-
-
-def estimated_floor_ms(schedule: dict[str, Any] | None, ctx: int | None) -> float | None:
-    """Bytes the schedule's instructions must move at `ctx` (from the catalogue's cost) / the H200's measured copy
-    bandwidth (DESIGN.md §7). Only used when no bench JSON gives a measured floor; labelled estimated."""
-    if not isinstance(schedule, dict) or not ctx:
-        return None
-    try:
-        from megasynth.ir.catalogue import OPS
-        from megasynth.ir.program import resolve
-        from megasynth.ir.schedule import parse_schedule
-
-        prog = resolve(parse_schedule(schedule))
-        if prog.geometry is None:
-            return None
-        total = 0
-        for i in range(prog.n):
-            if prog.op[i] in OPS:
-                layer = prog.layer[i] if prog.layer[i] is not None else -1
-                seq = min(ctx, prog.geometry.max_seq_len)
-                total += OPS[prog.op[i]].cost(prog.geometry, layer, prog.args[i], seq)[0]
-        return total / (H200_COPY_TBPS * 1e12) * 1e3
-    except Exception:  # noqa: BLE001 - a schedule we cannot read just has no floor in the report
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -541,12 +164,23 @@ def op_colors(ops: list[str]) -> dict[str, str]:
     return {o: _PALETTE[k % len(_PALETTE)] for k, o in enumerate(ordered)}
 
 
-def fmt_ms(ms: float | None, estimated: bool = False) -> str:
-    """Milliseconds as the pages and `synth runs` print them (µs below 0.01 ms), labelled when estimated."""
+def fmt_ms(ms: float | None, estimated: bool = False, decimals: int = 3) -> str:
+    """Milliseconds as the pages and `synth runs` print them (µs below 0.01 ms), labelled when estimated. `decimals`
+    of a millisecond (`ranking_decimals` picks enough to tell a list's times apart)."""
     if ms is None:
         return "—"
-    s = f"{ms:.3f} ms" if ms >= 0.01 else f"{ms * 1000:.2f} µs"
+    s = f"{ms:.{decimals}f} ms" if ms >= 0.01 else f"{ms * 1000:.{max(2, decimals - 3)}f} µs"
     return s + (" (estimated)" if estimated else "")
+
+
+def ranking_decimals(times: list[float | None], least: int = 3, most: int = 6) -> int:
+    """The fewest decimals of a millisecond, from `least` to `most`, at which the different times of a list all
+    print differently: a leaderboard whose rows all read 0.798 ms does not say which is fastest."""
+    distinct = sorted({t for t in times if t is not None})
+    for d in range(least, most):
+        if len({fmt_ms(t, decimals=d) for t in distinct}) == len(distinct):
+            return d
+    return most
 
 
 def bar_chart_svg(rows: list[tuple[str, float, str, bool]], unit: str = "ms", width: int = 720) -> str:
@@ -701,7 +335,7 @@ def _validation_view(val: Any, title: str) -> dict[str, Any]:
     findings = val.get("findings") if isinstance(val.get("findings"), list) else []
     return {"title": title, "verdict": verdict, "accepted": verdict == "accepted",
             "stats": [[k, v] for k, v in stats.items()],
-            "phases": [[k, f"{v:.3f} s" if _num(v) is not None else v] for k, v in secs.items()],
+            "phases": [[k, f"{v:.3f} s" if num(v) is not None else v] for k, v in secs.items()],
             "findings": [(f.get("category", "?"), f.get("message", "")) for f in findings[:MAX_FINDINGS_SHOWN]
                          if isinstance(f, dict)]}
 
@@ -715,8 +349,9 @@ def _rejected_view(run: Run) -> dict[str, Any]:
     rest = [(name, doc) for name, doc in docs if not (isinstance(doc, dict) and doc.get("reason") == "screened")]
     items = [_one_rejected(name, doc) if isinstance(doc, dict) else {"name": name, "unreadable": True}
              for name, doc in rest[:MAX_REJECTED_SHOWN]]
-    rows = [[str(doc.get("candidate") or name), str(doc.get("proposer") or ""), screened_text(_num(doc.get("estimate_ms"))),
-             str(doc.get("rationale") or "")[:120]] for name, doc in screened]
+    rows = [[str(doc.get("candidate") or name), str(doc.get("proposer") or ""),
+             screened_text(num(doc.get("estimate_ms"))), str(doc.get("rationale") or "")[:120]]
+            for name, doc in screened]
     return {"shown": items, "total": len(rest), "more": max(0, len(rest) - MAX_REJECTED_SHOWN), "screened": rows}
 
 
@@ -760,9 +395,10 @@ def _one_rejected(name: str, doc: dict[str, Any]) -> dict[str, Any]:
                       for s in stuck[:30] if isinstance(s, dict)],
             "cycle": cycle if isinstance(cycle, list) and cycle else None,
             "text": "\n".join(map(str, text)) if isinstance(text, list) and text else None})
-    return {"name": _first(doc, "candidate", "id") or name, "unreadable": False, "proposer": _first(doc, "proposer"),
-            "rationale": _first(doc, "rationale"), "error": doc["error"] if _first(doc, "error") else None,
-            "reason": _first(doc, "reason") or "error", "findings": findings}
+    return {"name": first_of(doc, "candidate", "id") or name, "unreadable": False,
+            "proposer": first_of(doc, "proposer"), "rationale": first_of(doc, "rationale"),
+            "error": doc["error"] if first_of(doc, "error") else None,
+            "reason": first_of(doc, "reason") or "error", "findings": findings}
 
 
 def _agent_view(run: Run) -> dict[str, Any] | None:
@@ -822,10 +458,18 @@ def _critical_view(trace: Trace, crit: list[dict[str, Any]]) -> dict[str, Any] |
             "more": len(crit) > MAX_CRITICAL_ROWS}
 
 
+def _candidate_link(run: Run, candidate: str) -> str | None:
+    """What the leaderboard links a candidate to, relative to the report: its whole schedule where the run keeps it,
+    else its timing.json (the strategy and patches that rebuild it)."""
+    d = run.path / "candidates" / candidate
+    f = stored(d / "schedule.json") or ((d / "timing.json") if (d / "timing.json").is_file() else None)
+    return f.relative_to(run.path).as_posix() if f is not None else None
+
+
 def _candidates_view(run: Run) -> list[dict[str, Any]]:
     naive = run.naive()
     order = sorted(run.entries, key=lambda e: (not e.accepted, e.ms if e.ms is not None else math.inf))
-    return [{"id": e.candidate, "linked": (run.path / "candidates" / e.candidate).is_dir(), "proposer": e.proposer,
+    return [{"id": e.candidate, "link": _candidate_link(run, e.candidate), "proposer": e.proposer,
              "accepted": e.accepted, "verdict": e.verdict, "screened": e.status == "screened",
              "ms": fmt_ms(e.ms, e.estimated),
              "speedup": f"{naive.ms / e.ms:.2f}×" if naive and naive.ms and e.ms else "", "note": e.note[:120]}
@@ -846,14 +490,14 @@ def render_report(run: Run) -> str:
         except ValueError as exc:
             run.notes.append(f"{exc}; timeline omitted")
     best, naive = run.best(), run.naive()
-    est_any = bool(best and best.estimated) or bool(trace and trace.estimated) or bool(_first(timing, "estimated"))
-    ctx = _first(trace.metadata, "ctx") if trace else None
-    ctx = ctx if isinstance(ctx, int) else _first(timing, "ctx") or _first(run.info, "ctx")
-    cmd = _first(run.info, "command", "argv")
+    est_any = bool(best and best.estimated) or bool(trace and trace.estimated) or bool(first_of(timing, "estimated"))
+    ctx = first_of(trace.metadata, "ctx") if trace else None
+    ctx = ctx if isinstance(ctx, int) else first_of(timing, "ctx") or first_of(run.info, "ctx")
+    cmd = first_of(run.info, "command", "argv")
 
     # summary cards
     floor_ms, floor_est, baselines, b_est, floor_note = None, False, [], False, ""
-    for _p, doc in _bench_docs(run):
+    for _p, doc in bench_docs(run):
         if isinstance(doc, dict) and doc.get("dry_run") and not floor_note:
             floor_note = " (CPU dry run)"
         rows, fl, e = bench_rows(doc, ctx if isinstance(ctx, int) else None)
@@ -866,10 +510,10 @@ def render_report(run: Run) -> str:
         floor_est = floor_ms is not None
     sp = run.speedup()
     best_txt = fmt_ms(best.ms, best.estimated) if best else "—"
-    p10, p90 = _num(_first(timing, "p10_ms")), _num(_first(timing, "p90_ms"))
+    p10, p90 = num(first_of(timing, "p10_ms")), num(first_of(timing, "p90_ms"))
     if best and p10 is not None and p90 is not None:
         best_txt += f" (p10–p90 {p10:.3f}–{p90:.3f})"
-    src = _first(timing, "source")
+    src = first_of(timing, "source")
     if src:
         best_txt += f" · {src}"
     cards = [("best schedule", best_txt),
@@ -897,6 +541,8 @@ def render_report(run: Run) -> str:
         crit = summary["critical_path"]
         data = _timeline_data(trace, crit)
         timeline = {"estimated": trace.estimated, "instructions": len(trace.events), "lanes": trace.lanes,
+                    "file": (stored(best_dir / "trace.json") or best_dir / "trace.json.gz").relative_to(run.path)
+                    .as_posix(),
                     "makespan": f"{trace.makespan_us:.1f}", "legend": list(zip(data["ops"], data["colors"],
                                                                                  strict=True)),
                     "data_json": _json_for_script(data)}
@@ -905,7 +551,8 @@ def render_report(run: Run) -> str:
     page = {"command": (" ".join(map(str, cmd)) if isinstance(cmd, list) else cmd) if cmd else None,
             "estimated": est_any, "cards": cards,
             "chart": {"svg": bar_chart_svg(bars), "baselines": bool(baselines), "hatched": any(b[3] for b in bars)},
-            "curve": {"svg": curve[0], "estimated": curve[1], "mixed": curve[2], "clipped": curve[3]} if curve else None,
+            "curve": ({"svg": curve[0], "estimated": curve[1], "mixed": curve[2], "clipped": curve[3]} if curve
+                      else None),
             "timeline": timeline, "per_op": per_op, "critical_path": critical,
             "validation": _validation_view(validation, "Validation of the best schedule"),
             "candidates": _candidates_view(run) if run.entries else None,

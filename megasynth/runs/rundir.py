@@ -1,37 +1,53 @@
-"""The runs/<run>/ folder a search writes (DESIGN.md §6). Every write is atomic (megasynth/atomic.py), and the files
-on disk are the source of truth, so a killed search resumes without losing accepted results.
+"""The runs/<run>/ folder a search writes. Every write is atomic (megasynth/atomic.py), and the files on disk are the
+source of truth, so a killed search resumes without losing accepted results.
 
 Layout:
   run.json                                  command, versions, GPU, model, seed, options
   study.db                                  the Optuna study (SQLite) unless --storage names another
-  candidates/<id>/schedule.json             every accepted candidate (a committed run may leave it out for size:
-                                            `RunDir.load_candidate` rebuilds it from timing.json's strategy and
-                                            patches and checks it against the recorded schedule_key) ...
+  candidates/<id>/timing.json               every accepted candidate: its timing, and what reproduces it (strategy,
+                                            patches, proposer, schedule_key, the lowering's version) ...
   candidates/<id>/validation.json           ... its validator report ...
-  candidates/<id>/timing.json               ... and its timing: {"ms", "estimated", "source", ...}
+  candidates/<id>/queues.json.gz            ... its final worker queues (the part of a schedule that depends on the
+                                            cost-model parameters, so that a refit model still rebuilds it) ...
+  candidates/<id>/schedule.json.gz          ... and, for the `KEEP_SCHEDULES` fastest only, the whole schedule
   rejected/<id>.json                        candidates not accepted: rejected (the counterexample), malformed (the
                                             error), or screened by the cost model (its estimate; never validated)
   leaderboard.json                          {"entries": [...accepted, fastest first..., ...screened and rejected]}
-  best/{schedule,validation,timing,trace}.json   the fastest accepted candidate (trace: GPU, or the cost model's,
-                                            labelled `estimated: true`)
+  best/{schedule.json.gz, validation.json, timing.json, trace.json.gz}   the fastest accepted candidate (trace: GPU,
+                                            or the cost model's, labelled `estimated: true`)
 
-Candidate ids are `c0000`, `c0001`, ... (the slot of the study's claim, `megasynth.search.claims`); `c0000` is the naive
+A whole schedule is megabytes of JSON (llama-1b ~2 MB, llama-8b ~4 MB) but rebuilds in about a second from its
+strategy and patches, so a run keeps few: `RunDir.load_candidate` rebuilds the others and checks the result against
+the recorded schedule_key. Large files are gzip-compressed (`.json.gz`, ~20x smaller); readers also accept the plain
+`.json` of runs written before (`stored`, `read_stored`).
+
+Candidate ids are `c0000`, `c0001`, ... (the slot of the study's claim, `megasynth.runs.study`); `c0000` is the naive
 baseline of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import functools
+import gzip
+import hashlib
 import json
+import os
 import platform
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megasynth.atomic import write_json_atomic, write_text_atomic
+from megasynth.atomic import write_json_atomic
 from megasynth.ir.schedule import Schedule
 
 BASELINE = "c0000"
+#: The accepted candidates of a run that keep their whole schedule (schedule.json.gz), fastest first; best/ has its own.
+KEEP_SCHEDULES = 3
+QUEUES_FORMAT = "megasynth-queues/1"
 
 
 def candidate_id(number: int) -> str:
@@ -49,6 +65,28 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+@functools.cache
+def lowering_version() -> dict[str, str | None]:
+    """What a rebuild from a strategy depends on: the package version, and a digest of the lowering's and the IR's
+    sources and the cost-model parameters the lowering balances with. Equal digests rebuild the same schedule; a
+    different one may, and `RunDir.load_candidate` checks."""
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    sources = [*(root / "lowering").glob("*.py"), *(root / "ir").glob("*.py"), root / "data" / "h200_costmodel.json"]
+    for f in sorted(sources):
+        try:
+            digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        except OSError:
+            continue
+    try:
+        package: str | None = metadata.version("megasynth")
+    except metadata.PackageNotFoundError:
+        package = None
+    return {"megasynth": package, "digest": digest.hexdigest()[:16]}
 
 
 def schedule_key(schedule: Schedule) -> str:
@@ -72,16 +110,105 @@ def status_of(record: dict[str, Any]) -> str:
     return {"screened": "screened", "malformed": "malformed", "worker_died": "failed"}.get(str(reason), "rejected")
 
 
-def _write_schedule(path: Path, schedule: Schedule) -> None:
-    """Schedules are written compact: a llama-1b schedule is ~2.7 MB so (4.5 MB indented), and a run keeps dozens."""
-    write_text_atomic(path, json.dumps(schedule.to_json(), separators=(",", ":")) + "\n")
+# -- files: gzip-compressed when large, plain JSON accepted --------------------------------------------------------
+def stored(path: str | os.PathLike[str]) -> Path | None:
+    """The file a run holds for `path` (a `.json` name): `<path>.gz` as runs write it, or the plain `path` of older
+    runs; None when there is neither."""
+    p = Path(path)
+    for f in (p.with_name(p.name + ".gz"), p):
+        if f.is_file():
+            return f
+    return None
+
+
+def read_stored_text(path: str | os.PathLike[str]) -> str:
+    """The text of `path` as `stored` finds it (decompressed); FileNotFoundError when there is none, OSError or
+    UnicodeDecodeError when it cannot be read (a truncated .gz is an OSError: `gzip.BadGzipFile`, EOFError)."""
+    f = stored(path)
+    if f is None:
+        raise FileNotFoundError(2, "No such file", str(path))
+    try:
+        data = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
+    except EOFError as exc:
+        raise OSError(f"{f.name}: truncated ({exc})") from None
+    return data.decode("utf-8")
+
+
+def read_stored(path: str | os.PathLike[str]) -> Any:
+    """The parsed JSON of `path` as `stored` finds it, or None when it is missing or unreadable."""
+    try:
+        return json.loads(read_stored_text(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def write_gz_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write `text` gzip-compressed to `path` (a `.gz` name) atomically. The header carries no time, so equal text
+    gives equal bytes (a committed run does not change when it is rewritten)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    data = gzip.compress(text.encode("utf-8"), compresslevel=6, mtime=0)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_stored(path: Path, doc: Any) -> None:
+    """Write JSON `doc` for `path` (a `.json` name) as `<path>.gz`, compact, and drop a plain `path` left by an older
+    run so that readers cannot pick a stale one."""
+    write_gz_atomic(path.with_name(path.name + ".gz"), json.dumps(doc, separators=(",", ":")) + "\n")
+    path.unlink(missing_ok=True)
+
+
+def _drop_stored(path: Path) -> None:
+    path.with_name(path.name + ".gz").unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+
+
+def encode_queues(queues: list[list[int]]) -> dict[str, Any]:
+    """Queues as deltas between neighbours (lowered queues step by constants, so they compress to almost nothing)."""
+    return {"format": QUEUES_FORMAT, "encoding": "delta",
+            "queues": [[q[0], *(b - a for a, b in zip(q, q[1:], strict=False))] if q else [] for q in queues]}
+
+
+def decode_queues(doc: Any, where: str = "queues.json.gz") -> list[list[int]]:
+    """The queues of an `encode_queues` document; a `ScheduleError` naming `where` for anything else."""
+    from itertools import accumulate
+
+    from megasynth.ir.errors import ScheduleError
+
+    if not isinstance(doc, dict) or doc.get("format") != QUEUES_FORMAT or doc.get("encoding") != "delta" \
+            or not isinstance(doc.get("queues"), list):
+        raise ScheduleError(f"not a {QUEUES_FORMAT} document with delta-encoded queues", "$", where)
+    out = []
+    for k, q in enumerate(doc["queues"]):
+        if not isinstance(q, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in q):
+            raise ScheduleError("a queue is a list of integers", f"$.queues[{k}]", where)
+        out.append(list(accumulate(q)))
+    return out
 
 
 def _read(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+
+
+def _measured_first(timing: dict[str, Any]) -> tuple[bool, float]:
+    """Rank of an accepted candidate: GPU measurements before estimates (they do not compare), then the time."""
+    return bool(timing.get("estimated", True)), float(timing["ms"])
 
 
 class RunDir:
@@ -112,12 +239,33 @@ class RunDir:
         write_json_atomic(self.path / "run.json", {**self.info, **fields})
 
     # -- candidates -------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Processes sharing the run folder decide what best/ and the kept schedules are under one lock."""
+        import fcntl
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        with open(self.path / ".best.lock", "a", encoding="utf-8") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
+            yield
+
     def save_candidate(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any]) -> None:
-        """An accepted candidate. timing.json goes last: a candidate counts once its timing is there."""
+        """An accepted candidate: its validation, its queues, its whole schedule when it is among the
+        `KEEP_SCHEDULES` fastest (pushing the slowest kept one out), and timing.json last, stamped with the
+        lowering's version: a candidate counts once its timing is there."""
         d = self.path / "candidates" / cid
-        _write_schedule(d / "schedule.json", schedule)
+        timing = {**timing, "lowering": lowering_version()}
         write_json_atomic(d / "validation.json", validation)
-        write_json_atomic(d / "timing.json", timing)
+        write_gz_atomic(d / "queues.json.gz", json.dumps(encode_queues(schedule.queues), separators=(",", ":")))
+        with self._locked():
+            ranked = sorted({**self.accepted(), cid: timing}.items(), key=lambda kv: _measured_first(kv[1]))
+            keep = {c for c, _ in ranked[:KEEP_SCHEDULES]}
+            if cid in keep:
+                write_stored(d / "schedule.json", schedule.to_json())
+            write_json_atomic(d / "timing.json", timing)
+            for other, t in ranked[KEEP_SCHEDULES:]:
+                if other != cid and "strategy" in t:  # rebuildable: only then may its schedule go
+                    (self.path / "candidates" / other / "schedule.json.gz").unlink(missing_ok=True)
 
     def save_rejected(self, cid: str, record: dict[str, Any]) -> None:
         write_json_atomic(self.path / "rejected" / f"{cid}.json", record)
@@ -153,7 +301,7 @@ class RunDir:
 
     def save_outcome(self, cid: str, doc: dict[str, Any]) -> None:
         """Write a candidate from its `outcome` document (a candidate known from the study, not from files): an
-        accepted one without schedule.json (`load_candidate` rebuilds it from the strategy and patches)."""
+        accepted one without its schedule or queues (`load_candidate` rebuilds it from the strategy and patches)."""
         if doc.get("accepted"):
             d = self.path / "candidates" / cid
             if doc.get("validation") is not None:
@@ -173,35 +321,53 @@ class RunDir:
         if isinstance(best, dict) and best.get("candidate") == cid:
             shutil.rmtree(self.path / "best", ignore_errors=True)
 
-    def candidate_schedule(self, cid: str) -> Path:
-        return self.path / "candidates" / cid / "schedule.json"
+    def candidate_schedule(self, cid: str) -> Path | None:
+        """The file holding an accepted candidate's whole schedule (schedule.json.gz, or an older run's
+        schedule.json), or None when the run keeps only what rebuilds it."""
+        return stored(self.path / "candidates" / cid / "schedule.json")
 
     def load_candidate(self, cid: str) -> Schedule:
-        """An accepted candidate's schedule: its schedule.json, or, where that was left out, the schedule rebuilt
-        from the strategy and patches in its timing.json (a `ScheduleError` if the rebuild is not the schedule that
-        was timed, e.g. when a cost-balanced assignment was made with other cost-model parameters)."""
+        """An accepted candidate's schedule: its stored schedule, or, where the run did not keep it, the schedule
+        rebuilt from the strategy and patches in its timing.json, with the queues of its queues.json.gz when there
+        is one (they follow the cost model the lowering balanced with). A `ScheduleError` if the rebuild is not the
+        schedule that was timed (its schedule_key), naming the lowering that wrote it and this one."""
         from megasynth.ir.errors import ScheduleError
-        from megasynth.ir.schedule import load_schedule
+        from megasynth.ir.schedule import loads_schedule, parse_schedule
 
+        d = self.path / "candidates" / cid
         path = self.candidate_schedule(cid)
-        if path.exists():
-            return load_schedule(path)
-        timing = _read(path.with_name("timing.json"))
-        where = str(path.with_name("timing.json"))
+        if path is not None:
+            try:
+                return loads_schedule(read_stored_text(path), str(path))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ScheduleError(f"cannot read file: {exc}", "$", str(path)) from None
+        where = str(d / "timing.json")
+        timing = _read(d / "timing.json")
         if not isinstance(timing, dict) or "strategy" not in timing:
-            raise ScheduleError("no schedule.json and no strategy in timing.json to rebuild it from", "$", where)
+            raise ScheduleError("no schedule and no strategy in timing.json to rebuild it from", "$", where)
         from megasynth.lowering.lower import lower
         from megasynth.lowering.models import get_model
         from megasynth.lowering.patches import apply_patches
         from megasynth.lowering.strategy import parse_strategy
 
         model = self.info.get("model") or "llama-1b"
+        proposer = timing.get("proposer") or "naive"
         schedule = lower(get_model(model), int(timing.get("workers") or self.info.get("workers") or 132),
-                         parse_strategy(timing["strategy"], where), timing.get("proposer") or "naive")
+                         parse_strategy(timing["strategy"], where), proposer)
         schedule = apply_patches(schedule, timing.get("patches") or [])
+        doc = schedule.to_json()
+        doc["meta"] = {**doc.get("meta", {}), "proposer": proposer, "parent": timing.get("parent"),
+                       "rationale": timing.get("rationale", "")}
+        if (d / "queues.json.gz").is_file():
+            doc["queues"] = decode_queues(read_stored(d / "queues.json"), str(d / "queues.json.gz"))
+        schedule = parse_schedule(doc, where)
         if timing.get("schedule_key") and schedule_key(schedule) != timing["schedule_key"]:
-            raise ScheduleError("the schedule rebuilt from its strategy differs from the one timed (schedule_key)",
-                                "$.schedule_key", where)
+            then = timing.get("lowering") or {}
+            raise ScheduleError(
+                "the schedule rebuilt from its strategy differs from the one timed (schedule_key): it was lowered by "
+                f"megasynth {then.get('megasynth', '?')} (lowering {then.get('digest', 'unrecorded')}), this is "
+                f"megasynth {lowering_version()['megasynth']} (lowering {lowering_version()['digest']})",
+                "$.schedule_key", where)
         return schedule
 
     # -- best and leaderboard ---------------------------------------------------------------------------------
@@ -209,27 +375,32 @@ class RunDir:
         t = _read(self.path / "best" / "timing.json")
         return t.get("ms") if isinstance(t, dict) else None
 
+    def has_best_schedule(self) -> bool:
+        """Whether best/ holds a schedule (compressed, or an older run's plain one)."""
+        return stored(self.path / "best" / "schedule.json") is not None
+
+    def best_trace(self) -> dict[str, Any] | None:
+        """best/'s trace (trace.json.gz, or an older run's trace.json), None when missing or unreadable."""
+        doc = read_stored(self.path / "best" / "trace.json")
+        return doc if isinstance(doc, dict) else None
+
     def save_best(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any],
                   trace: dict[str, Any] | None) -> bool:
         """Replace best/ (schedule, validation and trace first, timing last) unless it holds a candidate at least as
         fast. Processes sharing the run folder compare and write under a lock (`.best.lock`), so two that promote
         at once cannot leave the slower one in best/. Returns whether best/ was replaced."""
-        import fcntl
-
-        self.path.mkdir(parents=True, exist_ok=True)
-        with open(self.path / ".best.lock", "a", encoding="utf-8") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or when the process dies
+        with self._locked():
             d = self.path / "best"
             on_disk = self.best_ms()
-            if on_disk is not None and on_disk <= timing["ms"] and (d / "schedule.json").exists():
+            if on_disk is not None and on_disk <= timing["ms"] and self.has_best_schedule():
                 return False
-            _write_schedule(d / "schedule.json", schedule)
+            write_stored(d / "schedule.json", schedule.to_json())
             write_json_atomic(d / "validation.json", validation)
             if trace is not None:
-                write_json_atomic(d / "trace.json", trace, indent=None)
+                write_stored(d / "trace.json", trace)
             else:
-                (d / "trace.json").unlink(missing_ok=True)  # the previous best's trace is not this one's
-            write_json_atomic(d / "timing.json", {**timing, "candidate": cid})
+                _drop_stored(d / "trace.json")  # the previous best's trace is not this one's
+            write_json_atomic(d / "timing.json", {**timing, "lowering": lowering_version(), "candidate": cid})
         return True
 
     def best_per_proposer(self) -> dict[str, tuple[str, float]]:

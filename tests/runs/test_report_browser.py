@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from screenshot_report import CHROMIUM_ARGS  # noqa: E402
 from test_runs_cli import make_run, search_run  # noqa: E402
 
-from megasynth.commands.runs import serve_in_thread  # noqa: E402
 from megasynth.atomic import write_json_atomic  # noqa: E402
+from megasynth.commands.runs import serve_in_thread  # noqa: E402
+from megasynth.runs.rundir import read_stored  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
@@ -142,7 +143,7 @@ def test_real_search_run_in_the_browser(browser: Any, tmp_path: Path) -> None:
         assert page.locator("#runs a").count() == 1
         page.click(f"text={run.name}")
         page.wait_for_load_state("load")
-        queues = json.loads((run / "best" / "schedule.json").read_text())["queues"]
+        queues = read_stored(run / "best" / "schedule.json")["queues"]  # a search writes it compressed
         assert page.evaluate("() => window.__timeline.lanes") == len(queues)
         ident = page.evaluate("() => window.__timeline.longest()")
         page.locator("#timeline-section").scroll_into_view_if_needed()
@@ -183,7 +184,7 @@ def _center(page: Any) -> tuple[float, float]:
 
 
 def test_screenshot_script(tmp_path: Path) -> None:
-    """The one command the lead runs for the README screenshot writes a PNG and reports no console errors."""
+    """The one command that makes the README screenshot writes a PNG and reports no console errors."""
     run = make_run(tmp_path, "20261130-shot", workers=6)
     out = ARTIFACTS / "screenshot_report.png"
     script = Path(__file__).resolve().parents[2] / "scripts" / "screenshot_report.py"

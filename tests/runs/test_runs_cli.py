@@ -12,23 +12,21 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+from megasynth.atomic import write_json_atomic
 from megasynth.cli import main
 from megasynth.commands.runs import serve_in_thread
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import get_model
 from megasynth.lowering.strategy import Strategy
+from megasynth.runs.reader import load_run, parse_trace, producers_of, summarize
 from megasynth.runs.report import (
     counterexample_events,
     focus_events,
-    load_run,
-    parse_trace,
-    producers_of,
     render_index,
     render_report,
     sequence_svg,
-    summarize,
 )
-from megasynth.atomic import write_json_atomic
+from megasynth.runs.rundir import read_stored
 from megasynth.validator.verify import Options, verify
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,10 +163,10 @@ def test_list_shows_every_run_with_best_and_speedup(runs_dir: Path) -> None:
     r = invoke("runs", "list", "--runs-dir", str(runs_dir))
     assert r.exit_code == 0, r.output
     assert "20261130-tiny-a" in r.output and "20261129-tiny-old" in r.output and "20261129-empty" in r.output
-    assert "0.024 ms (estimated)" in r.output
-    assert "1.29×" in r.output  # 0.031 / 0.024
     row = next(line for line in r.output.splitlines() if "20261130-tiny-a" in line)
-    assert " 2 " in row  # 2 accepted, 2 rejected
+    assert "0.024 ms" in row and "1.29×" in row  # 0.031 / 0.024
+    assert " 2/0/2 " in row  # 2 accepted, none screened, 2 rejected
+    assert "(estimated)" in r.output  # under the time, when the table is narrow
 
 
 def test_list_empty_dir_says_so(tmp_path: Path) -> None:
@@ -350,7 +348,8 @@ def test_real_search_run_lists_shows_and_reports(searched: Path) -> None:
     run = load_run(searched)
     assert run.naive() is not None and run.naive().candidate == "c0000" and run.best() is not None
     assert run.accepted + run.rejected >= 1
-    sched = json.loads((searched / "best" / "schedule.json").read_text())
+    assert not (searched / "best" / "schedule.json").exists()  # written compressed
+    sched = read_stored(searched / "best" / "schedule.json")
     data = json.loads(re.search(r'<script id="tl-data" type="application/json">(.*?)</script>', html,
                                 re.S).group(1).replace("<\\/", "</"))
     assert data["lanes"] == len(sched["queues"]) and len(data["id"]) == len(sched["instructions"])
@@ -398,7 +397,6 @@ def test_merge_takes_best_from_a_folder_that_promoted_one_of_the_tied_fastest(tm
     best/ from that folder instead of writing none."""
     from megasynth.runs.merge import promoted_fastest
     from megasynth.runs.rundir import RunDir
-    from megasynth.atomic import write_json_atomic
 
     folders = []
     for name, best in (("a", "c0005"), ("b", "c0002")):
@@ -413,3 +411,67 @@ def test_merge_takes_best_from_a_folder_that_promoted_one_of_the_tied_fastest(tm
     wanted["c0005"]["record"]["schedule_key"] = "other"
     assert promoted_fastest(ranked, folders, wanted) == ("c0003", None)
     assert promoted_fastest([], folders, wanted) == (None, None)
+
+
+def test_show_ranks_close_times_and_every_table_fits_80_columns(tmp_path: Path) -> None:
+    """Fifteen candidates within a microsecond of each other: `show` prints enough digits to rank them, and the
+    tables of `list` and `show` stay within 80 columns (the command line alone may run past, to be copied whole)."""
+    from megasynth.runs.report import ranking_decimals
+
+    run = tmp_path / "llama-1b-20261201-153751-s12345"
+    times = [0.7980 + 0.00002 * k for k in range(15)]
+    entries = [{"candidate": f"c{k:04d}", "proposer": "descent", "accepted": True, "ms": ms, "estimated": False,
+                "rationale": "hill climbing on the measurements around c0014 (0.7779 ms): tiles.down_proj 32 -> 64"}
+               for k, ms in enumerate(times)]
+    write_json_atomic(run / "leaderboard.json", {"baseline": "c0000", "entries": entries})
+    write_json_atomic(run / "run.json", {"model": "llama-1b", "gpu": "NVIDIA H200", "command": "synth search " * 12})
+    r = CliRunner().invoke(main, ["runs", "show", run.name, "--runs-dir", str(tmp_path)], terminal_width=80)
+    assert r.exit_code == 0, r.output
+    shown = re.findall(r"c00\d\d .*? (0\.\d+) ms", r.output)
+    assert len(shown) == 15 and len(set(shown)) == 15, r.output  # 0.798 for all would not rank them
+    assert [float(x) for x in shown] == sorted(float(x) for x in shown)
+    r2 = CliRunner().invoke(main, ["runs", "list", "--runs-dir", str(tmp_path)], terminal_width=80)
+    for out in (r.output, r2.output):
+        assert all(len(line) <= 80 for line in out.splitlines() if not line.startswith("command:")), out
+    lines = r2.output.splitlines()
+    body = lines[next(k for k, line in enumerate(lines) if line.startswith("─")) + 1:]
+    assert "".join(line.split()[0] for line in body if line.strip() and "a/s/r" not in line) == run.name  # folded
+    assert ranking_decimals([0.798, 0.9]) == 3 and ranking_decimals([0.7981, 0.7984]) == 4
+    assert ranking_decimals([0.79841, 0.798412]) == 6 and ranking_decimals([None, 0.5, 0.5]) == 3
+
+
+def test_report_writes_under_the_runs_dir_only(runs_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`synth runs report` writes each run's report.html and index.html under --runs-dir, nothing where it is run."""
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    before = {p: p.stat().st_mtime_ns for p in runs_dir.rglob("*") if p.is_file()}
+    r = invoke("runs", "report", "--runs-dir", str(runs_dir))
+    assert r.exit_code == 0, r.output
+    assert list(cwd.iterdir()) == []
+    written = {p for p in runs_dir.rglob("*") if p.is_file() and before.get(p) != p.stat().st_mtime_ns}
+    assert written == {runs_dir / "index.html", *(d / "report.html" for d in runs_dir.iterdir() if d.is_dir())}
+    r = CliRunner().invoke(main, ["runs", "report"])  # the default runs/ is not there: an error, nothing written
+    assert r.exit_code == 2 and list(cwd.iterdir()) == []
+
+
+def test_serve_gives_a_compressed_trace_under_its_plain_name(tmp_path: Path) -> None:
+    """A run keeps best/trace.json.gz; the server also answers best/trace.json with it decompressed (for a viewer
+    that does not read gzip), and the report links the file the run has."""
+    from megasynth.runs.rundir import write_stored
+
+    run = make_run(tmp_path, "20261201-gz", workers=4)
+    trace = json.loads((run / "best" / "trace.json").read_text())
+    write_stored(run / "best" / "trace.json", trace)
+    assert not (run / "best" / "trace.json").exists()
+    server, thread = serve_in_thread(tmp_path, 0)
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}/20261201-gz"
+        with urllib.request.urlopen(f"{base}/best/trace.json", timeout=5) as resp:
+            assert resp.headers["Content-Type"] == "application/json" and json.loads(resp.read()) == trace
+        with urllib.request.urlopen(f"{base}/report.html", timeout=5) as resp:
+            assert b'href="best/trace.json.gz"' in resp.read()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

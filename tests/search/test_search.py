@@ -1,6 +1,6 @@
 """The search loop on the tiny config: runs/ layout, labelled estimates, rejected candidates with their
 counterexample, resume after a kill, and two processes sharing one Optuna SQLite storage (more processes, PostgreSQL
-and merging: tests/test_distributed.py)."""
+and merging: tests/search/test_distributed.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from megasynth.ir.schedule import load_schedule
 from megasynth.lowering.patches import PatchError, apply_patches
 from megasynth.lowering.strategy import Strategy
 from megasynth.runs.rundir import BASELINE, RunDir
-from megasynth.search.loop import Search, SearchConfig, run_search
+from megasynth.search.config import SearchConfig
+from megasynth.search.loop import Search, run_search
 from megasynth.search.proposers.auto import ChainProposer, resolve_proposer
 from megasynth.search.proposers.base import Proposal, Result, SearchContext
 from megasynth.validator.verify import Options, verify
@@ -24,7 +24,8 @@ from megasynth.validator.verify import Options, verify
 
 def _cfg(tmp_path: Path, **kw) -> SearchConfig:
     base = dict(model="tiny", workers=8, budget=6, runs_dir=tmp_path, run="r", interleavings=20,
-                final_interleavings=50, ctx=64, gpu=False, progress=False, proposer="heuristic", notice=lambda m: None)
+                final_interleavings=50, ctx=64, gpu=False, progress=False, proposer="heuristic", notice=lambda m: None,
+                jobs=1)
     base.update(kw)
     return SearchConfig(**base)
 
@@ -35,10 +36,10 @@ def test_search_writes_the_run_layout_and_every_kept_schedule_validates(tmp_path
     assert summary.evaluated == 6 and summary.estimated and summary.best_ms is not None
     info = json.loads((run / "run.json").read_text())
     assert info["model"] == "tiny" and info["seed"] == 0 and info["estimated"] is True and "versions" in info
-    for name in ("schedule.json", "validation.json", "timing.json", "trace.json"):
+    for name in ("validation.json", "timing.json"):
         assert (run / "best" / name).exists()
-    trace = json.loads((run / "best" / "trace.json").read_text())
-    assert trace["metadata"]["estimated"] is True
+    trace = RunDir(run).best_trace()
+    assert RunDir(run).has_best_schedule() and trace is not None and trace["metadata"]["estimated"] is True
     timing = json.loads((run / "best" / "timing.json").read_text())
     assert timing["estimated"] is True and "cost model" in timing["source"]
     lb = json.loads((run / "leaderboard.json").read_text())
@@ -47,7 +48,7 @@ def test_search_writes_the_run_layout_and_every_kept_schedule_validates(tmp_path
     base = json.loads((run / "candidates" / BASELINE / "timing.json").read_text())
     assert base["proposer"] == "naive"
     for cand in (run / "candidates").iterdir():
-        sched = load_schedule(cand / "schedule.json")
+        sched = RunDir(run).load_candidate(cand.name)
         assert verify(sched, options=Options(interleavings=20)).accepted, cand.name
     keys = [json.loads((c / "timing.json").read_text())["schedule_key"] for c in (run / "candidates").iterdir()]
     assert len(keys) == len(set(keys))  # a proposal that repeats an earlier schedule costs no candidate
@@ -131,7 +132,8 @@ def test_patches_errors_name_index_and_field(tmp_path: Path) -> None:
 _WORKER = """
 import sys
 from pathlib import Path
-from megasynth.search.loop import SearchConfig, run_search
+from megasynth.search.config import SearchConfig
+from megasynth.search.loop import run_search
 run_search(SearchConfig(model="tiny", workers=8, budget=int(sys.argv[3]), runs_dir=Path(sys.argv[1]), run="shared",
                         resume=sys.argv[2] == "resume", storage=None, interleavings=10, final_interleavings=20,
                         ctx=64, gpu=False, progress=False, proposer="evolve", seed=int(sys.argv[4]),
@@ -170,10 +172,74 @@ def test_search_cli_on_tiny(tmp_path: Path) -> None:
                                     str(tmp_path), "--run", "cli", "--interleavings", "10", "--final-interleavings",
                                     "20", "--ctx", "32", "--cpu", "--proposer", "heuristic", "--no-progress"])
     assert res.exit_code == 0, res.output
-    assert "estimated by the cost model" in res.output and (tmp_path / "cli" / "best" / "schedule.json").exists()
+    assert "estimated by the cost model" in res.output and RunDir(tmp_path / "cli").has_best_schedule()
+    assert not [ln for ln in res.stderr.splitlines() if ln.startswith("search ")]  # --no-progress: no lines either
     res = CliRunner().invoke(main, ["search", "--model", "tiny", "--resume", "nope", "--runs-dir", str(tmp_path),
                                     "--cpu", "--no-progress"])
     assert res.exit_code == 2 and "cannot resume" in res.output
+
+
+def test_search_cli_prints_a_progress_line_per_candidate_when_stderr_is_not_a_terminal(tmp_path: Path) -> None:
+    """Under CliRunner stderr is not a terminal (as in CI or `| tee log`): instead of a progress bar, one plain line
+    per finished candidate, with its outcome and the best so far."""
+    from click.testing import CliRunner
+
+    from megasynth.cli import main
+
+    res = CliRunner().invoke(main, ["search", "--model", "tiny", "--workers", "6", "--budget", "3", "--runs-dir",
+                                    str(tmp_path), "--run", "log", "--interleavings", "10", "--final-interleavings",
+                                    "20", "--ctx", "32", "--cpu", "--proposer", "heuristic", "--jobs", "1"])
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("search ")]
+    counts = [ln.split()[1] for ln in lines]
+    assert counts == ["0/3", "1/3", "2/3", "3/3"], res.stderr
+    for cid, line in zip(("c0000", "c0001", "c0002"), lines[1:], strict=True):
+        assert f"{cid} accepted" in line or f"{cid} rejected" in line, line
+    assert "c0000 accepted" in lines[1] and "best c0000" in lines[1] and "(estimated)" in lines[1]
+    assert "\x1b[" not in res.stderr  # plain text: no bar, no terminal codes
+
+
+def test_progress_lines_say_the_search_is_waiting_when_nothing_finishes(capsys: pytest.CaptureFixture[str]) -> None:
+    from megasynth.search.evaluate import Standing
+    from megasynth.search.loop import _Progress
+
+    progress = _Progress(5, enabled=True, terminal=False)
+    standing = Standing()
+    progress.update(0, standing, True)
+    progress.update(0, standing, True)  # nothing new within LINE_EVERY_S: no line
+    progress.LINE_EVERY_S = 0.0
+    progress.update(0, standing, True)
+    standing.remember(Result("c0000", Proposal(Strategy()), True, 0.25, True), None)
+    progress.update(1, standing, True)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("search 0/5") and "waiting" in lines[1], lines
+    assert lines[2].startswith("search 1/5") and "c0000 accepted 0.2500 ms" in lines[2] and "best c0000" in lines[2]
+    silent = _Progress(5, enabled=False, terminal=False)
+    silent.update(1, standing, True)
+    assert capsys.readouterr().err == ""
+
+
+def test_jobs_default_to_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megasynth.search import config
+
+    assert [config.default_jobs(False, n) for n in (1, 2, 3, 64)] == [1, 2, 3, config.MAX_DEFAULT_JOBS]
+    assert [config.default_jobs(True, n) for n in (1, 2, 3, 64)] == [1, 1, 2, config.MAX_DEFAULT_JOBS]
+    monkeypatch.delattr(config.os, "process_cpu_count", raising=False)
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: {0, 2, 5}, raising=False)
+    assert config.available_cores() == 3 and config.default_jobs(False) == 3 and config.default_jobs(True) == 2
+    monkeypatch.setattr(config.os, "process_cpu_count", lambda: 5, raising=False)
+    assert config.available_cores() == 5
+
+
+def test_the_search_resolves_jobs_for_its_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --jobs left out the loop asks `default_jobs` for its device (and runs in-process when it says 1)."""
+    import megasynth.search.loop as loop
+
+    asked: list[bool] = []
+    monkeypatch.setattr(loop, "default_jobs", lambda gpu: asked.append(gpu) or 1)
+    monkeypatch.setattr(loop, "Pool", None)  # a pool would fail: jobs=1 runs in this process
+    summary = run_search(_cfg(tmp_path, jobs=None, budget=2))
+    assert asked == [False] and summary.evaluated == 2
 
 
 @pytest.mark.gpu
@@ -185,8 +251,8 @@ def test_search_times_on_the_gpu(tmp_path: Path) -> None:
     assert not summary.estimated and summary.best_ms is not None
     timing = json.loads((summary.run_dir / "best" / "timing.json").read_text())
     assert timing["estimated"] is False and timing["check_rel_l2"] <= 2e-2
-    trace = json.loads((summary.run_dir / "best" / "trace.json").read_text())
-    assert trace["metadata"]["estimated"] is False
+    trace = RunDir(summary.run_dir).best_trace()
+    assert trace is not None and trace["metadata"]["estimated"] is False
 
 
 def test_a_killed_search_resumes_without_losing_accepted_results(tmp_path: Path) -> None:
@@ -215,7 +281,7 @@ def test_a_killed_search_resumes_without_losing_accepted_results(tmp_path: Path)
     study = optuna.load_study(study_name="megasynth-killed", storage=storage)
     # The dead process's claim (the candidate it was evaluating) was freed and its slot used again: every claim is
     # done and recorded by exactly one trial.
-    from megasynth.search.claims import Claims, make_engine
+    from megasynth.runs.study import Claims, make_engine
 
     rows = Claims(make_engine(storage), "megasynth-killed", owner="test").rows()
     assert all(r["state"] == "done" for r in rows) and len(rows) == n_before + 3 == len(study.trials)
@@ -301,7 +367,7 @@ def test_parallel_validation_workers(tmp_path: Path) -> None:
     for cid in run.accepted():
         v = json.loads((summary.run_dir / "candidates" / cid / "validation.json").read_text())
         assert v["verdict"] == "accepted" and v["interleavings"] == 20
-    assert (summary.run_dir / "best" / "trace.json").exists()
+    assert RunDir(summary.run_dir).best_trace() is not None
 
 
 class _FakeAgent:
