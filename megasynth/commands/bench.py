@@ -1,4 +1,4 @@
-"""`synth bench` and `synth generate`: click commands over megasynth.measure.bench (attached by megasynth.cli's
+"""`synth bench` and `synth generate`: click commands over megasynth.measure (attached by megasynth.cli's
 `_register()`)."""
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.command("bench")
 @click.option("--model", "model_name", default="llama-1b", show_default=True)
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
-              help="Schedule JSON for the megakernel (default: the naive lowering for this GPU's SM count).")
+              help="Schedule .json or .json.gz for the megakernel (default: the naive lowering for this GPU's SM "
+                   "count).")
 @click.option("--ctx", multiple=True, metavar="N[,N...]",
               help="Context length(s) to measure; repeat, comma-separate, or list after --ctx: --ctx 128 1024 4096. "
                    "[default: 1024, or max_seq_len if smaller]")
@@ -43,12 +44,17 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
               help="Timed repetitions per variant.")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), default="bench.json", show_default=True,
-              help="Where to write the results (atomically).")
+              help="Where to write the results (atomically); a path with {ctx} writes one file per ctx.")
 @click.option("--variants", default=None, metavar="A,B,...",
-              help="Only these variants (default: all): torch_eager, torch_graph, torch_bf16, hf_eager, "
-                   "torch_compile, per_op_graph, megakernel, cpu_executor.")
+              help="Only these variants: torch_eager, torch_graph, hf_eager, torch_bf16, torch_compile, "
+                   "per_op_graph, megakernel, cpu_executor. [default: torch_bf16, torch_compile, per_op_graph, "
+                   "megakernel; on --dry-run torch_eager, torch_bf16, torch_compile, megakernel, cpu_executor]")
 @click.option("--compile-timeout", type=click.FloatRange(1, 3600), default=300.0, show_default=True,
               help="Seconds allowed for torch.compile + its timing (child process, killed past the limit).")
+@click.option("--compile-mode", default="max-autotune-no-cudagraphs", show_default=True,
+              type=click.Choice(["default", "max-autotune-no-cudagraphs", "max-autotune", "reduce-overhead"]),
+              help="torch.compile mode of the bf16 step: captured in a CUDA graph after compiling, except "
+                   "max-autotune and reduce-overhead, whose own CUDA graphs (cudagraph trees) are replayed.")
 @click.option("--flush-l2/--no-flush-l2", default=False, show_default=True,
               help="Overwrite 2x L2 between repetitions (outside the timed region).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and KV history.")
@@ -60,15 +66,18 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...], reps: int,
-          warmup: int, json_file: str, variants: str | None, compile_timeout: float, flush_l2: bool, seed: int,
+          warmup: int, json_file: str, variants: str | None, compile_timeout: float, compile_mode: str,
+          flush_l2: bool, seed: int,
           weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
-    """Time the decode step: PyTorch (eager, CUDA graph, bf16-native), HF transformers, torch.compile, per-op
+    """Time the decode step: the best plain PyTorch step (bf16 in a CUDA graph, and its torch.compile), per-op
     launches and the megakernel, against the bandwidth floor; print a table and write JSON."""
     from rich.console import Console
 
     from megasynth.atomic import write_json_atomic
     from megasynth.lowering.models import get_model
-    from megasynth.measure.bench import BenchError, BenchOptions, render, run_bench
+    from megasynth.measure.bench import run_bench, split_by_ctx
+    from megasynth.measure.options import BenchError, BenchOptions
+    from megasynth.measure.render import render
 
     console = Console(stderr=True)
     try:
@@ -86,7 +95,8 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     opts = BenchOptions(model=model_name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
                         seed=seed, weights_dir=weights_dir, token=token, device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
-                        compile_timeout_s=compile_timeout, flush_l2=flush_l2, verify=verify)
+                        compile_timeout_s=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
+                        verify=verify)
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")
@@ -101,11 +111,18 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         _fail(str(exc), 1 if "rejected" in str(exc) else 2)
     finally:
         torch.set_num_threads(threads)
-    write_json_atomic(json_file, result)
-    out = Console(width=None if sys.stdout.isatty() else 140)
+    if "{ctx}" in json_file:
+        written = []
+        for c, doc in split_by_ctx(result).items():
+            written.append(json_file.replace("{ctx}", str(c)))
+            write_json_atomic(written[-1], doc)
+    else:
+        written = [json_file]
+        write_json_atomic(json_file, result)
+    out = Console(width=None if sys.stdout.isatty() else 80)
     for item in render(result):
         out.print(item)
-    click.echo(f"wrote {json_file} ({result['seconds']} s)", err=True)
+    click.echo(f"wrote {', '.join(written)} ({result['seconds']} s)", err=True)
 
 
 @click.command("generate")
@@ -113,7 +130,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 @click.option("--tokens", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
               help="Tokens to generate (greedy).")
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
-              help="Schedule JSON (default: the naive lowering).")
+              help="Schedule .json or .json.gz (default: the naive lowering).")
 @click.option("--prompt-token", type=int, default=1, show_default=True, help="The first token fed.")
 @click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
               help="Hugging Face safetensors checkpoint folder (default: random weights, --seed).")
@@ -129,7 +146,8 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     import torch
 
     from megasynth.lowering.models import get_model
-    from megasynth.measure.bench import BenchError, load_bench_schedule
+    from megasynth.measure.bench import load_bench_schedule
+    from megasynth.measure.options import BenchError
 
     try:
         spec = get_model(model_name)
@@ -201,7 +219,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
                f"{'checkpoint ' + weights_dir if weights_dir else f'random weights seed {seed}'})", err=True)
     agreement = None
     if check and backend == "megakernel":
-        from megasynth.measure.bench import greedy_agreement
+        from megasynth.measure.torch_step import greedy_agreement
 
         agreement = greedy_agreement(cfg, weights, out, spec.max_seq_len, device)
         click.echo(f"check against the PyTorch reference (teacher-forced on these tokens): "
@@ -218,6 +236,6 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
 
 
 if __name__ == "__main__":
-    # `python -m commands.bench bench|generate ...`: works where other subcommands' dependencies (optuna, openai)
-    # are missing, e.g. on a bare GPU machine.
+    # `python -m megasynth.commands.bench bench|generate ...`: works where other subcommands' dependencies (optuna,
+    # openai) are missing, e.g. on a bare GPU machine.
     click.Group(commands={"bench": bench, "generate": generate})(prog_name="synth")

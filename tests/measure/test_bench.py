@@ -3,6 +3,7 @@ the GPU variants run only where CUDA is present (marked `gpu`)."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 
@@ -13,16 +14,12 @@ from click.testing import CliRunner
 from megasynth.cli import main
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import get_model
-from megasynth.measure.bench import (
-    VARIANTS,
-    BenchOptions,
-    add_ratios,
-    floor_bytes,
-    run_bench,
-    run_compile,
-    stage_schedules,
-    summarize,
-)
+from megasynth.measure.bench import add_ratios, pytorch_best, run_bench, split_by_ctx
+from megasynth.measure.compile import run_compile
+from megasynth.measure.options import BenchOptions
+from megasynth.measure.timing import floor_bytes, summarize
+from megasynth.measure.torch_step import CHECK_TOL
+from megasynth.measure.variants import DEFAULT_CPU, PYTORCH, VARIANTS, stage_schedules
 
 CUDA = torch.cuda.is_available()
 
@@ -33,7 +30,7 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--reps", "3", "--warmup", "1",
                                        "--ctx", "8", "24", "--json", str(out), "--variants",
-                                       "torch_eager,torch_graph,hf_eager,megakernel,cpu_executor"])
+                                       "torch_eager,torch_graph,hf_eager,torch_bf16,megakernel,cpu_executor"])
     assert result.exit_code == 0, result.output
     return json.loads(out.read_text()), result.output
 
@@ -45,8 +42,8 @@ def test_summarize_quantiles() -> None:
     assert summarize([2.5])["p90_ms"] == 2.5
 
 
-def test_floor_bytes_llama_1b_matches_design() -> None:
-    """DESIGN.md §7: 2.47 GB weights + 34 MB KV at ctx 1024, floor 0.60 ms at 4.19 TB/s."""
+def test_floor_bytes_llama_1b() -> None:
+    """llama-1b at ctx 1024: 2.47 GB of weights + 34 MB of KV history, 0.60 ms at the H200's 4.19 TB/s copy."""
     f = floor_bytes(get_model("llama-1b").config, 1024)
     assert f["weights"] == pytest.approx(2.47e9, rel=0.01)
     assert f["kv_read"] + f["kv_write"] == pytest.approx(33.5e6, rel=0.01)
@@ -58,15 +55,17 @@ def test_floor_bytes_llama_1b_matches_design() -> None:
 
 
 def test_ratios_come_from_measured_medians() -> None:
+    ok = {"rel_l2": 1e-3, "argmax_match": True}
     rec = {"floor": {"bytes": {"total": 3_000_000_000}}, "schedule_bytes": 4_500_000_000,
-           "variants": {"torch_graph": {"status": "ok", "timing": {"median_ms": 3.0}},
-                        "megakernel": {"status": "ok", "timing": {"median_ms": 1.5}},
+           "variants": {"torch_graph": {"status": "ok", "timing": {"median_ms": 3.0}, "check": ok},
+                        "megakernel": {"status": "ok", "timing": {"median_ms": 1.5}, "check": ok},
                         "hf_eager": {"status": "skipped", "reason": "x"}}}
     add_ratios(rec, copy_tbps=4.0)
     assert rec["floor"]["ms"] == pytest.approx(0.75)
+    assert rec["pytorch_best"]["variant"] == "torch_graph"  # the only PyTorch variant measured
     mk = rec["variants"]["megakernel"]
     assert mk["speedup_vs_graph"] == pytest.approx(2.0)
-    assert mk["speedup_vs_bf16_graph"] is None  # not measured here
+    assert mk["speedup_vs_pytorch_best"] == pytest.approx(2.0)
     assert mk["x_floor"] == pytest.approx(2.0)
     assert mk["achieved_tbps"] == pytest.approx(2.0)
     assert mk["pct_copy_bw"] == pytest.approx(50.0)
@@ -91,11 +90,16 @@ def test_dry_run_json_structure(dry_run: tuple[dict, str]) -> None:
         assert list(v) == [k for k in VARIANTS if k in v]  # table order
         assert v["torch_graph"]["status"] == "skipped" and "CUDA" in v["torch_graph"]["reason"]
         assert v["megakernel"]["status"] == "skipped"
-        assert "torch_compile" not in v and "torch_bf16" not in v  # not asked for
-        for name in ("torch_eager", "hf_eager", "cpu_executor"):
+        assert "torch_compile" not in v and "per_op_graph" not in v  # not asked for
+        for name in ("torch_eager", "hf_eager", "torch_bf16", "cpu_executor"):
             assert v[name]["status"] == "ok", v[name]
             assert v[name]["timing"]["reps"] == 3
-            assert v[name]["check"]["rel_l2"] < 2e-2  # every timed variant computes the reference's logits
+            assert v[name]["check"]["rel_l2"] < CHECK_TOL  # every timed variant computes the reference's logits
+        best = rec["pytorch_best"]
+        assert best["variant"] in PYTORCH and best["variant"] in v
+        assert best["median_ms"] == min(v[n]["timing"]["median_ms"] for n in PYTORCH if v.get(n, {}).get("status")
+                                        == "ok")
+        assert v[best["variant"]]["speedup_vs_pytorch_best"] == pytest.approx(1.0)
     assert "tiny, ctx 8" in output and "DRY RUN" in output and "skipped" in output
 
 
@@ -112,6 +116,7 @@ def test_dry_run_ratios_are_computed_from_measured_numbers(dry_run: tuple[dict, 
             assert v["x_floor"] == pytest.approx(ms / floor_ms)
             assert v["achieved_tbps"] == pytest.approx(rec["floor"]["bytes"]["total"] / (ms * 1e-3) / 1e12)
             assert v["speedup_vs_graph"] is None  # no CUDA graph baseline was measured on the CPU
+            assert v["speedup_vs_pytorch_best"] == pytest.approx(rec["pytorch_best"]["median_ms"] / ms)
             assert math.isfinite(v["pct_copy_bw"])
 
 
@@ -131,19 +136,42 @@ def test_stage_schedules_split_by_op_and_layer() -> None:
 
 
 def test_compile_worker_runs_in_a_bounded_child() -> None:
-    """The child protocol with dynamo's eager backend (quick on the CPU); then a limit that kills it."""
-    opts = BenchOptions(model="tiny", ctxs=[6], reps=2, warmup=0, device="cpu", compile_backend="eager",
+    """The child protocol (compiling the bf16 step with dynamo's eager backend: quick on the CPU) at two positions;
+    then a limit that kills it."""
+    opts = BenchOptions(model="tiny", ctxs=[6, 20], reps=2, warmup=0, device="cpu", compile_backend="eager",
                         compile_mode=None, compile_timeout_s=120)
-    rec = run_compile(opts, lambda s: None)[6]
-    assert rec["status"] == "ok", rec
-    assert rec["check"]["rel_l2"] < 1e-5 and rec["timing"]["reps"] == 2 and rec["compile_s"] > 0
+    recs = run_compile(opts, lambda s: None)
+    for ctx in (6, 20):
+        rec = recs[ctx]
+        assert rec["status"] == "ok", rec
+        assert rec["check"]["rel_l2"] < CHECK_TOL and rec["timing"]["reps"] == 2 and rec["compile_s"] > 0
+        assert rec["label"] == VARIANTS["torch_compile"][0]
     opts.compile_timeout_s = 0.5
     rec = run_compile(opts, lambda s: None)[6]
-    assert rec["status"] == "skipped" and "limit" in rec["reason"]
+    assert rec["status"] == "timed_out" and "0 s limit (child killed)" in rec["reason"]
 
 
-def test_dry_run_skips_reduce_overhead_compile() -> None:
+def test_static_tensors_are_every_tensor_the_compiled_step_reads() -> None:
+    """Under inductor's own CUDA graphs, a tensor not marked static is copied at every replay: all must be listed."""
+    import dataclasses
+
+    from megasynth.measure.compile import static_tensors
+    from megasynth.measure.variants import bf16_step_fn, new_state
+
+    spec = get_model("tiny")
+    st = new_state(spec, BenchOptions(model="tiny", ctxs=[4], device="cpu"))
+    st.ctx = 4
+    bf16_step_fn(st)
+    listed = {id(t) for t in static_tensors(st)}
+    w = st.step_weights
+    every = [st.k, st.v] + [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "layers"]
+    every += [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
+    assert all(isinstance(t, torch.Tensor) for t in every) and {id(t) for t in every} == listed
+
+
+def test_dry_run_skips_inductor_compile() -> None:
     opts = BenchOptions(model="tiny", ctxs=[4], device="cpu")
+    assert opts.compile_mode == "max-autotune-no-cudagraphs"
     assert run_compile(opts, lambda s: None)[4]["reason"] == "no CUDA (dry run)"
 
 
@@ -212,7 +240,7 @@ def test_generate_auto_without_cuda_says_so() -> None:
 def test_greedy_agreement_finds_clear_mismatches() -> None:
     from megasynth.kernels.reference import decode_step, new_kv_cache
     from megasynth.kernels.weights import random_weights
-    from megasynth.measure.bench import greedy_agreement
+    from megasynth.measure.torch_step import greedy_agreement
 
     spec = get_model("tiny")
     cfg = spec.config
@@ -239,14 +267,15 @@ def test_gpu_variants_tiny() -> None:
     """On a GPU: every in-process variant runs on the tiny model, matches the reference and gets ratios."""
     pytest.importorskip("triton")
     opts = BenchOptions(model="tiny", ctxs=[32], reps=5, warmup=2, device="cuda", copy_bytes=1 << 26,
-                        variants=["torch_eager", "torch_graph", "torch_bf16", "hf_eager", "per_op_graph",
-                                  "megakernel"])
+                        variants=["torch_eager", "torch_graph", "torch_bf16", "hf_eager", "torch_compile",
+                                  "per_op_graph", "megakernel"], compile_mode="default", compile_timeout_s=300)
     data = run_bench(opts)
     v = data["results"][0]["variants"]
-    for name in ("torch_eager", "torch_graph", "torch_bf16", "megakernel", "per_op_graph"):
+    for name in ("torch_eager", "torch_graph", "torch_bf16", "torch_compile", "megakernel", "per_op_graph"):
         assert v[name]["status"] == "ok", (name, v[name])
         assert v[name]["check"]["rel_l2"] < 2e-2, (name, v[name]["check"])
         assert v[name]["speedup_vs_graph"] > 0
+    assert data["results"][0]["pytorch_best"]["variant"] in PYTORCH
 
 
 class FakeMegakernel:
@@ -317,23 +346,24 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
     reference, stage launches share the attention scratch (attn_splits=3), step_call is timed."""
     from types import SimpleNamespace
 
-    import megasynth.measure.bench as bench
+    import megasynth.measure.variants as variants
     from megasynth.kernels.reference import decode_step
     from megasynth.lowering.strategy import Strategy
+    from megasynth.measure.torch_step import compare, kv_history, prefill
 
-    monkeypatch.setattr(bench, "_megakernel_api", lambda: SimpleNamespace(Megakernel=FakeMegakernel))
-    monkeypatch.setattr(bench, "capture_graph", lambda fn: fn)
+    monkeypatch.setattr(variants, "_megakernel_api", lambda: SimpleNamespace(Megakernel=FakeMegakernel))
+    monkeypatch.setattr(variants, "capture_graph", lambda fn: fn)
     spec = get_model("tiny")
     opts = BenchOptions(model="tiny", ctxs=[10], reps=2, warmup=0, device="cpu")
-    st = bench._new_state(spec, opts)
+    st = variants.new_state(spec, opts)
     st.schedule = lower(spec, 8, Strategy(attn_splits=3))
     st.ctx = 10
-    hist = bench.kv_history(spec.config, spec.max_seq_len, 10, 0)
-    bench.prefill(st.k, st.v, hist)
+    hist = kv_history(spec.config, spec.max_seq_len, 10, 0)
+    prefill(st.k, st.v, hist)
     ref = decode_step(spec.config, st.weights, st.k, st.v, st.token, st.pos)
     for name in ("megakernel", "per_op_graph"):
-        step, notes = bench.RUNNERS[name](st)
-        chk = bench.compare(step(), ref)
+        step, notes = variants.RUNNERS[name](st)
+        chk = compare(step(), ref)
         assert chk["rel_l2"] < 1e-4, (name, chk)
         rec: dict = {}
         notes["_after"](rec, opts)
@@ -349,7 +379,8 @@ def test_hf_baseline_is_the_same_model() -> None:
     pytest.importorskip("transformers")
     from megasynth.kernels.reference import decode_step, new_kv_cache
     from megasynth.kernels.weights import random_weights
-    from megasynth.measure.bench import State, _v_hf_eager, compare, kv_history, prefill
+    from megasynth.measure.torch_step import compare, kv_history, prefill
+    from megasynth.measure.variants import State, _v_hf_eager
 
     spec = get_model("tiny-gqa4")
     cfg = spec.config
@@ -362,25 +393,173 @@ def test_hf_baseline_is_the_same_model() -> None:
     assert "attn_implementation" in notes["note"]
 
 
-def test_bf16_baseline_matches_reference() -> None:
-    """The bf16-native PyTorch step (the fair PyTorch line) computes the reference's logits to bf16 precision."""
-    from megasynth.kernels.reference import decode_step, new_kv_cache, rope_cos_sin
+@pytest.mark.parametrize("model", ["tiny", "tiny-gqa4", "tiny-mha"])
+def test_bf16_step_matches_reference(model: str) -> None:
+    """The plain bf16 PyTorch step (the PyTorch baseline) computes the fp32 reference's logits to bf16 precision and
+    writes the same new K/V into the caches, at the first position, in the middle and at the last."""
+    from megasynth.kernels.reference import decode_step, new_kv_cache
     from megasynth.kernels.weights import random_weights
-    from megasynth.measure.bench import bf16_decode_step, compare, kv_history, prefill
+    from megasynth.measure.torch_step import bf16_decode_step, bf16_rope, compare, kv_history, prefill, step_weights
 
-    spec = get_model("tiny-gqa4")
+    spec = get_model(model)
     cfg = spec.config
     w = random_weights(cfg, seed=1, dtype=torch.bfloat16)
+    fused = step_weights(cfg, w)
     k, v = new_kv_cache(cfg, spec.max_seq_len, dtype=torch.bfloat16)
-    prefill(k, v, kv_history(cfg, spec.max_seq_len, 30, 0))
-    ref = decode_step(cfg, w, k, v, 5, 29)
-    cos, sin = rope_cos_sin(cfg, 29)
-    assert compare(bf16_decode_step(cfg, w, k, v, 5, 29, cos, sin), ref)["rel_l2"] < 2e-2
+    k2, v2 = new_kv_cache(cfg, spec.max_seq_len, dtype=torch.bfloat16)
+    for ctx in (1, 30, spec.max_seq_len):
+        hist = kv_history(cfg, spec.max_seq_len, ctx, 0)
+        prefill(k, v, hist)
+        prefill(k2, v2, hist)
+        ref = decode_step(cfg, w, k, v, 5, ctx - 1)
+        cos, sin = bf16_rope(cfg, ctx - 1, "cpu")
+        with torch.inference_mode():
+            out = bf16_decode_step(cfg, fused, k2, v2, 5, ctx - 1, cos, sin)
+        chk = compare(out, ref)
+        assert out.dtype == torch.float32 and chk["rel_l2"] < CHECK_TOL and chk["argmax_match"], (ctx, chk)
+        for new, old in ((k2, k), (v2, v)):  # the new K/V at pos, rounded to bf16 on both sides
+            assert torch.allclose(new[:, :, ctx - 1].float(), old[:, :, ctx - 1].float(), rtol=5e-2, atol=5e-2)
+            assert torch.equal(new[:, :, :ctx - 1], old[:, :, :ctx - 1])  # the history is untouched
+
+
+def test_step_weights_fuse_gate_up_once() -> None:
+    """QKV is already one matrix; gate and up become one [2I, H] matrix; bf16 weights are shared, not copied."""
+    from megasynth.kernels.weights import random_weights
+    from megasynth.measure.torch_step import step_weights
+
+    cfg = get_model("tiny-gqa4").config
+    w = random_weights(cfg, seed=2, dtype=torch.bfloat16)
+    fused = step_weights(cfg, w)
+    assert len(fused.layers) == cfg.num_hidden_layers
+    lw = fused.layers[1]
+    assert lw.w_gate_up.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+    assert torch.equal(lw.w_gate_up[:cfg.intermediate_size], w["layers.1.w_gate"])
+    assert torch.equal(lw.w_gate_up[cfg.intermediate_size:], w["layers.1.w_up"])
+    assert lw.wqkv.data_ptr() == w["layers.1.wqkv"].data_ptr() and lw.wqkv.dtype == torch.bfloat16
+    fp32 = step_weights(cfg, random_weights(cfg, seed=2))
+    assert fp32.lm_head.dtype == torch.bfloat16 and fp32.layers[0].w_down.dtype == torch.bfloat16
+
+
+def test_pytorch_best_is_the_fastest_that_passes_the_check() -> None:
+    def rec(ms: float, rel: float, status: str = "ok") -> dict:
+        return {"status": status, "timing": {"median_ms": ms}, "check": {"rel_l2": rel, "argmax_match": True}}
+
+    variants = {"torch_graph": rec(3.0, 1e-4), "torch_bf16": rec(2.0, 3e-2), "torch_compile": rec(1.0, 0.5),
+                "megakernel": rec(0.5, 1e-3), "hf_eager": rec(0.1, 1e-3, status="failed")}
+    best = pytorch_best(variants)
+    assert best is not None and (best["variant"], best["median_ms"]) == ("torch_bf16", 2.0)  # compile's logits wrong
+    assert pytorch_best({"megakernel": rec(0.5, 1e-3)}) is None
+    ctx_rec = {"floor": {"bytes": {"total": 10**9}}, "variants": variants}
+    add_ratios(ctx_rec, copy_tbps=1.0)
+    assert ctx_rec["variants"]["megakernel"]["speedup_vs_pytorch_best"] == pytest.approx(4.0)
+    assert ctx_rec["variants"]["megakernel"]["pct_copy_bw"] == pytest.approx(200.0)
+    assert 3e-2 > CHECK_TOL  # bf16 rounding beyond the megakernel's tolerance still makes the PyTorch line
+    variants["torch_bf16"]["check"]["argmax_match"] = False
+    assert pytorch_best(variants)["variant"] == "torch_graph"  # a different greedy token is not bf16 rounding
+
+
+def test_dry_run_defaults_and_one_file_per_ctx(tmp_path) -> None:
+    """No --variants: the CPU default set; a --json path with {ctx} writes one document per ctx, each with its row."""
+    pattern = tmp_path / "row_ctx{ctx}.json"
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--reps", "2", "--warmup", "0",
+                                       "--ctx", "5,12", "--json", str(pattern)])
+    assert result.exit_code == 0, result.output
+    for ctx in (5, 12):
+        doc = json.loads((tmp_path / f"row_ctx{ctx}.json").read_text())
+        assert doc["format"] == "megasynth-bench/1" and [r["ctx"] for r in doc["results"]] == [ctx]
+        assert doc["settings"]["variants"] == list(DEFAULT_CPU)
+        v = doc["results"][0]["variants"]
+        assert list(v) == list(DEFAULT_CPU)
+        assert v["torch_bf16"]["status"] == "ok" and v["torch_bf16"]["check"]["rel_l2"] < CHECK_TOL
+        assert v["torch_compile"]["status"] == "skipped"
+        assert doc["results"][0]["pytorch_best"]["variant"] in ("torch_eager", "torch_bf16")
+    assert not (tmp_path / "row_ctx{ctx}.json").exists()
+
+
+def test_split_by_ctx_keeps_everything_but_the_other_rows() -> None:
+    doc = {"format": "megasynth-bench/1", "model": "m", "results": [{"ctx": 1, "a": 1}, {"ctx": 9, "a": 2}]}
+    parts = split_by_ctx(doc)
+    assert list(parts) == [1, 9]
+    assert parts[9] == {"format": "megasynth-bench/1", "model": "m", "results": [{"ctx": 9, "a": 2}]}
+    assert len(doc["results"]) == 2  # the input is not modified
+
+
+def test_gzipped_schedule_loads_like_the_plain_one(tmp_path) -> None:
+    import gzip
+    import hashlib
+
+    from megasynth.ir.schedule import dump_schedule
+    from megasynth.measure.bench import load_bench_schedule
+
+    spec = get_model("tiny")
+    plain = tmp_path / "schedule.json"
+    dump_schedule(lower(spec, 6), plain)
+    packed = tmp_path / "schedule.json.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    a, info_a = load_bench_schedule(spec, str(plain), verify=True)
+    b, info_b = load_bench_schedule(spec, str(packed), verify=True)
+    assert a.to_json() == b.to_json() and info_b["validation"]["verdict"] == "accepted"
+    assert info_a["sha256"] == info_b["sha256"] == hashlib.sha256(plain.read_bytes()).hexdigest()
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--reps", "1", "--warmup", "0",
+                                       "--ctx", "4", "--variants", "cpu_executor", "--schedule", str(packed),
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["results"][0]["variants"]["cpu_executor"]["status"] == "ok"
+    broken = tmp_path / "broken.json.gz"
+    broken.write_bytes(b"not gzip")
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--schedule", str(broken)])
+    assert result.exit_code == 2 and "cannot read file" in result.output and "Traceback" not in result.output
+
+
+def _fake_result() -> dict:
+    """A GPU-like result with every variant, long names and numbers, for the table's width."""
+    t = {"median_ms": 12.345, "p10_ms": 12.001, "p90_ms": 13.999, "min_ms": 11.0, "max_ms": 99.0, "reps": 100}
+    variants = {}
+    for i, name in enumerate(VARIANTS):
+        variants[name] = {"label": VARIANTS[name][0], "launch": VARIANTS[name][1], "status": "ok",
+                          "timing": {**t, "median_ms": 10.0 + i},
+                          "check": {"rel_l2": 1.234e-2, "argmax_match": i % 2 == 0}, "note": "n" * 200}
+    variants["hf_eager"] = {"label": "x", "launch": "y", "status": "timed_out", "reason": "r" * 300}
+    rec = {"ctx": 131072, "pos": 131071, "floor": {"bytes": {"total": 16_000_000_000}}, "schedule_bytes": 10**10,
+           "variants": variants}
+    add_ratios(rec, copy_tbps=4.19)
+    return {"model": "llama-8b", "dry_run": False, "device": {"name": "NVIDIA H200"},
+            "copy_bandwidth": {"tbps": 4.19}, "results": [rec]}
+
+
+def test_table_fits_80_columns() -> None:
+    """At its natural width (a 200-column console) every table line fits 80 columns, so an 80-column console shows
+    it whole: no cell is cut short."""
+    from rich.console import Console
+
+    from megasynth.measure.render import render
+
+    items = render(_fake_result())
+    wide = Console(width=200, record=True, file=io.StringIO())
+    wide.print(items[0])
+    lines = wide.export_text().splitlines()
+    assert max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    assert any("torch.compile" in ln and "12.0" in ln for ln in lines)  # the rows are there
+    narrow = Console(width=80, record=True, file=io.StringIO())
+    for item in items:
+        narrow.print(item)
+    text = narrow.export_text()
+    assert "…" not in text and max(len(ln) for ln in text.splitlines()) <= 80
+    assert "megakernel" in text and "timed_out" in text and "1.2e-02 argmax" in text and "vs PT" in text
 
 
 def test_weights_dir_is_used_by_bench_and_generate(tmp_path) -> None:
-    from test_reference import write_checkpoint  # tests/ is on sys.path (no package): one checkpoint writer
+    import importlib.util
+    from pathlib import Path
 
+    # one checkpoint writer for the tests: tests/kernels/test_reference.py's (tests/ has no packages to import from)
+    where = importlib.util.spec_from_file_location("_reference_tests",
+                                                   Path(__file__).parents[1] / "kernels" / "test_reference.py")
+    assert where is not None and where.loader is not None
+    module = importlib.util.module_from_spec(where)
+    where.loader.exec_module(module)
+    write_checkpoint = module.write_checkpoint
     from megasynth.kernels.weights import random_weights
 
     cfg = get_model("tiny").config

@@ -1,0 +1,71 @@
+"""The `synth bench` result as rich tables that fit 80 columns: one per ctx (median, spread, ratios against the best
+PyTorch step and the floor, the check against the reference), then one line per variant on how it is launched or
+why it did not run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok
+
+SHORT = {"torch_eager": "torch eager", "torch_graph": "torch graph", "torch_bf16": "torch bf16",
+         "hf_eager": "HF eager", "torch_compile": "torch.compile", "per_op_graph": "per-op graph",
+         "megakernel": "megakernel", "cpu_executor": "CPU executor"}
+
+LEGEND = ("ms = median; vs PT = the best PyTorch step's time (*) / this time; x floor = this time / floor; "
+          "% copy = floor / this time (the floor moves the step's bytes at the measured copy bandwidth); "
+          f"err = relative L2 error of the logits against the fp32 reference (green <= {CHECK_TOL:g}; yellow <= "
+          f"{PYTORCH_TOL:g}, bf16 rounding; argmax: the greedy token differs)")
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _colour(check: dict[str, Any]) -> str:
+    return "green" if check_ok(check) else "yellow" if check_ok(check, PYTORCH_TOL) else "red"
+
+
+def render(result: dict[str, Any]) -> list[Any]:
+    """Rich renderables: per ctx a table and its notes, then the legend."""
+    from rich import box
+    from rich.table import Table
+
+    out: list[Any] = []
+    copy = result["copy_bandwidth"]["tbps"]
+    for rec in result["results"]:
+        floor = rec["floor"]
+        best = (rec.get("pytorch_best") or {}).get("variant")
+        title = (f"{result['model']}, ctx {rec['ctx']}, {result['device']['name']}"
+                 f"{' (DRY RUN on the CPU)' if result['dry_run'] else ''}\nfloor {floor['ms']:.3f} ms = "
+                 f"{floor['bytes']['total'] / 1e9:.3f} GB at {copy:.2f} TB/s copy")
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
+        for col in ("variant", "ms", "p10-p90 ms", "vs PT", "x floor", "% copy", "err"):
+            table.add_column(col, justify="left" if col in ("variant", "err") else "right", no_wrap=True)
+        notes = []
+        for name, v in rec["variants"].items():
+            short = SHORT.get(name, name) + ("*" if name == best else "")
+            if v.get("status") != "ok":
+                table.add_row(short, "-", "-", "-", "-", "-", f"[yellow]{v['status']}[/yellow]")
+                notes.append(f"  {short}: [yellow]{v['status']}: {v.get('reason', '')}[/yellow]")
+                continue
+            t, chk = v["timing"], v.get("check", {})
+            check = _fmt(chk.get("rel_l2"), ".1e") + ("" if chk.get("argmax_match") else " argmax")
+            table.add_row(short, f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}",
+                          _fmt(v.get("speedup_vs_pytorch_best"), ".2f", "x"), f"{v['x_floor']:.2f}",
+                          f"{v['pct_copy_bw']:.0f}%",
+                          f"[{_colour(chk)}]{check}[/{_colour(chk)}]")
+            extra = f"; {v['note']}" if v.get("note") else ""
+            if v.get("compile_s") is not None:
+                extra += f"; compiled in {v['compile_s']:.0f} s"
+            if v.get("schedule_tbps"):
+                extra += (f"; the schedule's own bytes (catalogue cost) {rec['schedule_bytes'] / 1e9:.3f} GB at "
+                          f"{v['schedule_tbps']:.2f} TB/s")
+            if v.get("step_call"):
+                extra += f"; Megakernel.step() with its host sync: {v['step_call']['median_ms']:.3f} ms median"
+            notes.append(f"  {short}: {v['launch']}{extra}")
+        out.append(table)
+        out.append("\n".join(notes))
+    out.append(LEGEND)
+    return out

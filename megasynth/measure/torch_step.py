@@ -1,0 +1,203 @@
+"""The PyTorch side of the bench: the decode step as a user would write it in plain bf16 PyTorch (the baseline the
+megakernel is compared with), transformers' Llama on the same weights, the random KV history every variant attends
+over, and the check of a variant's logits against the fp32 reference (`megasynth.kernels.reference`, the oracle)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from megasynth.ir.model import ModelConfig
+from megasynth.measure.options import BenchError, Skip
+
+#: relative L2 error of the logits against the fp32 reference within which a step computes the reference's logits
+CHECK_TOL = 2e-2
+#: the error a PyTorch step may have and still be the best PyTorch line, with the same greedy token: a plain bf16 step
+#: rounds every activation to bf16, which on random-weight llama-1b puts its logits ~3e-2 from the fp32 reference
+#: (llama-8b ~2.6e-2; the megakernel, computing in fp32, ~3e-6); a wrong step (say, RoPE off) is off by ~1
+PYTORCH_TOL = 5e-2
+
+
+def kv_history(cfg: ModelConfig, max_seq_len: int, ctx: int, seed: int) -> tuple[Any, Any]:
+    """Random K/V for positions [0, ctx - 1) (fp32, CPU, seeded): the history every variant attends over."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed + 7919 * ctx)
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max(ctx - 1, 0), cfg.hd)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def prefill(k_cache: Any, v_cache: Any, hist: tuple[Any, Any]) -> None:
+    """Write the history into caches [L, nKV, S, hd] and zero the rest (so a stale step cannot leak in)."""
+    n = hist[0].shape[2]
+    for cache, h in zip((k_cache, v_cache), hist, strict=True):
+        cache.zero_()
+        cache[:, :, :n].copy_(h.to(device=cache.device, dtype=cache.dtype))
+
+
+@contextlib.contextmanager
+def static_rope(cfg: ModelConfig, pos: int, device: str) -> Iterator[None]:
+    """Serve `kernels.reference.rope_cos_sin` from device tensors made once, so the reference step can be captured
+    in a CUDA graph (its host-to-device copy from pageable memory cannot be)."""
+    from megasynth.kernels import reference
+
+    orig = reference.rope_cos_sin
+    cos, sin = orig(cfg, pos, device)
+
+    def cached(c: ModelConfig, p: int, d: Any = "cpu") -> tuple[Any, Any]:
+        return cos, sin
+
+    reference.rope_cos_sin = cached  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        reference.rope_cos_sin = orig  # type: ignore[assignment]
+
+
+@dataclass
+class StepLayer:
+    attn_norm: Any
+    wqkv: Any  # [q + 2 kv, H]: Q, K and V in one matrix
+    wo: Any
+    mlp_norm: Any
+    w_gate_up: Any  # [2 I, H]: gate and up in one matrix
+    w_down: Any
+
+
+@dataclass
+class StepWeights:
+    """The weights laid out for the bf16 step, made once: bf16, QKV and gate/up each one matrix."""
+
+    embed: Any
+    final_norm: Any
+    lm_head: Any
+    layers: list[StepLayer]
+
+
+def step_weights(cfg: ModelConfig, weights: dict[str, Any]) -> StepWeights:
+    """Cast to bf16 and concatenate gate and up (copies only where needed: bf16 weights are shared, not copied)."""
+    import torch
+
+    def bf(t: Any) -> Any:
+        return t.to(torch.bfloat16).contiguous()
+
+    layers = []
+    for layer in range(cfg.num_hidden_layers):
+        p = f"layers.{layer}."
+        layers.append(StepLayer(bf(weights[p + "attn_norm"]), bf(weights[p + "wqkv"]), bf(weights[p + "wo"]),
+                                bf(weights[p + "mlp_norm"]),
+                                torch.cat([bf(weights[p + "w_gate"]), bf(weights[p + "w_up"])]),
+                                bf(weights[p + "w_down"])))
+    return StepWeights(bf(weights["embed"]), bf(weights["final_norm"]), bf(weights["lm_head"]), layers)
+
+
+def bf16_rope(cfg: ModelConfig, pos: int, device: Any) -> tuple[Any, Any]:
+    """cos and sin [hd] at `pos` in bf16 (computed in float64 by the reference, rounded once, as HF Llama does)."""
+    import torch
+
+    from megasynth.kernels.reference import rope_cos_sin
+
+    cos, sin = rope_cos_sin(cfg, pos, device)
+    return cos.to(torch.bfloat16), sin.to(torch.bfloat16)
+
+
+def bf16_decode_step(cfg: ModelConfig, w: StepWeights, k_cache: Any, v_cache: Any, token: int, pos: int,
+                     cos: Any, sin: Any) -> Any:
+    """The decode step in plain bf16 PyTorch, the strongest a user writes without custom kernels: activations,
+    weights and KV cache in bf16 (cuBLAS accumulates in fp32), one QKV and one gate/up matmul per layer, `F.rms_norm`,
+    RoPE on Q and K together, `F.scaled_dot_product_attention` with GQA over the cache up to `pos`. Returns fp32
+    logits [V]; writes the new K/V at `pos`. A baseline only: the oracle stays megasynth.kernels.reference."""
+    import torch.nn.functional as F
+
+    nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd, cfg.rms_norm_eps
+    dim, half = (cfg.hidden_size,), hd // 2
+    x = w.embed[token:token + 1]  # [1, H]
+    for layer, lw in enumerate(w.layers):
+        qkv = F.linear(F.rms_norm(x, dim, lw.attn_norm, eps), lw.wqkv)
+        qk = qkv[0, :cfg.q_size + cfg.kv_size].view(nh + nkv, hd)
+        rot = _rotate_half(qk, half)
+        qk = qk * cos + rot * sin
+        k_cache[layer, :, pos] = qk[nh:]
+        v_cache[layer, :, pos] = qkv[0, cfg.q_size + cfg.kv_size:].view(nkv, hd)
+        o = F.scaled_dot_product_attention(qk[:nh].view(1, nh, 1, hd), k_cache[layer, :, :pos + 1][None],
+                                           v_cache[layer, :, :pos + 1][None], enable_gqa=nh != nkv)
+        x = x + F.linear(o.reshape(1, nh * hd), lw.wo)
+        gate, up = F.linear(F.rms_norm(x, dim, lw.mlp_norm, eps), lw.w_gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, lw.w_down)
+    return F.linear(F.rms_norm(x, dim, w.final_norm, eps), w.lm_head).float().reshape(-1)
+
+
+def _rotate_half(x: Any, half: int) -> Any:
+    """rotate_half: [-x2, x1] of the two halves of the last dimension (HF Llama's RoPE layout)."""
+    import torch
+
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def hf_model(cfg: ModelConfig, weights: dict[str, Any], device: str, dtype: Any) -> Any:
+    """transformers' LlamaForCausalLM with our config and weights (raises Skip when transformers is missing)."""
+    try:
+        import transformers
+    except ImportError:
+        raise Skip("transformers is not installed") from None
+    import torch
+
+    from megasynth.kernels.weights import to_hf_state_dict
+
+    scaling = cfg.rope_scaling_dict()
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if not scaling else {
+        **scaling, "rope_theta": cfg.rope_theta}
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hd, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, rope_theta=cfg.rope_theta,
+        rope_scaling=scaling, max_position_embeddings=131072)
+    with torch.device(device):  # initialise on the device: a 1B model's random init on the CPU takes long
+        model = transformers.LlamaForCausalLM(hf_cfg).to(dtype=dtype)
+    state = to_hf_state_dict(weights, cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    del state
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise BenchError(f"HF state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model.to(device).eval()
+
+
+def compare(logits: Any, ref: Any) -> dict[str, Any]:
+    """Relative L2 error against the reference logits and whether the greedy token agrees."""
+    a, b = logits.detach().float().reshape(-1).cpu(), ref.detach().float().reshape(-1).cpu()
+    if a.shape != b.shape:
+        return {"rel_l2": None, "argmax_match": False, "note": f"shape {tuple(a.shape)} != {tuple(b.shape)}"}
+    rel = float((a - b).norm() / b.norm().clamp_min(1e-30))
+    top2 = b.topk(2).values
+    return {"rel_l2": rel, "argmax_match": bool(a.argmax() == b.argmax()),
+            "ref_top2_margin": float(top2[0] - top2[1])}
+
+
+def check_ok(check: dict[str, Any] | None, tol: float = CHECK_TOL) -> bool:
+    """Whether a variant's logits are within `tol` of the reference's (relative L2)."""
+    rel = (check or {}).get("rel_l2")
+    return rel is not None and rel <= tol
+
+
+def greedy_agreement(cfg: ModelConfig, weights: dict[str, Any], tokens: list[int], max_seq_len: int, device: str,
+                     margin: float = 0.05) -> dict[str, Any]:
+    """Teacher-force `tokens` (prompt first) through the reference: at each position, does its argmax equal the next
+    token? Disagreements where the reference's top-2 margin exceeds `margin` are real errors, not near-ties."""
+    import torch
+
+    from megasynth.kernels.reference import decode_step, new_kv_cache
+
+    k, v = new_kv_cache(cfg, max_seq_len, dtype=weights["embed"].dtype, device=device)
+    agree, clear = 0, []
+    with torch.inference_mode():
+        for pos in range(len(tokens) - 1):
+            top = decode_step(cfg, weights, k, v, tokens[pos], pos).topk(2)
+            if int(top.indices[0]) == tokens[pos + 1]:
+                agree += 1
+            elif float(top.values[0] - top.values[1]) > margin:
+                clear.append(pos)
+    return {"steps": len(tokens) - 1, "agree": agree, "clear_mismatches": clear, "margin": margin}
