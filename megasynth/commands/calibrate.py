@@ -129,15 +129,9 @@ def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_esti
 
 def _read_maybe_gz(path: Path) -> str:
     """A file's text, decompressed when it is gzip (a run's best/trace.json.gz and best/schedule.json.gz)."""
-    import gzip
+    from megasynth.atomic import read_text
 
-    data = path.read_bytes()
-    if data[:2] == b"\x1f\x8b":
-        try:
-            data = gzip.decompress(data)
-        except EOFError as exc:
-            raise OSError(f"truncated gzip file ({exc})") from None
-    return data.decode("utf-8")
+    return read_text(path)
 
 
 def _errors_line(what: str, summary: dict[str, Any]) -> str:

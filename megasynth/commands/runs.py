@@ -237,12 +237,13 @@ def make_server(runs_dir: str | Path, port: int = 0) -> http.server.ThreadingHTT
             gz = path.with_name(path.name + ".gz")
             if path.suffix != ".json" or path.exists() or not gz.is_file():
                 return super().send_head()
-            import gzip
             import io
 
+            from megasynth.atomic import read_text
+
             try:
-                data = gzip.decompress(gz.read_bytes())
-            except (OSError, EOFError):
+                data = read_text(gz).encode("utf-8")
+            except (OSError, UnicodeDecodeError):
                 self.send_error(500, f"{gz.name} is not a readable gzip file")
                 return None
             self.send_response(200)

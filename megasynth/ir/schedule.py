@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, field_validator
@@ -147,11 +146,13 @@ def parse_schedule(data: Any, file: str | None = None) -> Schedule:
 
 
 def load_schedule(source: str | os.PathLike[str]) -> Schedule:
-    """Load a schedule from a file path; every failure is a one-line `ScheduleError`."""
-    path = Path(source)
+    """Load a schedule from a file path (plain JSON, or gzip-compressed as runs keep it); every failure is a one-line
+    `ScheduleError`."""
+    from megasynth.atomic import read_text
+
     name = str(source)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(source)
     except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(f"cannot read file: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}",
                             "$", name) from None

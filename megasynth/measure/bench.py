@@ -17,14 +17,12 @@ does not), in practice the bf16 step in a CUDA graph or its torch.compile.
 from __future__ import annotations
 
 import contextlib
-import gzip
 import hashlib
 import json
 import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from megasynth.lowering.models import ModelSpec, get_model
@@ -37,14 +35,12 @@ from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_
 
 def read_schedule_text(path: str) -> str:
     """The schedule file's JSON text; `.json.gz` files are gunzipped."""
+    from megasynth.atomic import read_text
     from megasynth.ir.errors import ScheduleError
 
     try:
-        if path.endswith(".gz"):
-            with gzip.open(path, "rt", encoding="utf-8") as f:
-                return f.read()
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        return read_text(path)
+    except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(f"cannot read file: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}",
                             "$", path) from None
 

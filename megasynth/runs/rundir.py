@@ -30,18 +30,16 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import functools
-import gzip
 import hashlib
 import json
 import os
 import platform
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from megasynth.atomic import write_json_atomic
+from megasynth.atomic import read_text, write_gz_atomic, write_json_atomic
 from megasynth.ir.schedule import Schedule
 
 BASELINE = "c0000"
@@ -123,15 +121,11 @@ def stored(path: str | os.PathLike[str]) -> Path | None:
 
 def read_stored_text(path: str | os.PathLike[str]) -> str:
     """The text of `path` as `stored` finds it (decompressed); FileNotFoundError when there is none, OSError or
-    UnicodeDecodeError when it cannot be read (a truncated .gz is an OSError: `gzip.BadGzipFile`, EOFError)."""
+    UnicodeDecodeError when it cannot be read (a truncated .gz is an OSError)."""
     f = stored(path)
     if f is None:
         raise FileNotFoundError(2, "No such file", str(path))
-    try:
-        data = gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_bytes()
-    except EOFError as exc:
-        raise OSError(f"{f.name}: truncated ({exc})") from None
-    return data.decode("utf-8")
+    return read_text(f)
 
 
 def read_stored(path: str | os.PathLike[str]) -> Any:
@@ -140,28 +134,6 @@ def read_stored(path: str | os.PathLike[str]) -> Any:
         return json.loads(read_stored_text(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
-
-
-def write_gz_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write `text` gzip-compressed to `path` (a `.gz` name) atomically. The header carries no time, so equal text
-    gives equal bytes (a committed run does not change when it is rewritten)."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    data = gzip.compress(text.encode("utf-8"), compresslevel=6, mtime=0)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def write_stored(path: Path, doc: Any) -> None:

@@ -507,7 +507,7 @@ def test_gzipped_schedule_loads_like_the_plain_one(tmp_path) -> None:
     assert result.exit_code == 0, result.output
     assert json.loads(out.read_text())["results"][0]["variants"]["cpu_executor"]["status"] == "ok"
     broken = tmp_path / "broken.json.gz"
-    broken.write_bytes(b"not gzip")
+    broken.write_bytes(gzip.compress(b"{}")[:12])  # a truncated gzip file
     result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--schedule", str(broken)])
     assert result.exit_code == 2 and "cannot read file" in result.output and "Traceback" not in result.output
 

@@ -174,3 +174,18 @@ def test_validator_imports_no_torch_triton_or_synth() -> None:
             "m.split('.')[:2] in (['megasynth', n] for n in ('kernels', 'lowering', 'search', 'runs', 'measure'))])")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "[]"
+
+
+def test_gzipped_schedules_validate_like_plain_ones(files: dict[str, str], tmp_path: Path) -> None:
+    """A run keeps its best schedules as .json.gz: validate reads them as they are, and a truncated one is malformed."""
+    import gzip
+
+    for name, code in (("ok", 0), ("race", 1)):
+        gz = tmp_path / f"{name}.json.gz"
+        gz.write_bytes(gzip.compress(Path(files[name]).read_bytes()))
+        res = _run(str(gz))
+        assert res.exit_code == code and res.output.splitlines()[0] == f"{gz}: {['ACCEPTED', 'REJECTED'][code]}"
+    cut = tmp_path / "cut.json.gz"
+    cut.write_bytes(gzip.compress(Path(files["ok"]).read_bytes())[:20])
+    res = _run(str(cut))
+    assert res.exit_code == 2 and "cannot read file" in res.output and "Traceback" not in res.output
