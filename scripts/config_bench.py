@@ -2,7 +2,7 @@
 checked against the PyTorch reference at one position. Variants are NAME=field=value,... of `StreamConfig`
 (`scripts/compile_check.py`'s syntax), rounds repeat the whole list (processes and rounds differ by up to 1 %):
 
-    python scripts/config_bench.py --model llama-8b --schedule runs/llama-8b-ring12-h200/best/schedule.json \\
+    python scripts/config_bench.py --model llama-8b --schedule bench/runs/llama-8b-h200/best/schedule.json.gz \\
         --ctx 1024 --rounds 2 i4=inflight=4 i2=inflight=2
 """
 

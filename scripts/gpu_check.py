@@ -437,7 +437,7 @@ def main() -> int:
         "searched_fused_k8": lambda: strat(tiles=searched, attn_splits=16, fuse_attn_reduce=True,
                                            k_splits={**sk4, "o_proj_residual": 8}),
         "searched_fused_s8": lambda: strat(tiles=searched, attn_splits=8, k_splits=sk4, fuse_attn_reduce=True),
-        # the searched best on the first-warp-poll kernel (runs/llama-1b-lead-h200, c0027), and with per-head waits
+        # the searched best on the first-warp-poll kernel (bench/runs/llama-1b-h200, c0027), and with per-head waits
         # from QKV to attention and from attention to the merge + o_proj
         "lead_best": lambda: strat(tiles=searched, attn_splits=16, k_splits=sk4, fuse_attn_reduce=True,
                                    assignment="critical_path"),

@@ -1,6 +1,6 @@
 """The CPU executor: runs a schedule of catalogue ops with PyTorch in one legal, seeded interleaving of its workers.
 
-Semantics (DESIGN.md §2): each worker runs its queue in order; an instruction starts once every wait
+Semantics (docs/design.md §2): each worker runs its queue in order; an instruction starts once every wait
 `counters[c] >= value` holds, runs the catalogue's `compute`, then adds its signals. At every step one runnable worker
 is picked at random (seeded), so different seeds give different legal interleavings: a schedule that is race-free
 gives the same logits under all of them, which is what the tests check against the reference decode step. When no

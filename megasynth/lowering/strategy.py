@@ -1,4 +1,4 @@
-"""The strategy space a lowering takes (DESIGN.md §5): a JSON document with a schema, `synth lower --strategy FILE`,
+"""The strategy space a lowering takes (docs/design.md): a JSON document with a schema, `synth lower --strategy FILE`,
 and `SearchSpace`, the discrete choices of each knob that the proposers search for one model and worker count.
 
 Knobs: tile sizes per op, K-splits, the attention split over the KV sequence, dependency granularity per
