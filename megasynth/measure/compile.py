@@ -74,10 +74,7 @@ def static_tensors(st: State) -> list[Any]:
     """The tensors whose addresses never change: the KV caches and the bf16 step's weights."""
     w = st.step_weights
     assert w is not None, "bf16_step_fn(st) lays the weights out first"
-    out = [st.k, st.v, w.embed, w.final_norm, w.lm_head]
-    for lw in w.layers:
-        out += [lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down]
-    return out
+    return [st.k, st.v, *w.tensors()]
 
 
 def run_compile(opts: BenchOptions, log: Callable[[str], None]) -> dict[int, dict[str, Any]]:

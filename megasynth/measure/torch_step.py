@@ -1,6 +1,7 @@
 """The PyTorch side of the bench: the decode step as a user would write it in plain bf16 PyTorch (the baseline the
-megakernel is compared with), transformers' Llama on the same weights, the random KV history every variant attends
-over, and the check of a variant's logits against the fp32 reference (`megasynth.kernels.reference`, the oracle)."""
+megakernel is compared with), transformers' model of the family (Llama, Qwen2, Qwen3) on the same weights, the random
+KV history every variant attends over, and the check of a variant's logits against the fp32 reference
+(`megasynth.kernels.reference`, the oracle)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class StepLayer:
     mlp_norm: Any
     w_gate_up: Any  # [2 I, H]: gate and up in one matrix
     w_down: Any
+    bqkv: Any = None  # [q + 2 kv] with qkv_bias (Qwen2), else None
+    qk_norm: Any = None  # [nH + nKV, hd] with qk_norm (Qwen3): q_norm per query head, then k_norm per KV head
 
 
 @dataclass
@@ -75,21 +78,35 @@ class StepWeights:
     lm_head: Any
     layers: list[StepLayer]
 
+    def tensors(self) -> list[Any]:
+        """Every tensor the step reads (the features a model lacks are None and left out)."""
+        out = [self.embed, self.final_norm, self.lm_head]
+        for lw in self.layers:
+            out += [t for t in (lw.attn_norm, lw.wqkv, lw.wo, lw.mlp_norm, lw.w_gate_up, lw.w_down, lw.bqkv,
+                                lw.qk_norm) if t is not None]
+        return out
+
 
 def step_weights(cfg: ModelConfig, weights: dict[str, Any]) -> StepWeights:
-    """Cast to bf16 and concatenate gate and up (copies only where needed: bf16 weights are shared, not copied)."""
+    """Cast to bf16, concatenate gate and up, and stack the QK-norm weights per head (copies only where needed: bf16
+    weights are shared, not copied)."""
     import torch
 
     def bf(t: Any) -> Any:
         return t.to(torch.bfloat16).contiguous()
 
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd
     layers = []
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}."
+        qk_norm = None
+        if cfg.qk_norm:  # one multiply after one F.rms_norm over all q and k heads
+            qk_norm = torch.cat([bf(weights[p + "q_norm"]).expand(nh, hd), bf(weights[p + "k_norm"]).expand(nkv, hd)])
         layers.append(StepLayer(bf(weights[p + "attn_norm"]), bf(weights[p + "wqkv"]), bf(weights[p + "wo"]),
                                 bf(weights[p + "mlp_norm"]),
                                 torch.cat([bf(weights[p + "w_gate"]), bf(weights[p + "w_up"])]),
-                                bf(weights[p + "w_down"])))
+                                bf(weights[p + "w_down"]),
+                                bf(weights[p + "bqkv"]) if cfg.qkv_bias else None, qk_norm))
     return StepWeights(bf(weights["embed"]), bf(weights["final_norm"]), bf(weights["lm_head"]), layers)
 
 
@@ -106,17 +123,20 @@ def bf16_rope(cfg: ModelConfig, pos: int, device: Any) -> tuple[Any, Any]:
 def bf16_decode_step(cfg: ModelConfig, w: StepWeights, k_cache: Any, v_cache: Any, token: int, pos: int,
                      cos: Any, sin: Any) -> Any:
     """The decode step in plain bf16 PyTorch, the strongest a user writes without custom kernels: activations,
-    weights and KV cache in bf16 (cuBLAS accumulates in fp32), one QKV and one gate/up matmul per layer, `F.rms_norm`,
-    RoPE on Q and K together, `F.scaled_dot_product_attention` with GQA over the cache up to `pos`. Returns fp32
-    logits [V]; writes the new K/V at `pos`. A baseline only: the oracle stays megasynth.kernels.reference."""
+    weights and KV cache in bf16 (cuBLAS accumulates in fp32), one QKV matmul (with its bias, Qwen2) and one gate/up
+    matmul per layer, `F.rms_norm` (also over each q and k head before RoPE, Qwen3), RoPE on Q and K together,
+    `F.scaled_dot_product_attention` with GQA over the cache up to `pos`. Returns fp32 logits [V]; writes the new K/V
+    at `pos`. A baseline only: the oracle stays megasynth.kernels.reference."""
     import torch.nn.functional as F
 
     nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd, cfg.rms_norm_eps
     dim, half = (cfg.hidden_size,), hd // 2
     x = w.embed[token:token + 1]  # [1, H]
     for layer, lw in enumerate(w.layers):
-        qkv = F.linear(F.rms_norm(x, dim, lw.attn_norm, eps), lw.wqkv)
+        qkv = F.linear(F.rms_norm(x, dim, lw.attn_norm, eps), lw.wqkv, lw.bqkv)
         qk = qkv[0, :cfg.q_size + cfg.kv_size].view(nh + nkv, hd)
+        if lw.qk_norm is not None:
+            qk = F.rms_norm(qk, (hd,), eps=eps) * lw.qk_norm
         rot = _rotate_half(qk, half)
         qk = qk * cos + rot * sin
         k_cache[layer, :, pos] = qk[nh:]
@@ -136,34 +156,21 @@ def _rotate_half(x: Any, half: int) -> Any:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
-def hf_model(cfg: ModelConfig, weights: dict[str, Any], device: str, dtype: Any) -> Any:
-    """transformers' LlamaForCausalLM with our config and weights (raises Skip when transformers is missing)."""
+def hf_model(cfg: ModelConfig, weights: dict[str, Any], device: str, dtype: Any, model_type: str | None = None) -> Any:
+    """transformers' model of the config's family (`megasynth.kernels.hf`: Qwen3ForCausalLM with qk_norm,
+    Qwen2ForCausalLM with qkv_bias, else LlamaForCausalLM; `model_type` names one, e.g. "mistral") with our weights,
+    transformers' default attention (raises Skip when transformers is missing)."""
     try:
-        import transformers
+        import transformers  # noqa: F401
     except ImportError:
         raise Skip("transformers is not installed") from None
-    import torch
+    from megasynth.kernels.hf import HFStateMismatch, hf_causal_lm
 
-    from megasynth.kernels.weights import to_hf_state_dict
-
-    scaling = cfg.rope_scaling_dict()
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta} if not scaling else {
-        **scaling, "rope_theta": cfg.rope_theta}
-    hf_cfg = transformers.LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hd, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, rope_theta=cfg.rope_theta,
-        rope_scaling=scaling, max_position_embeddings=131072)
-    with torch.device(device):  # initialise on the device: a 1B model's random init on the CPU takes long
-        model = transformers.LlamaForCausalLM(hf_cfg).to(dtype=dtype)
-    state = to_hf_state_dict(weights, cfg)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    del state
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise BenchError(f"HF state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.to(device).eval()
+    try:
+        return hf_causal_lm(cfg, weights, model_type, device=device, dtype=dtype, max_position_embeddings=131072,
+                            attn_implementation=None)
+    except HFStateMismatch as exc:
+        raise BenchError(str(exc)) from None
 
 
 def compare(logits: Any, ref: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from megasynth.ir.model import ModelConfig
 from megasynth.ir.program import resolve
 from megasynth.ir.schedule import parse_schedule
 from megasynth.kernels.cpu_executor import run_program
+from megasynth.kernels.hf import hf_causal_lm
 from megasynth.kernels.reference import decode_step, new_kv_cache
 from megasynth.kernels.weights import load_hf_weights, random_weights, to_hf_state_dict, weight_shapes
 from megasynth.lowering.lower import lower
@@ -48,22 +49,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def hf_model(family: str, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> Any:
     """The transformers model of `family` (fp32, eager) with our weights loaded."""
-    import transformers
-
-    cls = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "mistral": "MistralConfig"}[family]
-    rope = {"rope_type": "default", **(cfg.rope_scaling_dict() or {}), "rope_theta": cfg.rope_theta}
-    extra = {"sliding_window": None} if family == "mistral" else {}
-    config = getattr(transformers, cls)(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.hd, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, rope_parameters=rope, max_position_embeddings=64,
-        attn_implementation="eager", **extra)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    missing, unexpected = model.load_state_dict(to_hf_state_dict(weights, cfg), strict=False)
-    assert not unexpected, unexpected
-    assert set(missing) <= {"lm_head.weight"}, missing
-    return model
+    return hf_causal_lm(cfg, weights, family, max_position_embeddings=64)
 
 
 def _tokens(cfg: ModelConfig, n: int = 8) -> list[int]:

@@ -166,7 +166,31 @@ def test_static_tensors_are_every_tensor_the_compiled_step_reads() -> None:
     w = st.step_weights
     every = [st.k, st.v] + [getattr(w, f.name) for f in dataclasses.fields(w) if f.name != "layers"]
     every += [getattr(lw, f.name) for lw in w.layers for f in dataclasses.fields(lw)]
+    every = [t for t in every if t is not None]  # a Llama has no QKV bias and no QK-norm
     assert all(isinstance(t, torch.Tensor) for t in every) and {id(t) for t in every} == listed
+    assert {id(t) for t in w.tensors()} == listed - {id(st.k), id(st.v)}
+
+
+def test_step_weights_of_qwen_families() -> None:
+    """The bias (Qwen2) and the QK-norm weights stacked per head (Qwen3, q heads first) are laid out in bf16, and the
+    step's tensor list holds them."""
+    from megasynth.kernels.weights import random_weights
+    from megasynth.measure.torch_step import step_weights
+
+    cfg = get_model("tiny-qwen2").config
+    w = random_weights(cfg, seed=2)
+    lw = step_weights(cfg, w).layers[1]
+    assert lw.qk_norm is None and lw.bqkv.dtype == torch.bfloat16
+    assert torch.equal(lw.bqkv, w["layers.1.bqkv"].to(torch.bfloat16))
+    cfg = get_model("tiny-qwen3").config
+    w = random_weights(cfg, seed=2)
+    fused = step_weights(cfg, w)
+    lw = fused.layers[1]
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    assert lw.bqkv is None and lw.qk_norm.shape == (nh + nkv, cfg.hd)
+    assert torch.equal(lw.qk_norm[nh - 1], w["layers.1.q_norm"].to(torch.bfloat16))
+    assert torch.equal(lw.qk_norm[nh], w["layers.1.k_norm"].to(torch.bfloat16))
+    assert any(t is lw.qk_norm for t in fused.tensors()) and fused.lm_head.data_ptr() != fused.embed.data_ptr()
 
 
 def test_dry_run_skips_inductor_compile() -> None:
@@ -373,30 +397,35 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
             assert notes["stages"] == 2 + 6 * spec.config.num_hidden_layers
 
 
-def test_hf_baseline_is_the_same_model() -> None:
-    """The transformers baseline built from our config and weights (Llama-3 RoPE scaling, GQA) computes the
-    reference's logits over a pre-filled cache, in fp32."""
+@pytest.mark.parametrize(("model", "arch"), [("tiny-gqa4", "LlamaForCausalLM"), ("tiny-qwen3", "Qwen3ForCausalLM"),
+                                             ("tiny-qwen2", "Qwen2ForCausalLM")])
+def test_hf_baseline_is_the_same_model(model: str, arch: str) -> None:
+    """The transformers baseline built from our config and weights (Llama-3 RoPE scaling, GQA; Qwen3's QK-norm with
+    head_dim 128 on hidden 256; Qwen2's QKV bias) is the family's class and computes the reference's logits over a
+    pre-filled cache, in fp32."""
     pytest.importorskip("transformers")
     from megasynth.kernels.reference import decode_step, new_kv_cache
     from megasynth.kernels.weights import random_weights
     from megasynth.measure.torch_step import compare, kv_history, prefill
     from megasynth.measure.variants import State, _v_hf_eager
 
-    spec = get_model("tiny-gqa4")
+    spec = get_model(model)
     cfg = spec.config
     k, v = new_kv_cache(cfg, spec.max_seq_len)
     st = State(spec, "cpu", random_weights(cfg, seed=1), k, v, token=5, ctx=40)
     prefill(k, v, kv_history(cfg, spec.max_seq_len, st.ctx, 0))
     ref = decode_step(cfg, st.weights, k, v, st.token, st.pos)
     step, notes = _v_hf_eager(st)
+    assert type(st.hf).__name__ == arch
     assert compare(step(), ref)["rel_l2"] < 1e-5
     assert "attn_implementation" in notes["note"]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-gqa4", "tiny-mha"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-gqa4", "tiny-mha", "tiny-qwen3", "tiny-qwen2"])
 def test_bf16_step_matches_reference(model: str) -> None:
     """The plain bf16 PyTorch step (the PyTorch baseline) computes the fp32 reference's logits to bf16 precision and
-    writes the same new K/V into the caches, at the first position, in the middle and at the last."""
+    writes the same new K/V into the caches, at the first position, in the middle and at the last; also with QK-norm,
+    head_dim 128 != hidden / heads and an untied head (tiny-qwen3) and with the QKV bias (tiny-qwen2)."""
     from megasynth.kernels.reference import decode_step, new_kv_cache
     from megasynth.kernels.weights import random_weights
     from megasynth.measure.torch_step import bf16_decode_step, bf16_rope, compare, kv_history, prefill, step_weights
@@ -581,3 +610,48 @@ def test_weights_dir_is_used_by_bench_and_generate(tmp_path) -> None:
     write_checkpoint(other, get_model("tiny-mha").config, random_weights(get_model("tiny-mha").config))
     bad = CliRunner().invoke(main, [*args, "--weights", str(other), "--json", str(tmp_path / "x.json")])
     assert bad.exit_code != 0 and "does not match the model spec" in bad.output and "Traceback" not in bad.output
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen2"])
+def test_dry_run_on_qwen_families(tmp_path, model: str) -> None:
+    """`synth bench --dry-run` on the families beyond Llama: every CPU variant (the reference, HF, the bf16 step, the
+    megakernel's schedule on the CPU executor) computes the reference's logits."""
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--model", model, "--dry-run", "--reps", "1", "--warmup", "0",
+                                       "--ctx", "9", "--json", str(out), "--variants",
+                                       "torch_eager,hf_eager,torch_bf16,cpu_executor"])
+    assert result.exit_code == 0, result.output
+    v = json.loads(out.read_text())["results"][0]["variants"]
+    for name in ("torch_eager", "hf_eager", "torch_bf16", "cpu_executor"):
+        assert v[name]["status"] == "ok", v[name]
+        assert v[name]["check"]["rel_l2"] < CHECK_TOL and v[name]["check"]["argmax_match"], (name, v[name]["check"])
+
+
+def test_model_dir_runs_on_its_own_weights(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--model DIR` without --weights: bench and generate read the checkpoint's weights (generate's greedy tokens
+    are transformers' on the saved model; bench records the folder and cannot run once its weights are gone), from
+    any working directory."""
+    from conftest import save_hf_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    model = save_hf_checkpoint(ckpt, "qwen3", seed=4)
+    monkeypatch.chdir(tmp_path)  # a relative folder name
+    gen = CliRunner().invoke(main, ["generate", "--model", "ckpt", "--tokens", "4", "--prompt-token", "3",
+                                    "--backend", "reference", "--no-check"])
+    assert gen.exit_code == 0, gen.output
+    tokens = [3]
+    with torch.no_grad():
+        for _ in range(4):
+            tokens.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert " ".join(map(str, tokens[1:])) in gen.output and f"checkpoint {ckpt.resolve()}" in gen.output
+    out = tmp_path / "b.json"
+    args = ["bench", "--model", "ckpt", "--dry-run", "--reps", "1", "--warmup", "0", "--ctx", "5", "--variants",
+            "torch_eager,hf_eager,torch_bf16,cpu_executor", "--json", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["model"] == data["settings"]["weights"] == str(ckpt.resolve())
+    assert all(v["status"] == "ok" for v in data["results"][0]["variants"].values()), data["results"][0]
+    (ckpt / "model.safetensors").unlink()
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "neither model.safetensors" in result.output
