@@ -77,6 +77,10 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("tiny-gqa4", "test config: 3 layers, hidden 256, 8 heads, 2 KV heads, Llama-3 RoPE scaling",
                   _llama(256, 512, 3, 8, 2, 320, 32, rope={**_LLAMA3_ROPE, "original_max_position_embeddings": 16}),
                   128),
+        ModelSpec("tiny-qwen3", "test config: Qwen3 family (QK-norm), 2 layers, hidden 256, 4 heads of 128, untied",
+                  _llama(256, 512, 2, 4, 2, 320, 128, theta=1000000.0, tie=False, eps=1e-6, qk_norm=True), 64),
+        ModelSpec("tiny-qwen2", "test config: Qwen2 family (QKV bias), 2 layers, hidden 192, 6 heads, 2 KV heads",
+                  _llama(192, 320, 2, 6, 2, 288, 32, theta=1000000.0, eps=1e-6, qkv_bias=True), 64),
     ]
 }
 

@@ -288,21 +288,13 @@ def test_trace_export():
 
 
 def _tiny_qwen(family: str):
-    """Tiny specs of the families beyond Llama (the configs of tests/kernels/test_stream_compile.py's compile checks).
-    Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per head, as the real models) with hidden 256 and 4 heads,
-    untied head. Qwen2: q/k/v bias, hidden 192 (the last K box zero-filled), 3 query heads per KV head, tied head."""
-    from megasynth.ir.model import ModelConfig
-    from megasynth.lowering.models import ModelSpec
+    """Tiny specs of the families beyond Llama (the configs of tests/kernels/test_stream_compile.py's compile checks),
+    the rows `tiny-qwen3` and `tiny-qwen2`. Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per head, as the
+    real models) with hidden 256 and 4 heads, untied head. Qwen2: q/k/v bias, hidden 192 (the last K box
+    zero-filled), 3 query heads per KV head, tied head."""
+    from megasynth.lowering.models import get_model
 
-    if family == "qwen3":
-        cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, vocab_size=320, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
-                          tie_word_embeddings=False, qk_norm=True)
-    else:
-        cfg = ModelConfig(hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
-                          num_key_value_heads=2, vocab_size=288, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
-                          tie_word_embeddings=True, qkv_bias=True)
-    return ModelSpec(f"tiny-{family}", f"test config: {family} family", cfg, 64)
+    return get_model(f"tiny-{family}")
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])

@@ -2,11 +2,12 @@
 
 No GPU needed: one worker walks the whole packed queue (programs run one after another there), so this checks the
 kernel's own logic (row decode and look-ahead, waits and signals, opcode dispatch, every op's indexing, K splits, the
-attention-split reduce) against the PyTorch reference. Two limits of Triton's interpreter shape it: `tl.dot` on bf16
-multiplies raw bit patterns (so attention runs on the fp32 path, `attn_mma=False`; the tensor-core path is covered by
-the GPU tests only), and its bf16 conversion truncates (errors ~1e-3, tolerance 5e-3). Triton 3.6's interpreter also
-needs NumPy < 2.4 (it converts one-element arrays to Python ints). Each case runs in a subprocess, because
-`TRITON_INTERPRET` must be set before Triton and `megasynth.kernels.gpu.ptx` are imported.
+attention-split reduce; QK-norm and the QKV bias on the tiny Qwen3 and Qwen2 rows) against the PyTorch reference. Two
+limits of Triton's interpreter shape it: `tl.dot` on bf16 multiplies raw bit patterns (so attention runs on the fp32
+path, `attn_mma=False`; the tensor-core path is covered by the GPU tests only), and its bf16 conversion truncates
+(errors ~1e-3, tolerance 5e-3). Triton 3.6's interpreter also needs NumPy < 2.4 (it converts one-element arrays to
+Python ints). Each case runs in a subprocess, because `TRITON_INTERPRET` must be set before Triton and
+`megasynth.kernels.gpu.ptx` are imported.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ CASES = {
         "model": "tiny-gqa4", "kernel": {"warm_o": True, "warm_gu": 16, "num_stages": 3},
         "strategy": {"attn_splits": 2, "edges": {"attn_norm_qkv_rope->attn_partial": "head"}},
         "steps": [[2, 100]]},
+    "tiny-qwen3 QK-norm, head_dim 128, tiles of 3 whole heads, untied head": {
+        "model": "tiny-qwen3", "kernel": {},
+        "strategy": {"attn_splits": 2, "tiles": {"attn_norm_qkv_rope": 384}, "k_splits": {"o_proj_residual": 2}},
+        "steps": [[7, 0], [3, 40]]},
+    "tiny-qwen2 QKV bias, tiles of 3 whole heads (v9 needs them), tied head": {
+        "model": "tiny-qwen2", "kernel": {},
+        "strategy": {"attn_splits": 3, "tiles": {"attn_norm_qkv_rope": 96, "final_norm_lm_head": 40},
+                     "k_splits": {"down_proj_residual": 2}},
+        # not position 0: attention there returns the new v alone, and the interpreter's truncating bf16 cast of a
+        # biased v puts the logits ~5.4e-3 off (3.9e-3 with a zero bias); a lost bias is ~0.2 off anywhere
+        "steps": [[9, 33], [2, 50]]},
 }
 
 
