@@ -48,31 +48,35 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def random_tensor(cfg: ModelConfig, name: str, shape: tuple[int, ...], gen: torch.Generator,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+    """One weight drawn by the rule of `random_weights` (fp32, on `device`, from `gen`, which must live there)."""
+    if name.endswith(".bqkv"):
+        return 0.1 * torch.randn(shape, generator=gen, device=device)
+    if len(shape) == 1:
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    t = torch.randn(shape, generator=gen, device=device)
+    if name != "embed":
+        return t / math.sqrt(shape[1])
+    return t / math.sqrt(cfg.hidden_size) if cfg.tie_word_embeddings else t
+
+
 def random_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu", draw_on: str = "cpu") -> Weights:
     """Seeded random weights that keep activations O(1) over many layers (so bf16 comparisons mean something).
 
     Matrices are normal / sqrt(fan_in), so a matvec of an O(1) vector is O(1); norm weights are 1 + 0.1 * normal,
     QKV biases 0.1 * normal.
-    The embedding is normal / sqrt(H) when tied (logits O(1)) and normal otherwise. Values are drawn from one
-    `torch.Generator(seed)` on `draw_on` in `weight_shapes` order, then cast and moved tensor by tensor (peak extra
-    memory: one tensor). The default draws on the CPU, so the values do not depend on the device; `draw_on="cuda"`
-    draws on the GPU (llama-1b in about a second instead of ~20 s) with values of its own.
+    The embedding is normal / sqrt(H) when tied (logits O(1)) and normal otherwise (`random_tensor` owns the rule).
+    Values are drawn from one `torch.Generator(seed)` on `draw_on` in `weight_shapes` order, then cast and moved
+    tensor by tensor (peak extra memory: one tensor). The default draws on the CPU, so the values do not depend on
+    the device; `draw_on="cuda"` draws on the GPU (llama-1b in about a second instead of ~20 s) with values of its
+    own.
     """
     gen = torch.Generator(device=draw_on).manual_seed(seed)
     out: Weights = {}
     for name, shape in weight_shapes(cfg).items():
-        if name.endswith(".bqkv"):
-            t = 0.1 * torch.randn(shape, generator=gen, device=draw_on)
-        elif len(shape) == 1:
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=draw_on)
-        elif name == "embed":
-            t = torch.randn(shape, generator=gen, device=draw_on)
-            if cfg.tie_word_embeddings:
-                t /= math.sqrt(cfg.hidden_size)
-        else:
-            t = torch.randn(shape, generator=gen, device=draw_on) / math.sqrt(shape[1])
-        out[name] = t.to(device=device, dtype=dtype)
+        out[name] = random_tensor(cfg, name, shape, gen, draw_on).to(device=device, dtype=dtype)
     if cfg.tie_word_embeddings:
         out["lm_head"] = out["embed"]
     return out

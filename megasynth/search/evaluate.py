@@ -68,22 +68,14 @@ class GpuTimer:
 
         from megasynth.ir.model import ModelConfig
         from megasynth.kernels.gpu import Megakernel
-        from megasynth.kernels.weights import weight_shapes
+        from megasynth.kernels.weights import random_tensor, weight_shapes
 
         assert schedule.model is not None
         cfg = ModelConfig.from_hf(schedule.model.config)
         gen = torch.Generator(device="cuda").manual_seed(seed)
         weights: dict[str, Any] = {}
-        for name, shape in weight_shapes(cfg).items():  # the scaling of kernels.weights.random_weights, on the GPU
-            if len(shape) == 1:
-                t = 1.0 + 0.1 * torch.randn(shape, generator=gen, device="cuda")
-            elif name == "embed" and cfg.tie_word_embeddings:
-                t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(cfg.hidden_size)
-            elif name == "embed":
-                t = torch.randn(shape, generator=gen, device="cuda")
-            else:
-                t = torch.randn(shape, generator=gen, device="cuda") / math.sqrt(shape[1])
-            weights[name] = t.to(torch.bfloat16)
+        for name, shape in weight_shapes(cfg).items():  # random_weights' rule, drawn on the GPU (fast)
+            weights[name] = random_tensor(cfg, name, shape, gen, "cuda").to(torch.bfloat16)
         if cfg.tie_word_embeddings:
             weights["lm_head"] = weights["embed"]
         self.mk = Megakernel(schedule, weights)
