@@ -295,6 +295,22 @@ def _rows(a: dict[str, int]) -> int:
     return a["end"] - a["start"]
 
 
+_cost_qkv_matvec = _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True)
+
+
+def _cost_qkv(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    """The matvec, plus a bias element per row (qkv_bias) and the head_dim weights of each QK norm the tile uses
+    (qk_norm: q_norm when it holds q rows, k_norm when it holds k rows; every head of the tile shares them)."""
+    nbytes, flops = _cost_qkv_matvec(geo, layer, a, seq)
+    c = geo.cfg
+    if c.qkv_bias:
+        nbytes += _rows(a) * W_BYTES
+    if c.qk_norm:
+        norms = (a["start"] < c.q_size) + (a["start"] < c.q_size + c.kv_size and a["end"] > c.q_size)
+        nbytes += norms * c.hd * W_BYTES
+    return nbytes, flops
+
+
 def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
     c = geo.cfg
     n = (a["split"] + 1) * seq // a["splits"] - a["split"] * seq // a["splits"]
@@ -485,8 +501,7 @@ OPS: dict[str, OpSpec] = {
                                "tiles are whole heads)",
                       "end": "end row, even"},
                _check_qkv, _fp_qkv,
-               _tile_rows("attn_norm_qkv_rope", lambda c: c.qkv_size),
-               _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_qkv),
+               _tile_rows("attn_norm_qkv_rope", lambda c: c.qkv_size), _cost_qkv, _c_qkv),
         OpSpec("attn_partial",
                "attention of the query heads of one KV head over one split of the sequence; writes o and lse",
                True, {"kv_head": "KV head (its group of query heads)", "split": "split index",

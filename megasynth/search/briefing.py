@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from megasynth.ir.catalogue import OP_ORDER, OPS, Geometry
+from megasynth.ir.model import ModelConfig
 from megasynth.ir.program import geometry_of
 from megasynth.ir.schedule import Schedule
 from megasynth.lowering.models import ModelSpec
@@ -160,6 +161,20 @@ def patch_schema() -> dict[str, Any] | None:
 # Sections
 
 
+def _features(c: ModelConfig) -> list[str]:
+    """One line on what the model adds to Llama (none for a Llama): what attn_norm_qkv_rope computes and which of its
+    tiles are legal."""
+    parts = []
+    if c.qkv_bias:
+        parts.append("qkv_bias: attn_norm_qkv_rope adds a bias to its q, k and v rows (no constraint on tiles)")
+    if c.qk_norm:
+        qk_end = c.q_size + c.kv_size
+        parts.append(f"qk_norm: RMSNorm over each q and k head before RoPE, so attn_norm_qkv_rope tiles hold whole q "
+                     f"and k heads: start/end below {qk_end} (the end of the k rows) are multiples of head_dim "
+                     f"{c.hd}; v rows may still be cut into RoPE pairs; a tile that cuts a q or k head is rejected")
+    return ["Model features: " + "; ".join(parts) + "."] if parts else []
+
+
 def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
     """Model sizes, the op graph (reads/writes per op, from catalogue footprints) and per-op bytes/flops."""
     c = spec.config
@@ -167,6 +182,7 @@ def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
              f"hidden {c.hidden_size}, intermediate {c.intermediate_size}, layers {c.num_hidden_layers}, "
              f"heads {c.num_attention_heads}, kv heads {c.num_key_value_heads}, head_dim {c.hd}, "
              f"vocab {c.vocab_size}, max_seq_len {spec.max_seq_len}; timings below are at sequence length {seq}.",
+             *_features(c),
              "Decode order: " + " -> ".join(op if not OPS[op].layered else f"{op}[L]" for op in OP_ORDER)
              + f" (ops marked [L] repeat per layer, L = 0..{c.num_hidden_layers - 1}).",
              "Ops (args are integers; reads/writes name activation buffers; weights are read-only):"]

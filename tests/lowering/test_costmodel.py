@@ -197,3 +197,26 @@ def test_measured_steps_pick_the_sm_peak_from_a_grid() -> None:
     assert result.params.sm_peak == pytest.approx(3e3)
     assert result.params.hop_us == pytest.approx(0.8, abs=0.3)
     assert "measured steps" in result.params.source
+
+
+def test_qkv_cost_counts_the_bias_and_the_qk_norm_weights() -> None:
+    """A QKV tile reads a bias element per row (Qwen2) and the q_norm / k_norm weights it uses, head_dim each (Qwen3:
+    a tile of q heads reads q_norm, one spanning q and k heads both, one of v rows neither); the flops and the rest
+    of the bytes are the Llama matvec's."""
+    from dataclasses import replace
+
+    from megasynth.ir.catalogue import OPS, Geometry
+
+    cost = OPS["attn_norm_qkv_rope"].cost
+    # tiny-qwen3: head_dim 128, q rows [0, 512), k rows [512, 768), v rows [768, 1024); bf16 weights
+    # tiny-qwen2: q rows [0, 192), k [192, 256), v [256, 320)
+    cases = {"tiny-qwen3": [((0, 128), 256), ((384, 640), 512), ((512, 768), 256), ((768, 1024), 0),
+                            ((0, 1024), 512)],
+             "tiny-qwen2": [((0, 32), 64), ((10, 20), 20), ((250, 262), 24), ((0, 320), 640)]}
+    for name, tiles in cases.items():
+        cfg = get_model(name).config
+        geo, llama = Geometry(cfg, 64), Geometry(replace(cfg, qkv_bias=False, qk_norm=False), 64)
+        for (start, end), extra in tiles:
+            a = {"start": start, "end": end}
+            got, want = cost(geo, 0, a, 8), cost(llama, 0, a, 8)
+            assert got == (want[0] + extra, want[1]), (name, start, end)

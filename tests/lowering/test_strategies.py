@@ -136,3 +136,31 @@ def test_cpu_executor_reproduces_the_reference(model: str, workers: int, strateg
             got = cpu.run_schedule(sched, weights, k, v, token, pos, seed=seed + 10 * pos)
             assert float((got - want).norm() / want.norm()) <= 1e-5
     del torch
+
+
+def test_qk_norm_search_space_offers_only_whole_head_qkv_tiles() -> None:
+    """On qwen3-0.6b (QK-norm, head_dim 128) every QKV tile the search space offers, the hand seeds (QKV tiles of 32
+    and 64 rows, rounded to whole heads by the lowering) and a random point of the space lower to schedules whose QKV
+    tiles keep q and k heads whole and that the validator accepts."""
+    import random
+
+    from megasynth.ir.program import resolve
+    from megasynth.lowering.strategy import SearchSpace
+    from megasynth.search.proposers.heuristic import seed_strategies
+
+    spec = get_model("qwen3-0.6b")
+    c = spec.config
+    space = SearchSpace(spec, 132)
+    choices = space.by_name["tiles.attn_norm_qkv_rope"].choices
+    assert choices and all(t % c.hd == 0 for t in choices)
+    rng = random.Random(3)
+    strategies = [Strategy(tiles={"attn_norm_qkv_rope": t}) for t in choices]
+    strategies += [st for _, st in seed_strategies()[:2]]
+    strategies.append(space.with_value(space.random(rng), "order", "id"))  # list scheduling of 10k: slow
+    for strategy in strategies:
+        sched = lower(spec, 132, strategy)
+        resolve(sched)  # the catalogue's argument checks, the whole-head rule among them
+        qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope"]
+        assert all(a["start"] % c.hd == 0 and a["end"] % c.hd == 0 for a in qkv), strategy
+        report = verify(sched, options=Options(interleavings=2))
+        assert report.accepted, (strategy, [f.message[:300] for f in report.findings][:2])

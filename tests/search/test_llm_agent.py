@@ -449,3 +449,17 @@ def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("You tune megakernel schedules") and "## Best so far" in out
     assert "tokens (budget 8000, detail level 0)" in err
     assert main(["--model", "nope"]) == 2 and "unknown model" in capsys.readouterr().err
+
+
+def test_briefing_names_the_model_features() -> None:
+    """The briefing tells the agent what a Qwen model adds and which QKV tiles that allows (a Llama's says nothing):
+    the QK-norm rule with this model's numbers, the bias."""
+    texts = {}
+    for name in ("qwen3-0.6b", "qwen2.5-0.5b", "llama-1b"):
+        spec = get_model(name)
+        texts[name] = build_briefing(_ctx(), spec, lower(spec, 132), seq=256).user
+    assert "qk_norm" in texts["qwen3-0.6b"] and "multiples of head_dim 128" in texts["qwen3-0.6b"]
+    assert "below 3072 (the end of the k rows)" in texts["qwen3-0.6b"]  # 16 q heads + 8 k heads of 128
+    assert "qkv_bias" not in texts["qwen3-0.6b"]
+    assert "Model features: qkv_bias" in texts["qwen2.5-0.5b"] and "RMSNorm over each q" not in texts["qwen2.5-0.5b"]
+    assert "Model features" not in texts["llama-1b"]
