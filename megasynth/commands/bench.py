@@ -32,7 +32,9 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 
 
 @click.command("bench")
-@click.option("--model", "model_name", default="llama-1b", show_default=True)
+@click.option("--model", "model_name", default="llama-1b", show_default=True,
+              help="A model name (synth models) or a Hugging Face checkpoint folder, whose weights are used unless "
+                   "--weights is given.")
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
               help="Schedule .json or .json.gz for the megakernel (default: the naive lowering for this GPU's SM "
                    "count).")
@@ -59,7 +61,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
               help="Overwrite 2x L2 between repetitions (outside the timed region).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights and KV history.")
 @click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
-              help="Hugging Face safetensors checkpoint folder (default: random weights, --seed).")
+              help="Hugging Face safetensors checkpoint folder (default: the --model folder's, else random "
+                   "weights, --seed).")
 @click.option("--token", type=int, default=1, show_default=True, help="Token id decoded.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
@@ -92,8 +95,9 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     elif not torch.cuda.is_available():
         _fail("CUDA is not available: `synth bench` measures on a GPU; pass --dry-run to exercise it on the CPU")
     ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
-    opts = BenchOptions(model=model_name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
-                        seed=seed, weights_dir=weights_dir, token=token, device=device,
+    # spec.name: a checkpoint folder's absolute path, which the compile child (another cwd) finds too
+    opts = BenchOptions(model=spec.name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
+                        seed=seed, weights_dir=weights_dir or spec.weights_dir, token=token, device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                         compile_timeout_s=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
                         verify=verify)
@@ -126,14 +130,17 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 
 
 @click.command("generate")
-@click.option("--model", "model_name", default="llama-1b", show_default=True)
+@click.option("--model", "model_name", default="llama-1b", show_default=True,
+              help="A model name (synth models) or a Hugging Face checkpoint folder, whose weights are used unless "
+                   "--weights is given.")
 @click.option("--tokens", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
               help="Tokens to generate (greedy).")
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
               help="Schedule .json or .json.gz (default: the naive lowering).")
 @click.option("--prompt-token", type=int, default=1, show_default=True, help="The first token fed.")
 @click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
-              help="Hugging Face safetensors checkpoint folder (default: random weights, --seed).")
+              help="Hugging Face safetensors checkpoint folder (default: the --model folder's, else random "
+                   "weights, --seed).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "megakernel", "reference"]), default="auto",
               show_default=True, help="auto = the megakernel on CUDA, the PyTorch reference on the CPU.")
@@ -154,6 +161,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     except KeyError as exc:
         raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
     cfg = spec.config
+    weights_dir = weights_dir or spec.weights_dir  # --model DIR runs on the checkpoint's own weights
     if tokens > spec.max_seq_len:
         raise click.BadParameter(f"{tokens} exceeds max_seq_len {spec.max_seq_len} of {spec.name}",
                                  param_hint="--tokens")

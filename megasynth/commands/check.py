@@ -2,14 +2,27 @@
 
 Both sides decode greedily from the same fixed prompt for `--tokens` steps, each feeding back its own tokens: the
 megakernel path lowers the checkpoint's config (its config.json decides the architecture) into a schedule and runs it
-instruction by instruction on the CPU executor, from weights loaded by `megasynth.kernels.weights`; transformers runs
-`AutoModelForCausalLM` in fp32 with eager attention. Per step the relative L2 error of the fp32 logits and both
-tokens are printed. Exit 0 when every step agrees within `REL_L2` and the tokens are identical, 1 otherwise, 2 on bad
-input (missing folder, no config.json, a config the megakernel cannot run: the message names the file and the key).
+from weights loaded by `megasynth.kernels.weights`; transformers runs the checkpoint in fp32 with eager attention. Per
+step the relative L2 error of the fp32 logits and both tokens are printed. Exit 0 when every step agrees within
+`REL_L2` and the tokens are identical, 1 otherwise, 2 on bad input (missing folder, no config.json, a config the
+megakernel cannot run: the message names the file and the key).
+
+Where the megakernel path runs (`--device`, default: the GPU when CUDA is available):
+- `cpu`: the CPU executor, instruction by instruction, in fp32 with the checkpoint's weights as they are; transformers
+  runs the same fp32 weights on the CPU.
+- `cuda`: the GPU interpreter (`megasynth.kernels.gpu.Megakernel`), which computes in fp32 but reads its matrices
+  (embedding, projections, LM head) in bf16 and keeps the KV cache in bf16 (norm weights and biases stay fp32).
+  transformers then runs, on the GPU in fp32 (TF32 off), with the very numbers the kernel sees: its 2-D weights
+  rounded to bf16 and every new K and V rounded to bf16 as it enters the cache. Without that the bf16 rounding alone
+  puts the logits ~2e-3 apart and the 1e-4 bound would say nothing; with it the CPU executor run on those numbers
+  agrees with transformers to ~1e-6 (the GPU interpreter agrees with the reference to ~2e-6 on llama-1b), so a kernel
+  bug still stands out. The GPU path has not been run yet: its test drives the command on the CPU with the CPU
+  executor standing in for the Megakernel.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,34 +47,86 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-def megakernel_runner(prog, weights, max_seq_len: int, seed: int) -> Callable[[int, int], object]:  # noqa: ANN001
-    """A function (token, pos) -> fp32 logits [V] that runs one decode step of the resolved schedule `prog` on the
-    CPU executor, keeping the KV cache between calls. This is where a CUDA run would plug in the GPU interpreter
-    (megasynth.kernels.gpu) instead; on any machine the CPU executor is the reference-exact path."""
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def pick_device(requested: str, cuda: bool) -> str:
+    """The device of the megakernel path: `auto` is the GPU when CUDA is available, else the CPU; `cuda` without
+    CUDA raises ValueError (the message is the command's)."""
+    if requested == "auto":
+        return "cuda" if cuda else "cpu"
+    if requested == "cuda" and not cuda:
+        raise ValueError("--device cuda: CUDA is not available here (pass --device cpu for the CPU executor)")
+    return requested
+
+
+def _gpu_megakernel(schedule, weights, max_seq_len: int):  # noqa: ANN001, ANN202 (a Megakernel; lazy imports)
+    """The GPU interpreter on the schedule (it casts the matrices to bf16 on the GPU itself)."""
+    from megasynth.kernels.gpu import Megakernel
+
+    return Megakernel(schedule, weights, max_seq_len=max_seq_len)
+
+
+def megakernel_runner(schedule, weights, max_seq_len: int, seed: int,  # noqa: ANN001
+                      device: str = "cpu") -> Callable[[int, int], object]:
+    """A function (token, pos) -> fp32 logits [V] on the CPU that runs one decode step of `schedule`, keeping the KV
+    cache between calls: on the GPU interpreter when `device` is "cuda" (bf16 matrices and KV cache, see the module
+    docstring; `seed` unused), else on the CPU executor (the interleaving drawn from `seed`)."""
+    if device == "cuda":
+        mk = _gpu_megakernel(schedule, weights, max_seq_len)
+
+        def gpu_step(token: int, pos: int):  # noqa: ANN202 (a torch tensor; torch is imported lazily)
+            return mk.step(token, pos).float().cpu()
+
+        return gpu_step
+    from megasynth.ir.program import resolve
     from megasynth.kernels.cpu_executor import run_program
     from megasynth.kernels.reference import new_kv_cache
 
+    prog = resolve(schedule)
     k_cache, v_cache = new_kv_cache(prog.geometry.cfg, max_seq_len)
 
-    def step(token: int, pos: int):  # noqa: ANN202 (a torch tensor; torch is imported lazily)
+    def step(token: int, pos: int):  # noqa: ANN202
         return run_program(prog, weights, k_cache, v_cache, token, pos, seed=seed)
 
     return step
 
 
-def _hf_runner(folder: Path) -> Callable[[list[int]], object]:
-    """A function tokens -> fp32 logits [V] of the last token, by transformers (fp32, eager attention)."""
+def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu") -> Callable[[list[int]], object]:
+    """A function tokens -> fp32 logits [V] (on the CPU) of the last token, by transformers (fp32, eager attention)
+    on `device`. With `kernel_numerics`, the GPU interpreter's numbers: 2-D weights rounded to bf16, K and V rounded
+    to bf16 as they enter the cache."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DynamicCache
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the comparison table is the output
+    torch.set_float32_matmul_precision("highest")  # no TF32: an fp32 oracle
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager")
-    model.eval()
+    model.to(device).eval()
+
+    class Bf16Cache(DynamicCache):
+        """The kernel's bf16 KV cache: what attention reads back is the bf16 rounding of each new K and V."""
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            return super().update(key_states.to(torch.bfloat16).float(), value_states.to(torch.bfloat16).float(),
+                                  layer_idx, *args, **kwargs)
+
+    if kernel_numerics:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:  # the matrices; a tied head is the embedding, rounded once or twice alike
+                    p.copy_(p.to(torch.bfloat16).float())
+    # the cache keyword: `cache` in recent transformers, `past_key_values` before
+    kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def logits(tokens: list[int]):  # noqa: ANN202
+        extra = {kwarg: Bf16Cache(), "use_cache": True} if kernel_numerics else {}
         with torch.no_grad():
-            return model(torch.tensor([tokens])).logits[0, -1].float()
+            return model(torch.tensor([tokens], device=device), **extra).logits[0, -1].float().cpu()
 
     return logits
 
@@ -76,15 +141,24 @@ def _hf_runner(folder: Path) -> Callable[[list[int]], object]:
 @click.option("--workers", type=click.IntRange(1, 4096), default=8, show_default=True,
               help="Workers of the lowered schedule.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The CPU executor's interleaving seed.")
-def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int) -> None:
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the megakernel path runs: cuda = the GPU interpreter (bf16 matrices and KV cache; "
+                   "transformers then gets the same bf16 roundings; not yet run on a GPU), cpu = the CPU executor "
+                   "(fp32), auto = cuda when available.")
+def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int, device: str) -> None:
     """Decode a checkpoint with the megakernel path and with transformers side by side; exit 0 when the fp32 logits
-    agree within rel L2 1e-4 and the greedy tokens are identical."""
+    agree within rel L2 1e-4 and the greedy tokens are identical. On the GPU, transformers runs with the kernel's
+    bf16-rounded matrices and KV cache (see `--device`)."""
     from megasynth.ir.program import resolve
     from megasynth.kernels.weights import WeightsError, load_hf_weights
     from megasynth.lowering.lower import lower
     from megasynth.lowering.models import ModelNotFound, spec_from_checkpoint
     from megasynth.lowering.strategy import Strategy
 
+    try:
+        device = pick_device(device, _cuda_available())
+    except ValueError as exc:
+        _fail(str(exc))
     try:
         spec = spec_from_checkpoint(weights_dir)
     except ModelNotFound as exc:
@@ -103,21 +177,35 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     spec = spec_from_checkpoint(weights_dir, max_seq_len=seq)
     try:
         weights = load_hf_weights(weights_dir, cfg)
-        prog = resolve(lower(spec, workers, Strategy(attn_splits=2)))
+        schedule = lower(spec, workers, Strategy(attn_splits=2))
+        prog = resolve(schedule)
     except (WeightsError, ScheduleError) as exc:
         _fail(str(exc))
+    gpu = device == "cuda"
     try:
-        theirs_of = _hf_runner(weights_dir)
+        theirs_of = _hf_runner(weights_dir, gpu, device)
     except Exception as exc:  # noqa: BLE001 (transformers raises many types for a folder it cannot load)
         _fail(f"{weights_dir}: transformers cannot load the checkpoint: {type(exc).__name__}: {exc}")
 
-    ours_step = megakernel_runner(prog, weights, seq, seed)
+    try:
+        run_step = megakernel_runner(schedule, weights, seq, seed, device)
+    except ScheduleError as exc:  # the GPU interpreter refuses a schedule it cannot run
+        _fail(str(exc))
+
+    def ours_step(token: int, pos: int):  # noqa: ANN202
+        try:
+            return run_step(token, pos)
+        except RuntimeError as exc:  # the GPU interpreter's watchdog names the stuck worker and instruction
+            click.echo(f"error: the megakernel path stopped at pos {pos}: {exc}", err=True)
+            sys.exit(1)
     ours_seq, theirs_seq = list(tokens), list(tokens)
     for pos, t in enumerate(tokens[:-1]):  # prefill, one decode step per prompt token
         ours_step(t, pos)
     ok = True
+    ours_how = "GPU interpreter, bf16 matrices and KV cache" if gpu else "CPU executor"
+    hf_how = "fp32 eager, the same bf16 roundings, on the GPU" if gpu else "fp32 eager"
     click.echo(f"{weights_dir}: {spec.description}; prompt {tokens}; {n_tokens} greedy steps; "
-               f"{len(prog.ids)} instructions on {workers} workers (CPU executor) vs transformers fp32 eager")
+               f"{len(prog.ids)} instructions on {workers} workers ({ours_how}) vs transformers {hf_how}")
     click.echo(f"{'step':>4}  {'pos':>4}  {'rel L2':>9}  {'ours':>7}  {'hf':>7}")
     for step in range(n_tokens):
         pos = len(ours_seq) - 1

@@ -1,5 +1,7 @@
 """`synth check`: the megakernel path (CPU executor) against transformers on tiny checkpoints written by
-`save_pretrained`, one per family, and its refusals (exit 2, the file and the key named, no traceback)."""
+`save_pretrained`, one per family, and its refusals (exit 2, the file and the key named, no traceback); the choice of
+device, and the GPU path's comparison (bf16 matrices and KV cache on both sides) driven on the CPU with the CPU
+executor standing in for the GPU interpreter."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import HF_TINY, save_hf_checkpoint
 
@@ -16,6 +19,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def _check(folder: Path, *extra: str) -> tuple[int, str]:
+    if "--device" not in extra:  # the CPU executor, also where CUDA is present
+        extra = (*extra, "--device", "cpu")
     res = CliRunner().invoke(main, ["check", "--weights", str(folder), "--tokens", "3", *extra])
     assert "Traceback" not in res.output
     return res.exit_code, res.output
@@ -40,8 +45,8 @@ def test_check_fails_on_disagreement(tmp_path: Path, monkeypatch: pytest.MonkeyP
     save_hf_checkpoint(tmp_path, "mistral")
     real = check_mod._hf_runner
 
-    def skewed(folder: Path):  # noqa: ANN202
-        run = real(folder)
+    def skewed(folder: Path, *args: object):  # noqa: ANN202
+        run = real(folder, *args)
 
         def logits(tokens: list[int]):  # noqa: ANN202
             out = run(tokens).clone()
@@ -77,3 +82,75 @@ def test_check_bad_input_exits_2(tmp_path: Path) -> None:
     assert code == 2 and "neither model.safetensors" in out
     code, out = _check(ckpt, "--prompt", "1,x")
     assert code == 2 and "--prompt" in out
+
+
+def test_device_choice() -> None:
+    from megasynth.commands.check import pick_device
+
+    assert pick_device("auto", cuda=True) == "cuda" and pick_device("auto", cuda=False) == "cpu"
+    assert pick_device("cpu", cuda=True) == "cpu" and pick_device("cuda", cuda=True) == "cuda"
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        pick_device("cuda", cuda=False)
+
+
+def test_cuda_without_cuda_exits_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import megasynth.commands.check as check_mod
+
+    monkeypatch.setattr(check_mod, "_cuda_available", lambda: False)
+    save_hf_checkpoint(tmp_path, "qwen2")
+    code, out = _check(tmp_path, "--device", "cuda")
+    assert code == 2 and "CUDA is not available" in out
+
+
+class _KernelOnTheCpu:
+    """The GPU interpreter's numbers on the CPU: the CPU executor over bf16-rounded matrices (norms and biases fp32,
+    as `kernels.gpu.runtime.stack_weights` keeps them) with a bf16 KV cache; `step` as `Megakernel.step`."""
+
+    def __init__(self, schedule, weights, max_seq_len: int) -> None:  # noqa: ANN001
+        import torch
+
+        from megasynth.ir.program import resolve
+        from megasynth.kernels.reference import new_kv_cache
+
+        self.prog = resolve(schedule)
+        self.w = {k: v.to(torch.bfloat16).float() if v.dim() == 2 else v for k, v in weights.items()}
+        self.k, self.v = new_kv_cache(self.prog.geometry.cfg, max_seq_len, dtype=torch.bfloat16)
+
+    def step(self, token: int, pos: int):  # noqa: ANN201
+        from megasynth.kernels.cpu_executor import run_program
+
+        return run_program(self.prog, self.w, self.k, self.v, token, pos)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_gpu_path_compares_the_kernels_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str) -> None:
+    """With --device cuda the megakernel path is the GPU interpreter (a CPU stand-in here) and transformers gets the
+    same bf16 roundings: they agree within 1e-4 (~1e-6). Without the roundings on the transformers side the bf16
+    rounding alone breaks the bound (~2e-3), so the roundings are what keeps the bound able to tell a kernel bug."""
+    import megasynth.commands.check as check_mod
+
+    save_hf_checkpoint(tmp_path, family)
+    real = check_mod._hf_runner
+    monkeypatch.setattr(check_mod, "_cuda_available", lambda: True)
+    monkeypatch.setattr(check_mod, "_gpu_megakernel", _KernelOnTheCpu)
+    monkeypatch.setattr(check_mod, "_hf_runner", lambda folder, numerics, device: real(folder, numerics, "cpu"))
+    code, out = _check(tmp_path, "--device", "auto")
+    assert code == 0, out
+    assert "GPU interpreter, bf16 matrices and KV cache" in out and "the same bf16 roundings" in out
+    errs = [float(line.split()[2]) for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert len(errs) == 3 and max(errs) <= 1e-5, errs
+    monkeypatch.setattr(check_mod, "_hf_runner", lambda folder, numerics, device: real(folder, False, "cpu"))
+    code, out = _check(tmp_path, "--device", "cuda")
+    assert code == 1 and "MISMATCH" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["qwen3", "llama-hd"])
+def test_check_on_the_gpu(tmp_path: Path, family: str) -> None:
+    """The GPU interpreter against transformers with the kernel's bf16 roundings (head_dim 32 configs)."""
+    pytest.importorskip("triton")
+    save_hf_checkpoint(tmp_path, family)
+    code, out = _check(tmp_path, "--device", "cuda")
+    assert code == 0, out
+    assert "GPU interpreter" in out and out.rstrip().endswith("agree")
