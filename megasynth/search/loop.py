@@ -22,7 +22,6 @@ it is written to best/.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from megasynth.lowering.strategy import parse_strategy
 from megasynth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key, status_of
 from megasynth.runs.study import Claims, StorageError, shown, study_name, without_password
 from megasynth.search.claims import ScheduleClaim, SharedStudy, open_study, proposal_key
-from megasynth.search.config import SearchConfig, default_jobs
+from megasynth.search.config import SearchConfig, available_cores, default_jobs
 from megasynth.search.evaluate import (
     Evaluator,
     Standing,
@@ -358,12 +357,15 @@ class Search:
                        "gpu": gpu_name() if self.gpu else None, "estimated": not self.gpu,
                        "cost_model": self.params.source})
         self._adopt()
-        jobs = min(16, max(1, (os.cpu_count() or 2) - 1))  # the descent's cost-model processes
+        # the descent's cost-model processes: every usable core (its first stage runs while the pool has at most the
+        # seeds to validate, so the cores would otherwise idle)
+        jobs = min(16, available_cores())
+        bar = _Progress(cfg.budget, cfg.progress, sys.stderr.isatty())
         self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
-                                         ctx=cfg.ctx, params=self.params, jobs=jobs, **{"seq": cfg.ctx, **cfg.llm})
+                                         ctx=cfg.ctx, params=self.params, jobs=jobs, progress=bar.message,
+                                         **{"seq": cfg.ctx, **cfg.llm})
         self._reap()
         self._catch_up_best()
-        bar = _Progress(cfg.budget, cfg.progress, sys.stderr.isatty())
         self.claims.start_heartbeat(cfg.heartbeat_s)
         try:
             jobs = cfg.jobs if cfg.jobs is not None else default_jobs(self.gpu)
@@ -519,6 +521,15 @@ class _Progress:
                 parts.append("waiting for candidates in progress")
             parts.append(self.best_text(standing, estimated))
             print("  ".join(p for p in parts if p), file=sys.stderr, flush=True)
+
+    def message(self, text: str) -> None:
+        """A line of what the search is doing between candidates (a proposer's long computation)."""
+        if self.mode == "bar":
+            self.progress.console.print(text)
+        elif self.mode == "lines":
+            self.last_line = time.monotonic()
+            print(f"search {self.done or 0}/{self.total}  {self.last_line - self.t0:.0f} s  {text}", file=sys.stderr,
+                  flush=True)
 
     def close(self) -> None:
         if self.mode == "bar":

@@ -91,9 +91,11 @@ def test_auto_without_llm_is_seeds_then_descent_then_evolve(monkeypatch: pytest.
     with pytest.raises(ValueError, match="OPENAI"):
         resolve_proposer("llm", "tiny", 8)
     ctx = SearchContext("tiny", 8, "cpu", None, [], None, True)
+    props = p.propose(ctx, 5)  # a call ends with the stage that filled it: the seeds go out before the descent runs
+    assert [x.proposer for x in props] == ["seeds"] * 3
     props = p.propose(ctx, 5)
     assert len(props) == 5 and all(isinstance(x.strategy, Strategy) for x in props)
-    assert [x.proposer for x in props] == ["seeds"] * 3 + ["descent"] * 2
+    assert [x.proposer for x in props] == ["descent"] * 5
 
 
 def test_evolve_uses_accepted_parents() -> None:

@@ -255,6 +255,17 @@ def test_descent_starts_from_naive_and_stops_at_a_local_optimum_of_the_model() -
     assert not d.exhausted
 
 
+def test_descent_reports_each_step_of_its_first_stage() -> None:
+    """The first stage estimates hundreds of strategies (about a minute for llama-1b on 2 cores): the search log shows
+    each descent step, so it is never silent that long."""
+    lines: list[str] = []
+    d = _descent(first_batch=3, progress=lines.append)
+    d.propose(SearchContext("tiny6", 8, "cpu", None, [], None, True), 3)
+    assert lines and all(line.startswith(f"cost-model descent: step {i + 1}, ") for i, line in enumerate(lines))
+    counts = [int(line.split(", ")[1].split()[0]) for line in lines]
+    assert counts == sorted(counts) and counts[-1] == len(d.model.cache)
+
+
 def test_descent_climbs_from_the_best_measurement_not_the_model() -> None:
     d = _descent(first_batch=2, tolerance=0.5)
     ctx = SearchContext("tiny6", 8, "cpu", None, [], None, True)

@@ -46,6 +46,8 @@ class ChainProposer:
                     break  # waiting for results
                 continue
             self.at, self.given = self.at + 1, 0
+            if out:  # hand these out before the next stage starts: its first call can take minutes (the descent)
+                break
         return out
 
     def observe(self, result: Result) -> None:
@@ -106,10 +108,12 @@ def builtin_chain(space: SearchSpace, seed: int, descent: Proposer) -> ChainProp
 
 def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run_dir: Path | None = None,
                      notice: Callable[[str], None] | None = None, *, ctx: int = 1024,
-                     params: CostParams | None = None, jobs: int = 1, **llm_options: Any) -> Proposer:
+                     params: CostParams | None = None, jobs: int = 1,
+                     progress: Callable[[str], None] | None = None, **llm_options: Any) -> Proposer:
     """Build the proposer named on the command line. `llm` needs an endpoint (OPENAI_API_KEY/OPENAI_BASE_URL);
     `auto` uses the LLM agent when one is configured, else the built-in chain (saying so in one line). `ctx`,
-    `params` and `jobs` are the descent's: the context it estimates at, the cost model, its processes."""
+    `params`, `jobs` and `progress` are the descent's: the context it estimates at, the cost model, its processes, and
+    where it reports its first stage (minutes on a CPU for the larger models)."""
     from megasynth.search.proposers.descent import DescentProposer
     from megasynth.search.proposers.evolve import EvolveProposer
     from megasynth.search.proposers.heuristic import HeuristicProposer
@@ -118,7 +122,7 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
     space = SearchSpace(spec, workers)
 
     def descent() -> DescentProposer:
-        return DescentProposer(space, spec, workers, params or load_params(), ctx, jobs=jobs)
+        return DescentProposer(space, spec, workers, params or load_params(), ctx, jobs=jobs, progress=progress)
 
     if name in ("seeds", "heuristic"):
         return HeuristicProposer(space, seed)

@@ -22,6 +22,8 @@ Only stage 2 and 3 spend candidates, so a GPU run times only the points the cost
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 from megasynth.lowering.costmodel import CostParams
@@ -40,8 +42,10 @@ class DescentProposer:
 
     def __init__(self, space: SearchSpace, spec: ModelSpec, workers: int, params: CostParams, ctx: int = 1024,
                  start: Strategy | None = None, first_batch: int = 8, tolerance: float = 0.02, jobs: int = 1,
-                 noise: float = 0.003, surrogate: Surrogate | None = None) -> None:
+                 noise: float = 0.003, surrogate: Surrogate | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
         self.space = space
+        self.progress = progress
         self.model = surrogate or Surrogate(spec, workers, params, ctx, jobs)
         self.start = start or Strategy()
         self.first_batch, self.tolerance, self.noise = first_batch, tolerance, noise
@@ -85,10 +89,15 @@ class DescentProposer:
         """Steepest descent on the cheap fidelity from `start`, over every choice of every knob; returns the local
         optimum and its estimate."""
         cur, cur_ms = start, self.model(start)
-        for _ in range(MAX_STEPS):
+        t0 = time.monotonic()
+        for step in range(MAX_STEPS):
             moves = self.moves(cur, FULL)
             ests = self.model.many([s for _, s in moves])
             k = min(range(len(moves)), key=lambda j: ests[j]) if moves else -1
+            if self.progress is not None:
+                best = min(cur_ms, ests[k]) if k >= 0 else cur_ms
+                self.progress(f"cost-model descent: step {step + 1}, {len(self.model.cache)} strategies estimated "
+                              f"in {time.monotonic() - t0:.0f} s, best {best:.4f} ms (estimated)")
             if k < 0 or not ests[k] < cur_ms * (1 - MIN_GAIN):
                 break
             cur, cur_ms = moves[k][1], ests[k]
