@@ -1,4 +1,4 @@
-"""The schedule format (issue 2 item 2): round trip, and every class of bad input gets a one-line error naming the
+"""The schedule format: round trip, and every class of bad input gets a one-line error naming the
 file and the JSON path, exit code 2 from `validate`, never a traceback."""
 
 from __future__ import annotations
