@@ -22,9 +22,14 @@ MAX_INT = 2**31 - 1
 MAX_INSTRUCTIONS = 200_000
 MAX_WORKERS = 4096
 MAX_COUNTERS = 4_000_000
+#: Buffer sizes and element ranges are not in those tables (the interpreters index the KV cache in 64 bits): a long
+#: context's KV cache passes 2**31 elements (llama-8b at 131072 positions: 2**32). Bounded well inside the int64
+#: arrays the validator sweeps element ranges in.
+MAX_ELEMENTS = 2**50
 
 NonNeg = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
 Positive = Annotated[StrictInt, Field(ge=1, le=MAX_INT)]
+Elements = Annotated[StrictInt, Field(ge=0, le=MAX_ELEMENTS)]
 
 
 class _Closed(BaseModel):
@@ -53,7 +58,7 @@ class Region(_Closed):
     """A half-open element range `[start, end)` of one named buffer."""
 
     buffer: StrictStr
-    range: tuple[NonNeg, NonNeg]
+    range: tuple[Elements, Elements]
 
     @field_validator("range")
     @classmethod
@@ -98,7 +103,7 @@ class Schedule(_Open):
     format: Literal["megakernel-schedule/1"]
     model: ModelRef | None = None
     target: Target
-    buffers: dict[StrictStr, NonNeg] | None = None
+    buffers: dict[StrictStr, Elements] | None = None
     counters: Annotated[StrictInt, Field(ge=0, le=MAX_COUNTERS)]
     instructions: list[Instruction]
     queues: list[list[NonNeg]]
