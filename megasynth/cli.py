@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from megasynth.commands import max_seq_len_option
 from megasynth.ir.errors import ScheduleError
 
 
@@ -58,19 +59,18 @@ def models_table(width: int = 80) -> Any:
 @click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True)
 @click.option("--strategy", "strategy_file", type=click.Path(dir_okay=False), help="Strategy JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
-def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str) -> None:
+@max_seq_len_option()
+def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str, max_seq_len: int | None) -> None:
     """Lower a model into a complete schedule (default: the naive round-robin baseline)."""
+    from megasynth.commands import model_spec
     from megasynth.ir.schedule import dump_schedule
     from megasynth.lowering.lower import lower
-    from megasynth.lowering.models import get_model
     from megasynth.lowering.strategy import load_strategy
 
+    spec = model_spec(model_name, max_seq_len)
     try:
-        spec = get_model(model_name)
         strategy = load_strategy(strategy_file) if strategy_file else None
         schedule = lower(spec, workers, strategy, proposer="naive" if strategy is None else "manual")
-    except KeyError as exc:
-        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
     except ScheduleError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -1,2 +1,37 @@
 """The `synth` subcommands that live outside megasynth/cli.py, one module each (search, bench + generate, runs,
 calibrate); megasynth.cli attaches them, and one whose third-party package is missing becomes a stand-in."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from megasynth.lowering.models import ModelSpec
+
+MAX_SEQ_LEN_HELP = ("Longest context the schedule, its proofs and the KV cache cover (positions 0..N-1), up to the "
+                    "model's max_position_embeddings.")
+
+
+def max_seq_len_option(default: str = "the model row's max_seq_len") -> Callable[[Callable[..., Any]], Any]:
+    """`--max-seq-len N` as every command that lowers or runs a model spells it (None when not given); `default`
+    says in the help what None means."""
+    return click.option("--max-seq-len", "max_seq_len", type=int, default=None, metavar="N",
+                        help=f"{MAX_SEQ_LEN_HELP} [default: {default}]")
+
+
+def model_spec(model_name: str, max_seq_len: int | None) -> ModelSpec:
+    """The spec of `--model` at `--max-seq-len`: an unknown model is click's bad-parameter error on --model, a
+    length the model cannot take exits 2 with the message (it names the value, the limit and the option)."""
+    from megasynth.lowering.models import MaxSeqLenError, get_model
+
+    try:
+        return get_model(model_name, max_seq_len)
+    except MaxSeqLenError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except KeyError as exc:
+        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None

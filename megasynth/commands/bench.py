@@ -8,6 +8,7 @@ import time
 
 import click
 
+from megasynth.commands import max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 
@@ -42,6 +43,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
               help="Context length(s) to measure; repeat, comma-separate, or list after --ctx: --ctx 128 1024 4096. "
                    "[default: 1024, or max_seq_len if smaller]")
 @click.argument("extra_ctx", nargs=-1, type=int, metavar="")
+@max_seq_len_option()
 @click.option("--reps", type=click.IntRange(1, 100000), default=100, show_default=True,
               help="Timed repetitions per variant.")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
@@ -68,7 +70,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
-def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...], reps: int,
+def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...],
+          max_seq_len: int | None, reps: int,
           warmup: int, json_file: str, variants: str | None, compile_timeout: float, compile_mode: str,
           flush_l2: bool, seed: int,
           weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
@@ -77,16 +80,12 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     from rich.console import Console
 
     from megasynth.atomic import write_json_atomic
-    from megasynth.lowering.models import get_model
     from megasynth.measure.bench import run_bench, split_by_ctx
     from megasynth.measure.options import BenchError, BenchOptions
     from megasynth.measure.render import render
 
     console = Console(stderr=True)
-    try:
-        spec = get_model(model_name)
-    except KeyError as exc:
-        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    spec = model_spec(model_name, max_seq_len)
     import torch
 
     device = "cuda"
@@ -96,8 +95,9 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         _fail("CUDA is not available: `synth bench` measures on a GPU; pass --dry-run to exercise it on the CPU")
     ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
     # spec.name: a checkpoint folder's absolute path, which the compile child (another cwd) finds too
-    opts = BenchOptions(model=spec.name, schedule=schedule_file, ctxs=ctxs, reps=reps, warmup=warmup,
-                        seed=seed, weights_dir=weights_dir or spec.weights_dir, token=token, device=device,
+    opts = BenchOptions(model=spec.name, max_seq_len=spec.max_seq_len, schedule=schedule_file, ctxs=ctxs, reps=reps,
+                        warmup=warmup, seed=seed, weights_dir=weights_dir or spec.weights_dir, token=token,
+                        device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                         compile_timeout_s=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
                         verify=verify)
@@ -147,23 +147,22 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 @click.option("--check/--no-check", default=True, show_default=True,
               help="After the timed loop, replay the tokens through the PyTorch reference and count agreements.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
+@max_seq_len_option()
 def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: int, weights_dir: str | None,
-             seed: int, backend: str, check: bool, json_file: str | None) -> None:
+             seed: int, backend: str, check: bool, json_file: str | None, max_seq_len: int | None) -> None:
     """Greedy decode loop (batch 1) on the megakernel; prints the token ids and tokens/s."""
     import torch
 
-    from megasynth.lowering.models import get_model
+    from megasynth.ir.model import DoesNotFit
     from megasynth.measure.bench import load_bench_schedule
     from megasynth.measure.options import BenchError
 
-    try:
-        spec = get_model(model_name)
-    except KeyError as exc:
-        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    spec = model_spec(model_name, max_seq_len)
     cfg = spec.config
     weights_dir = weights_dir or spec.weights_dir  # --model DIR runs on the checkpoint's own weights
     if tokens > spec.max_seq_len:
-        raise click.BadParameter(f"{tokens} exceeds max_seq_len {spec.max_seq_len} of {spec.name}",
+        raise click.BadParameter(f"{tokens} exceeds max_seq_len {spec.max_seq_len} of {spec.name} (raise it with "
+                                 "--max-seq-len)",
                                  param_hint="--tokens")
     cuda = torch.cuda.is_available()
     if backend == "auto":
@@ -193,7 +192,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
             mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
             mk.step(prompt_token, 0)  # compile + warm up; position 0 is written again, identically, below
             torch.cuda.synchronize()
-        except ScheduleError as exc:
+        except (ScheduleError, DoesNotFit) as exc:
             _fail(str(exc))
         except (BenchError, RuntimeError) as exc:  # rejected schedule, residency refusal, watchdog timeout
             _fail(str(exc), 1)
@@ -202,7 +201,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     else:
         from megasynth.kernels.reference import decode_step, new_kv_cache
 
-        k, v = new_kv_cache(cfg, spec.max_seq_len, dtype=dtype, device=device)
+        k, v = new_kv_cache(cfg, tokens, dtype=dtype, device=device)  # positions [0, tokens) are all it writes
 
         def step(token: int, pos: int) -> torch.Tensor:
             return decode_step(cfg, weights, k, v, token, pos)
@@ -229,7 +228,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     if check and backend == "megakernel":
         from megasynth.measure.torch_step import greedy_agreement
 
-        agreement = greedy_agreement(cfg, weights, out, spec.max_seq_len, device)
+        agreement = greedy_agreement(cfg, weights, out, len(out), device)
         click.echo(f"check against the PyTorch reference (teacher-forced on these tokens): "
                    f"{agreement['agree']}/{agreement['steps']} greedy tokens agree; "
                    f"{len(agreement['clear_mismatches'])} disagree where the reference's top-2 margin > "

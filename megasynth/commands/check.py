@@ -29,6 +29,7 @@ from pathlib import Path
 
 import click
 
+from megasynth.commands import max_seq_len_option
 from megasynth.ir.errors import ScheduleError
 
 #: Agreement bound on the fp32 logits, relative L2 per step.
@@ -145,14 +146,17 @@ def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu")
               help="Where the megakernel path runs: cuda = the GPU interpreter (bf16 matrices and KV cache; "
                    "transformers then gets the same bf16 roundings; not yet run on a GPU), cpu = the CPU executor "
                    "(fp32), auto = cuda when available.")
-def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int, device: str) -> None:
+@max_seq_len_option("the positions of the prompt and --tokens")
+def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int, device: str,
+          max_seq_len: int | None) -> None:
     """Decode a checkpoint with the megakernel path and with transformers side by side; exit 0 when the fp32 logits
     agree within rel L2 1e-4 and the greedy tokens are identical. On the GPU, transformers runs with the kernel's
     bf16-rounded matrices and KV cache (see `--device`)."""
+    from megasynth.ir.model import DoesNotFit
     from megasynth.ir.program import resolve
     from megasynth.kernels.weights import WeightsError, load_hf_weights
     from megasynth.lowering.lower import lower
-    from megasynth.lowering.models import ModelNotFound, spec_from_checkpoint
+    from megasynth.lowering.models import MaxSeqLenError, ModelNotFound, spec_from_checkpoint, with_max_seq_len
     from megasynth.lowering.strategy import Strategy
 
     try:
@@ -174,7 +178,12 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     seq = len(tokens) + n_tokens
     if spec.max_position_embeddings is not None and seq > spec.max_position_embeddings:
         _fail(f"--tokens: {seq} positions exceed max_position_embeddings = {spec.max_position_embeddings}")
-    spec = spec_from_checkpoint(weights_dir, max_seq_len=seq)
+    try:  # default: just the positions this check decodes
+        spec = with_max_seq_len(spec, seq if max_seq_len is None else max_seq_len)
+    except MaxSeqLenError as exc:
+        _fail(str(exc))
+    if spec.max_seq_len < seq:
+        _fail(f"--max-seq-len {spec.max_seq_len} is below the {seq} positions of the prompt and --tokens")
     try:
         weights = load_hf_weights(weights_dir, cfg)
         schedule = lower(spec, workers, Strategy(attn_splits=2))
@@ -188,8 +197,8 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         _fail(f"{weights_dir}: transformers cannot load the checkpoint: {type(exc).__name__}: {exc}")
 
     try:
-        run_step = megakernel_runner(schedule, weights, seq, seed, device)
-    except ScheduleError as exc:  # the GPU interpreter refuses a schedule it cannot run
+        run_step = megakernel_runner(schedule, weights, spec.max_seq_len, seed, device)
+    except (ScheduleError, DoesNotFit) as exc:  # a schedule the GPU interpreter cannot run, or a KV cache too large
         _fail(str(exc))
 
     def ours_step(token: int, pos: int):  # noqa: ANN202

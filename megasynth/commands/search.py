@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from megasynth.commands import max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 
@@ -38,8 +39,10 @@ from megasynth.ir.errors import ScheduleError
               help="Adversarial interleavings replayed per candidate during the search (the best gets "
               "--final-interleavings).")
 @click.option("--final-interleavings", type=click.IntRange(0, 1_000_000), default=1000, show_default=True)
-@click.option("--ctx", type=click.IntRange(1, 1 << 20), default=1024, show_default=True,
-              help="Context length the schedules are timed/estimated at.")
+@click.option("--ctx", type=click.IntRange(1, 1 << 20), default=None,
+              help="Context length the schedules are timed/estimated at, at most max_seq_len. [default: 1024, or "
+                   "max_seq_len if smaller]")
+@max_seq_len_option()
 @click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Cost-model parameters (default: megasynth/data/h200_costmodel.json).")
 @click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
@@ -59,20 +62,22 @@ from megasynth.ir.errors import ScheduleError
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
            resume: str | None, run_name: str | None, storage: str | None, lease: float, runs_dir: str,
            interleavings: int,
-           final_interleavings: int, ctx: int, cost_params: str | None, cpu: bool, jobs: int | None,
+           final_interleavings: int, ctx: int | None, max_seq_len: int | None, cost_params: str | None, cpu: bool,
+           jobs: int | None,
            no_progress: bool,
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
            llm_timeout: float | None) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from megasynth.lowering.costmodel import load_params
-    from megasynth.lowering.models import get_model
     from megasynth.search.config import SearchConfig
     from megasynth.search.loop import run_search
 
-    try:
-        get_model(model_name)
-    except KeyError as exc:
-        raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+    spec = model_spec(model_name, max_seq_len)
+    if ctx is None:
+        ctx = min(1024, spec.max_seq_len)
+    elif ctx > spec.max_seq_len:
+        raise click.BadParameter(f"{ctx} exceeds max_seq_len {spec.max_seq_len} of {spec.name} (raise it with "
+                                 f"--max-seq-len)", param_hint="--ctx")
     if resume and run_name and resume != run_name:
         raise click.BadParameter("give either --resume RUN or --run NAME", param_hint="--run")
     try:
@@ -83,7 +88,8 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, lease_s=lease, interleavings=interleavings,
-                       final_interleavings=final_interleavings, ctx=ctx, gpu=False if cpu else None,
+                       final_interleavings=final_interleavings, ctx=ctx, max_seq_len=max_seq_len,
+                       gpu=False if cpu else None,
                        progress=not no_progress,
                        cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
                        llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,

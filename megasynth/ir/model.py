@@ -152,6 +152,59 @@ class ModelConfig:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Device memory: what a model at a max_seq_len needs, checked before anything is allocated
+
+_GB = 1e9
+_DTYPE_NAMES = {1: "fp8", 2: "bf16", 4: "fp32"}
+
+
+class DoesNotFit(Exception):
+    """Device memory too small for a model at its max_seq_len; the message names every part, the total and the free
+    bytes (the commands exit 2 with it)."""
+
+
+def kv_cache_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the K and V caches, each [layers, KV heads, max_seq_len, head_dim]."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_seq_len * cfg.hd * dtype_bytes
+
+
+def kv_cache_part(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int = 2) -> tuple[str, int]:
+    """The KV cache as a (description, bytes) part of `check_fits`, its product spelled out."""
+    n = kv_cache_bytes(cfg, max_seq_len, dtype_bytes)
+    dtype = _DTYPE_NAMES.get(dtype_bytes, f"{dtype_bytes} bytes")
+    return (f"KV cache for max_seq_len {max_seq_len} ({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV "
+            f"heads x {cfg.hd} x 2 x {dtype} = {n / _GB:.2f} GB)", n)
+
+
+def workspace_bytes(cfg: ModelConfig, max_seq_len: int) -> int:
+    """The GPU interpreter's fp32 workspace: activations (x, q, attn, act, logits) and the RoPE cos/sin tables
+    [max_seq_len, head_dim / 2] each."""
+    vectors = cfg.hidden_size + 2 * cfg.q_size + cfg.intermediate_size + cfg.vocab_size
+    return 4 * (vectors + 2 * max_seq_len * (cfg.hd // 2))
+
+
+def check_fits(parts: list[tuple[str, int]], free: int, where: str = "free GPU memory") -> None:
+    """Raise `DoesNotFit` when the parts (description, bytes) together exceed `free` bytes. A part's description is
+    used as it is when it names its size (contains "GB"), else its size is appended."""
+    total = sum(n for _, n in parts)
+    if total <= free:
+        return
+    text = " + ".join(d if "GB" in d else f"{d} {n / _GB:.2f} GB" for d, n in parts)
+    raise DoesNotFit(f"{text} = {total / _GB:.2f} GB does not fit in {free / _GB:.2f} GB of {where}")
+
+
+def gpu_memory_parts(cfg: ModelConfig, max_seq_len: int, weights: bool = True) -> list[tuple[str, int]]:
+    """What the GPU interpreter allocates for `cfg` at `max_seq_len`: its bf16 KV cache, its copy of the weights
+    (bf16 matrices; counted whole, an upper bound when the embedding is already on the GPU in bf16 and is shared)
+    and its workspace."""
+    parts = [kv_cache_part(cfg, max_seq_len)]
+    if weights:
+        parts.append(("weights", cfg.weight_bytes(2)))
+    parts.append(("workspace", workspace_bytes(cfg, max_seq_len)))
+    return parts
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Hugging Face config.json -> ModelConfig
 
 

@@ -3,7 +3,7 @@ for a name anywhere a model is asked for: its config.json decides the architectu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megasynth.ir.model import CheckpointConfigError, ModelConfig, read_hf_config
@@ -100,12 +100,32 @@ def spec_from_checkpoint(folder: str | Path, max_seq_len: int | None = None) -> 
                      hf.max_position_embeddings, where)
 
 
-def get_model(name: str) -> ModelSpec:
+class MaxSeqLenError(ValueError):
+    """A `--max-seq-len` the model cannot take; `str()` names the value, the limit and the option (the commands
+    turn it into exit 2)."""
+
+
+def with_max_seq_len(spec: ModelSpec, max_seq_len: int | None) -> ModelSpec:
+    """`spec` lowered for contexts up to `max_seq_len` (None: the row's own). The KV cache and every proof cover
+    positions [0, max_seq_len), so it may not exceed the model's `max_position_embeddings` (RoPE is defined up to
+    it); a test config without one takes any positive length."""
+    if max_seq_len is None or max_seq_len == spec.max_seq_len:
+        return spec
+    limit = spec.max_position_embeddings
+    if max_seq_len < 1 or (limit is not None and max_seq_len > limit):
+        bound = f"[1, {limit}] (its max_position_embeddings)" if limit is not None else "at least 1"
+        raise MaxSeqLenError(f"--max-seq-len {max_seq_len} is out of range for {spec.name}: it must be {bound}")
+    return replace(spec, max_seq_len=max_seq_len)
+
+
+def get_model(name: str, max_seq_len: int | None = None) -> ModelSpec:
     """A named row, or the spec of a checkpoint folder (`name` is a directory, or a path that names one: it
-    contains a path separator). Raises `ModelNotFound` (a KeyError) with a message that says why."""
+    contains a path separator), for contexts up to `max_seq_len` (None: the row's default, see
+    `with_max_seq_len`). Raises `ModelNotFound` (a KeyError) with a message that says why, `MaxSeqLenError` for a
+    length the model cannot take."""
     if name in MODELS:
-        return MODELS[name]
+        return with_max_seq_len(MODELS[name], max_seq_len)
     path = Path(name)
     if path.is_dir() or "/" in name or (path.exists() and not path.is_dir()):
-        return spec_from_checkpoint(path)
+        return with_max_seq_len(spec_from_checkpoint(path), max_seq_len)
     raise ModelNotFound(f"unknown model {name!r}; known: {', '.join(MODELS)}; or a checkpoint folder") from None

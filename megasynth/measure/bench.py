@@ -25,7 +25,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from megasynth.lowering.models import ModelSpec, get_model
+from megasynth.lowering.models import MaxSeqLenError, ModelSpec, get_model
 from megasynth.measure.compile import run_compile
 from megasynth.measure.options import FORMAT, BenchError, BenchOptions
 from megasynth.measure.timing import device_info, floor_bytes, measure_copy_bandwidth, schedule_bytes, versions
@@ -75,7 +75,8 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
             raise ScheduleError(f"the schedule's model config is not {spec.name}'s", "$.model.config", path)
         if schedule.model.max_seq_len != spec.max_seq_len:
             raise ScheduleError(f"max_seq_len {schedule.model.max_seq_len} differs from {spec.name}'s "
-                                f"{spec.max_seq_len}", "$.model.max_seq_len", path)
+                                f"{spec.max_seq_len} (give --max-seq-len {schedule.model.max_seq_len})",
+                                "$.model.max_seq_len", path)
     info.update(sha256=hashlib.sha256(text.encode()).hexdigest(), instructions=len(schedule.instructions),
                 workers=len(schedule.queues), counters=schedule.counters,
                 proposer=(schedule.meta or {}).get("proposer") if isinstance(schedule.meta, dict) else None)
@@ -136,10 +137,14 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     """Measure every wanted variant at every ctx; returns the JSON-ready result."""
     import torch
 
-    spec = get_model(opts.model)
+    try:
+        spec = get_model(opts.model, opts.max_seq_len)
+    except MaxSeqLenError as exc:
+        raise BenchError(str(exc)) from None
     bad = [c for c in opts.ctxs if not 1 <= c <= spec.max_seq_len]
     if bad:
-        raise BenchError(f"--ctx {bad[0]} must be in [1, {spec.max_seq_len}] for {spec.name}")
+        raise BenchError(f"--ctx {bad[0]} must be in [1, {spec.max_seq_len}] for {spec.name} (its max_seq_len; "
+                         f"raise it with --max-seq-len)")
     unknown = [v for v in opts.variants or [] if v not in VARIANTS]
     if unknown:
         raise BenchError(f"unknown variant {unknown[0]!r}; known: {', '.join(VARIANTS)}")

@@ -34,7 +34,7 @@ def compile_worker(opts: BenchOptions, emit: Callable[[dict[str, Any]], None]) -
     from megasynth.kernels import reference
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # one graph per position
-    spec = get_model(opts.model)
+    spec = get_model(opts.model, opts.max_seq_len)
     st = new_state(spec, opts)
     label, launch = VARIANTS[NAME]
     # modes with inductor's own CUDA graphs (cudagraph trees) replay those; the others are captured in one of ours

@@ -20,6 +20,7 @@ class BenchOptions:
     """What to measure. `device` is "cuda" or "cpu" (the dry run); `variants` None means the default set."""
 
     model: str = "llama-1b"
+    max_seq_len: int | None = None  # None: the model row's
     schedule: str | None = None
     ctxs: list[int] = field(default_factory=lambda: [1024])
     reps: int = 100

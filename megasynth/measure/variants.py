@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megasynth.ir.model import ModelConfig
+from megasynth.ir.model import DoesNotFit, ModelConfig, check_fits, kv_cache_part
 from megasynth.lowering.models import ModelSpec
 from megasynth.measure.options import BenchError, BenchOptions, Skip
 from megasynth.measure.timing import capture_graph, time_fn
@@ -98,6 +98,12 @@ def new_state(spec: ModelSpec, opts: BenchOptions) -> State:
     if not 0 <= opts.token < spec.config.vocab_size:
         raise BenchError(f"--token {opts.token} is outside the vocabulary [0, {spec.config.vocab_size})")
     dtype = torch.bfloat16
+    if opts.device == "cuda":  # this state's weights and KV cache; the megakernel variant checks its own copy
+        parts = [kv_cache_part(spec.config, spec.max_seq_len), ("weights", spec.config.weight_bytes(2))]
+        try:
+            check_fits(parts, torch.cuda.mem_get_info()[0])
+        except DoesNotFit as exc:
+            raise BenchError(str(exc)) from None
     try:
         weights = model_weights(spec.config, opts.weights_dir, seed=opts.seed, dtype=dtype, device=opts.device)
     except WeightsError as exc:
@@ -180,7 +186,10 @@ def _megakernel_api() -> Any:
 def _megakernel(st: State) -> Any:
     if st.megakernel is None:
         gpu = _megakernel_api()
-        st.megakernel = gpu.Megakernel(st.schedule, st.weights, max_seq_len=st.spec.max_seq_len)
+        try:
+            st.megakernel = gpu.Megakernel(st.schedule, st.weights, max_seq_len=st.spec.max_seq_len)
+        except DoesNotFit as exc:  # beside this state's own weights and KV cache
+            raise Skip(str(exc)) from None
     return st.megakernel
 
 

@@ -324,7 +324,8 @@ class RunDir:
 
         model = self.info.get("model") or "llama-1b"
         proposer = timing.get("proposer") or "naive"
-        schedule = lower(get_model(model), int(timing.get("workers") or self.info.get("workers") or 132),
+        spec = get_model(model, self.info.get("max_seq_len"))  # None in runs that predate --max-seq-len
+        schedule = lower(spec, int(timing.get("workers") or self.info.get("workers") or 132),
                          parse_strategy(timing["strategy"], where), proposer)
         schedule = apply_patches(schedule, timing.get("patches") or [])
         doc = schedule.to_json()

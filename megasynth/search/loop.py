@@ -103,7 +103,7 @@ class Search:
 
     def __init__(self, cfg: SearchConfig) -> None:
         self.cfg = cfg
-        self.spec = get_model(cfg.model)
+        self.spec = get_model(cfg.model, cfg.max_seq_len)
         self.gpu = cuda_available() if cfg.gpu is None else cfg.gpu
         self.workers = cfg.workers or default_workers()
         self.params = cfg.cost_params or load_params()
@@ -120,6 +120,10 @@ class Search:
             info = self.run.info
             if info.get("model") != cfg.model:
                 raise ValueError(f"run {path} is for model {info.get('model')!r}, not {cfg.model!r}")
+            if info.get("max_seq_len") is not None and info["max_seq_len"] != self.spec.max_seq_len:
+                if cfg.max_seq_len is not None:
+                    raise ValueError(f"run {path} is for max_seq_len {info['max_seq_len']}, not {cfg.max_seq_len}")
+                self.spec = get_model(cfg.model, int(info["max_seq_len"]))
             self.workers = int(info.get("workers", self.workers))
         self.standing = Standing()
         self.evaluator = Evaluator(cfg, self.spec, self.workers, self.gpu, self.params, self.run, self.standing)
@@ -154,9 +158,13 @@ class Search:
         name = self.run.path.name
         if cfg.resume and not (self.run.path / "run.json").exists() and self.claims.info() is None:
             raise ValueError(f"cannot resume {self.run.path}: it has no run.json, and {shown(url)} has no run {name}")
-        theirs = self.claims.settle_info({"model": cfg.model, "workers": self.workers, "ctx": cfg.ctx})
+        theirs = self.claims.settle_info({"model": cfg.model, "workers": self.workers, "ctx": cfg.ctx,
+                                          "max_seq_len": self.spec.max_seq_len})
         if theirs.get("model") != cfg.model:
             raise ValueError(f"run {name} in {shown(url)} is for model {theirs.get('model')!r}, not {cfg.model!r}")
+        if theirs.get("max_seq_len", self.spec.max_seq_len) != self.spec.max_seq_len:
+            raise ValueError(f"run {name} in {shown(url)} is for --max-seq-len {theirs['max_seq_len']}, not "
+                             f"{self.spec.max_seq_len}")
         if theirs.get("ctx") != cfg.ctx:
             raise ValueError(f"run {name} in {shown(url)} estimates at --ctx {theirs.get('ctx')}, not {cfg.ctx}")
         if theirs.get("workers") != self.workers:
@@ -350,7 +358,8 @@ class Search:
         cfg = self.cfg
         t_start = time.monotonic()
         self._open()
-        self.run.init({"model": cfg.model, "seed": cfg.seed, "workers": self.workers, "ctx": cfg.ctx,
+        self.run.init({"model": cfg.model, "max_seq_len": self.spec.max_seq_len, "seed": cfg.seed,
+                       "workers": self.workers, "ctx": cfg.ctx,
                        "proposer": cfg.proposer, "budget": cfg.budget,
                        "storage": without_password(cfg.storage) if cfg.storage else "study.db",
                        "interleavings": {"search": cfg.interleavings, "best": cfg.final_interleavings},
@@ -361,7 +370,7 @@ class Search:
         # seeds to validate, so the cores would otherwise idle)
         jobs = min(16, available_cores())
         bar = _Progress(cfg.budget, cfg.progress, sys.stderr.isatty())
-        self.proposer = resolve_proposer(cfg.proposer, cfg.model, self.workers, cfg.seed, self.run.path, cfg.notice,
+        self.proposer = resolve_proposer(cfg.proposer, self.spec, self.workers, cfg.seed, self.run.path, cfg.notice,
                                          ctx=cfg.ctx, params=self.params, jobs=jobs, progress=bar.message,
                                          **{"seq": cfg.ctx, **cfg.llm})
         self._reap()
@@ -424,7 +433,7 @@ class Search:
         cfg = self.cfg
         assert self.shared is not None
         slots: dict[int, int] = {}  # id(proposal) -> its slot
-        with Pool(jobs, cfg.model, self.workers, cfg.interleavings, cfg.seed) as pool:
+        with Pool(jobs, self.spec, self.workers, cfg.interleavings, cfg.seed) as pool:
             while True:
                 bar.update(self._sync(), self.standing, not self.gpu)
                 waiting = False

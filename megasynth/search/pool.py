@@ -20,24 +20,24 @@ from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule, parse_schedule
-from megasynth.lowering.models import get_model
+from megasynth.lowering.models import ModelSpec, get_model
 from megasynth.runs.rundir import schedule_key
 from megasynth.search.evaluate import Verdict, build
 from megasynth.search.proposers.base import Proposal
 from megasynth.validator.verify import Options, verify
 
 ClaimSchedule = Callable[[str], int | None]
-Prepare = Callable[[str, int, Proposal, int, int, ClaimSchedule | None],
+Prepare = Callable[[str | ModelSpec, int, Proposal, int, int, ClaimSchedule | None],
                    tuple[dict[str, Any] | None, str | None, dict[str, Any] | None, int | None]]
 
 
-def prepare(model: str, workers: int, proposal: Proposal, interleavings: int, seed: int,
+def prepare(model: str | ModelSpec, workers: int, proposal: Proposal, interleavings: int, seed: int,
             claim_schedule: ClaimSchedule | None = None
             ) -> tuple[dict[str, Any] | None, str | None, dict[str, Any] | None, int | None]:
     """Worker process: lower + patch + validate one proposal. Returns (schedule JSON, build error, report JSON,
     duplicate_of). With `claim_schedule` (`megasynth.search.claims.ScheduleClaim`), the schedule's key is claimed
     between lowering and validating; when another claim has it, nothing is validated and duplicate_of is its slot."""
-    spec = get_model(model)
+    spec = model if isinstance(model, ModelSpec) else get_model(model)
     try:
         schedule = build(spec, workers, proposal)
     except (ScheduleError, ValueError) as exc:
@@ -48,7 +48,8 @@ def prepare(model: str, workers: int, proposal: Proposal, interleavings: int, se
     return schedule.to_json(), None, report.to_json(), None
 
 
-def _serve(conn: mpc.Connection, target: Prepare, model: str, workers: int, interleavings: int, seed: int) -> None:
+def _serve(conn: mpc.Connection, target: Prepare, model: str | ModelSpec, workers: int, interleavings: int,
+           seed: int) -> None:
     """A worker's loop: one (proposal, schedule claim) in, its prepared result out, until told to stop (None) or the
     parent is gone."""
     while True:
@@ -100,7 +101,7 @@ class _Worker:
 class Pool:
     """Worker processes preparing proposals, one proposal per worker at a time; a context manager."""
 
-    def __init__(self, jobs: int, model: str, workers: int, interleavings: int, seed: int,
+    def __init__(self, jobs: int, model: str | ModelSpec, workers: int, interleavings: int, seed: int,
                  target: Prepare = prepare) -> None:
         self.jobs, self.model, self.workers, self.interleavings, self.seed = jobs, model, workers, interleavings, seed
         self.target = target

@@ -11,7 +11,7 @@ from megasynth.kernels.cpu_executor import DeadlockError, ExecutorError, run_pro
 from megasynth.kernels.reference import decode_step, new_kv_cache
 from megasynth.kernels.weights import random_weights
 from megasynth.lowering.lower import lower
-from megasynth.lowering.models import MODELS
+from megasynth.lowering.models import MODELS, get_model
 from megasynth.lowering.strategy import Strategy
 
 SEEDS = range(20)
@@ -225,3 +225,24 @@ def test_random_strategies_match_reference() -> None:
                 assert rel_err(got, want) <= 1e-5, f"{case} pos {pos} seed {seed}: {rel_err(got, want)}"
 
     check()
+
+
+def test_matches_reference_beyond_4096() -> None:
+    """A schedule lowered for 8192 positions on the tiny config (no published limit) at positions 5000 and 8191: a
+    random history in the cache, every split of the attention reading past 4096, the new K/V written there."""
+    spec = get_model("tiny", 8192)
+    cfg = spec.config
+    prog = resolve(lower(spec, 5, Strategy(attn_splits=3)))
+    assert prog.geometry.max_seq_len == 8192
+    weights = random_weights(cfg, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    for pos in (5000, 8191):
+        ref_k, ref_v = new_kv_cache(cfg, spec.max_seq_len)
+        ref_k[:, :, :pos] = torch.randn(ref_k[:, :, :pos].shape, generator=gen)
+        ref_v[:, :, :pos] = torch.randn(ref_v[:, :, :pos].shape, generator=gen)
+        k, v = ref_k.clone(), ref_v.clone()
+        want = decode_step(cfg, weights, ref_k, ref_v, 7, pos)
+        got = run_program(prog, weights, k, v, 7, pos, seed=pos)
+        assert rel_err(got, want) <= 1e-5, f"pos {pos}: {rel_err(got, want)}"
+        assert rel_err(k[:, :, pos], ref_k[:, :, pos]) <= 1e-6 and float(ref_k[:, :, pos].abs().sum()) > 0
+        assert torch.equal(k[:, :, pos + 1:], ref_k[:, :, pos + 1:])

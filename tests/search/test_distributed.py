@@ -310,7 +310,7 @@ def test_joining_needs_the_same_model_and_ctx(tmp_path: Path, storage: str) -> N
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, [*base, "--resume", "never-started"])
     assert res.exit_code == 2 and "cannot resume" in res.output
-    bad_ctx = [a if a != "64" else "128" for a in base]
+    bad_ctx = [a if a != "64" else "32" for a in base]
     res = CliRunner().invoke(main, [*bad_ctx, "--run", run])
     assert res.exit_code == 2 and "--ctx 64" in res.output
 

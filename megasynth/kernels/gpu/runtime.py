@@ -5,7 +5,9 @@ as a CUDA graph, turns the kernel's error buffer into `WatchdogError` and export
 
 `Megakernel.step(token, pos)` replays a CUDA graph holding the whole step: counter reset + the kernel (embedding,
 all layers, the LM head). Static queues deadlock unless every program is resident at once, so the grid is checked
-against the SM count and the compiled kernel's occupancy before the first launch.
+against the SM count and the compiled kernel's occupancy before the first launch. Before allocating anything, the KV
+cache (sized by max_seq_len), the stacked weights and the workspace are checked against the free GPU memory
+(`megasynth.ir.model.check_fits`; not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from megasynth.ir.catalogue import FUSED_OPROJ, rope_inv_freq
 from megasynth.ir.errors import ScheduleError
-from megasynth.ir.model import ModelConfig
+from megasynth.ir.model import ModelConfig, check_fits, gpu_memory_parts
 from megasynth.ir.schedule import Schedule
 from megasynth.kernels.gpu.pack import F_A0, F_OP, OPCODES, TRACE_FIELDS, Packed, pack
 from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, v9_megakernel
@@ -91,6 +93,8 @@ class Megakernel:
         self.cfg = ModelConfig.from_hf(schedule.model.config)
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len or schedule.model.max_seq_len)
+        if self.device.type == "cuda":  # a long context's KV cache can pass the GPU: say so before touching it
+            check_fits(gpu_memory_parts(self.cfg, self.max_seq_len), torch.cuda.mem_get_info(self.device)[0])
         self.trace = trace
         self.timeout_ns = int(timeout_s * 1e9)
         self.kcfg = config or default_config(self.device)

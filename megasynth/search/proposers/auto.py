@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from megasynth.lowering.costmodel import CostParams, load_params
-from megasynth.lowering.models import get_model
+from megasynth.lowering.models import ModelSpec, get_model
 from megasynth.lowering.strategy import SearchSpace
 from megasynth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 
@@ -106,7 +106,7 @@ def builtin_chain(space: SearchSpace, seed: int, descent: Proposer) -> ChainProp
                           (EvolveProposer(space, seed), None)])
 
 
-def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run_dir: Path | None = None,
+def resolve_proposer(name: str, spec_name: str | ModelSpec, workers: int, seed: int = 0, run_dir: Path | None = None,
                      notice: Callable[[str], None] | None = None, *, ctx: int = 1024,
                      params: CostParams | None = None, jobs: int = 1,
                      progress: Callable[[str], None] | None = None, **llm_options: Any) -> Proposer:
@@ -118,7 +118,7 @@ def resolve_proposer(name: str, spec_name: str, workers: int, seed: int = 0, run
     from megasynth.search.proposers.evolve import EvolveProposer
     from megasynth.search.proposers.heuristic import HeuristicProposer
 
-    spec = get_model(spec_name)
+    spec = spec_name if isinstance(spec_name, ModelSpec) else get_model(spec_name)
     space = SearchSpace(spec, workers)
 
     def descent() -> DescentProposer:
