@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from megasynth.atomic import write_json_atomic
+from megasynth.atomic import read_text, write_json_atomic
 
 METADATA_KEYS = ("model", "device", "ctx", "estimated", "schedule_sha256")
 
@@ -72,10 +72,13 @@ def write_trace(path: str | os.PathLike[str], trace: Mapping[str, Any]) -> None:
 
 
 def read_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Load and check a trace file; a defect raises `TraceError` naming the file and the JSON path."""
+    """Load and check a trace file (plain or gzip, as runs store it); a defect raises `TraceError` naming the file and
+    the JSON path."""
     name = str(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(read_text(path))
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{name}: $: not UTF-8 text: {exc.reason}") from None
     except OSError as exc:
         raise TraceError(f"{name}: $: cannot read trace: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
@@ -158,6 +161,33 @@ def critical_path(trace: Mapping[str, Any], producers: Mapping[int, Sequence[int
     return path
 
 
+def layer_chain(path: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """Where a layer goes on the critical path: over the middle half of the layers it visits (the first and last
+    layers start and drain the pipeline), the median time per op, the median layer period (start of layer l+1's first
+    instruction on the path minus layer l's) and the rest of the period (counter hops and waits between them).
+    None when the path visits fewer than 3 layers. A latency-bound model shows a period well above its bytes' time."""
+    by_layer: dict[int, list[Mapping[str, Any]]] = defaultdict(list)
+    for e in path:
+        if isinstance(e.get("layer"), int):
+            by_layer[e["layer"]].append(e)
+    layers = sorted(by_layer)
+    if len(layers) < 3:
+        return None
+    q = len(layers) // 4
+    mid = layers[q:len(layers) - q]
+    start = {lyr: min(e["ts"] for e in by_layer[lyr]) for lyr in layers}
+    periods = [start[lyr + 1] - start[lyr] for lyr in mid if lyr + 1 in start]
+    if not periods:
+        return None
+    ops = sorted({e["op"] for lyr in mid for e in by_layer[lyr]})
+    per_op = {op: statistics.median(sum(e["dur"] for e in by_layer[lyr] if e["op"] == op) for lyr in mid)
+              for op in ops}
+    period = statistics.median(periods)
+    return {"layers": [mid[0], mid[-1]], "period_us": period,
+            "per_op_us": dict(sorted(per_op.items(), key=lambda kv: -kv[1])),
+            "hops_us": max(0.0, period - sum(per_op.values()))}
+
+
 def summarize(trace: Mapping[str, Any], producers: Mapping[int, Sequence[int]] | None = None,
               top: int = 10) -> dict[str, Any]:
     """Time per op, busy / waiting / idle time per SM, makespan and the critical path of a trace."""
@@ -199,6 +229,8 @@ def summarize(trace: Mapping[str, Any], producers: Mapping[int, Sequence[int]] |
         "critical_path": [{"id": e["args"]["id"], "op": e["cat"], "layer": e["args"].get("layer"), "tid": e["tid"],
                            "ts": e["ts"], "dur": e["dur"], "wait_us": e["args"].get("wait_us", 0.0)} for e in path],
         "critical_path_by_op_us": dict(sorted(cp_ops.items(), key=lambda kv: -kv[1])),
+        "layer_chain": layer_chain([{"op": e["cat"], "layer": e["args"].get("layer"), "ts": e["ts"], "dur": e["dur"]}
+                                    for e in path]),
         "estimated": bool(trace.get("metadata", {}).get("estimated", False)),
     }
 
@@ -215,4 +247,15 @@ def format_summary(summary: Mapping[str, Any], top: int = 8) -> str:
     cp = summary.get("critical_path_by_op_us", {})
     if cp:
         lines.append("  critical path: " + ", ".join(f"{op} {us:.1f} us" for op, us in cp.items()))
+    chain = summary.get("layer_chain")
+    if chain:
+        lines.append("  " + format_layer_chain(chain))
     return "\n".join(lines)
+
+
+def format_layer_chain(chain: Mapping[str, Any]) -> str:
+    """`layer_chain`'s result in one line."""
+    a, b = chain["layers"]
+    return (f"per layer on the critical path (median of layers {a}-{b}): period {chain['period_us']:.1f} us = "
+            + ", ".join(f"{op} {us:.1f}" for op, us in chain["per_op_us"].items())
+            + f", hops and waits {chain['hops_us']:.1f}")

@@ -15,6 +15,7 @@ import click
 
 from megasynth.runs.reader import Run, list_runs, load_run, parse_trace, read_json, summarize
 from megasynth.runs.report import fmt_ms, ranking_decimals, write_index, write_report
+from megasynth.trace import format_layer_chain
 
 _RUNS_DIR = click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
                          help="The folder that holds one folder per run.")
@@ -154,6 +155,8 @@ def _print_trace_summary(con: Any, summary: dict[str, Any], top: int = 8) -> Non
     cp = summary.get("critical_path_by_op_us", {})
     if cp:
         con.print("critical path: " + ", ".join(f"{op} {us:.1f} µs" for op, us in cp.items()), markup=False)
+    if summary.get("layer_chain"):
+        con.print(format_layer_chain(summary["layer_chain"]).replace(" us", " µs"), markup=False)
 
 
 @runs.command("report")

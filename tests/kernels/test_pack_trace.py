@@ -113,3 +113,27 @@ def test_bad_traces_name_the_json_path(tmp_path) -> None:
     (tmp_path / "cut.json").write_text('{"traceEvents": [')
     with pytest.raises(TraceError, match="invalid JSON"):
         read_trace(tmp_path / "cut.json")
+
+
+def test_layer_chain_of_a_gzipped_trace(tmp_path) -> None:
+    """A 6-layer chain a -> b per layer (a 2 us, b 3 us, 1 us between): period 6 us, hops 1 us, middle layers 1-4;
+    the trace is read back from gzip, as runs store it."""
+    from megasynth.atomic import write_gz_atomic
+    from megasynth.trace import event, format_layer_chain, layer_chain
+
+    evs, t, ident = [], 0.0, 0
+    for layer in range(6):
+        for op, dur in (("a", 2.0), ("b", 3.0)):
+            evs.append(event(ident % 2, ident, op, layer, t, dur, 0.5 if ident else 0.0))
+            t += dur + (1.0 if op == "b" else 0.0)
+            ident += 1
+    path = tmp_path / "trace.json.gz"
+    write_gz_atomic(path, json.dumps(make_trace(evs, {})))
+    summary = summarize(read_trace(path), {k: [k - 1] for k in range(1, ident)})
+    chain = summary["layer_chain"]
+    assert chain["layers"] == [1, 4]
+    assert chain["period_us"] == pytest.approx(6.0)
+    assert chain["per_op_us"] == pytest.approx({"b": 3.0, "a": 2.0})
+    assert chain["hops_us"] == pytest.approx(1.0)
+    assert "period 6.0 us = b 3.0, a 2.0, hops and waits 1.0" in format_layer_chain(chain)
+    assert layer_chain([{"op": "a", "layer": 0, "ts": 0.0, "dur": 1.0}]) is None
