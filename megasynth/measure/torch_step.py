@@ -121,12 +121,17 @@ def bf16_rope(cfg: ModelConfig, pos: int, device: Any) -> tuple[Any, Any]:
 
 
 def bf16_decode_step(cfg: ModelConfig, w: StepWeights, k_cache: Any, v_cache: Any, token: int, pos: int,
-                     cos: Any, sin: Any) -> Any:
+                     cos: Any, sin: Any, kv_at: tuple[Any, Any] | None = None) -> Any:
     """The decode step in plain bf16 PyTorch, the strongest a user writes without custom kernels: activations,
     weights and KV cache in bf16 (cuBLAS accumulates in fp32), one QKV matmul (with its bias, Qwen2) and one gate/up
     matmul per layer, `F.rms_norm` (also over each q and k head before RoPE, Qwen3), RoPE on Q and K together,
     `F.scaled_dot_product_attention` with GQA over the cache up to `pos`. Returns fp32 logits [V]; writes the new K/V
-    at `pos`. A baseline only: the oracle stays megasynth.kernels.reference."""
+    at `pos`. A baseline only: the oracle stays megasynth.kernels.reference.
+
+    `kv_at` (`kv_write_index`: the layer indices and `pos` as device tensors) writes the same K/V rows with one
+    `index_put_` on the whole cache instead of a slice assignment, for torch.compile: functionalization turns a slice
+    assignment into a view of the [L, nKV, S, hd] cache into a select_scatter that inductor does not reinplace, so
+    the compiled step rebuilds (copies) the whole cache every step; an index_put_ it updates in place."""
     import torch.nn.functional as F
 
     nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd, cfg.rms_norm_eps
@@ -139,14 +144,29 @@ def bf16_decode_step(cfg: ModelConfig, w: StepWeights, k_cache: Any, v_cache: An
             qk = F.rms_norm(qk, (hd,), eps=eps) * lw.qk_norm
         rot = _rotate_half(qk, half)
         qk = qk * cos + rot * sin
-        k_cache[layer, :, pos] = qk[nh:]
-        v_cache[layer, :, pos] = qkv[0, cfg.q_size + cfg.kv_size:].view(nkv, hd)
+        k_new, v_new = qk[nh:], qkv[0, cfg.q_size + cfg.kv_size:].view(nkv, hd)
+        if kv_at is None:
+            k_cache[layer, :, pos] = k_new
+            v_cache[layer, :, pos] = v_new
+        else:
+            at = (kv_at[0][layer:layer + 1], slice(None), kv_at[1])  # [1] indices: one [1, nKV, hd] row block
+            k_cache[at] = k_new[None]
+            v_cache[at] = v_new[None]
         o = F.scaled_dot_product_attention(qk[:nh].view(1, nh, 1, hd), k_cache[layer, :, :pos + 1][None],
                                            v_cache[layer, :, :pos + 1][None], enable_gqa=nh != nkv)
         x = x + F.linear(o.reshape(1, nh * hd), lw.wo)
         gate, up = F.linear(F.rms_norm(x, dim, lw.mlp_norm, eps), lw.w_gate_up).chunk(2, dim=-1)
         x = x + F.linear(F.silu(gate) * up, lw.w_down)
     return F.linear(F.rms_norm(x, dim, w.final_norm, eps), w.lm_head).float().reshape(-1)
+
+
+def kv_write_index(cfg: ModelConfig, pos: int, device: Any) -> tuple[Any, Any]:
+    """`bf16_decode_step`'s `kv_at`: every layer's index [L] and `pos` [1] (int64, made once, fixed addresses so a
+    CUDA graph can replay the step). One-element index tensors, not 0-d ones, which dynamo reads back to the host."""
+    import torch
+
+    return (torch.arange(cfg.num_hidden_layers, device=device),
+            torch.tensor([pos], dtype=torch.int64, device=device))
 
 
 def _rotate_half(x: Any, half: int) -> Any:

@@ -146,6 +146,7 @@ def test_compile_worker_runs_in_a_bounded_child() -> None:
         assert rec["status"] == "ok", rec
         assert rec["check"]["rel_l2"] < CHECK_TOL and rec["timing"]["reps"] == 2 and rec["compile_s"] > 0
         assert rec["label"] == VARIANTS["torch_compile"][0]
+        assert rec["dynamo"] == {"graphs": 1, "graph_breaks": 0}  # one graph per ctx, none made while timing
     opts.compile_timeout_s = 0.5
     rec = run_compile(opts, lambda s: None)[6]
     assert rec["status"] == "timed_out" and "0 s limit (child killed)" in rec["reason"]
