@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's results table on one GPU: one `synth bench` JSON per row (floor, the best plain PyTorch step among
 # torch_bf16 and torch_compile, and the megakernel running the model's reference searched schedule,
-# bench/runs/<model>-h200/best/schedule.json[.gz]). Writes <model>_ctx<N>.json and h200_bench.log under $OUT, or
-# bench/results when OUT is unset. About 6 minutes on an H200. torch.compile runs in its default mode here: on the
+# bench/runs/<model>-h200/best/schedule.json[.gz]), for the models named on the command line (default: all).
+# Writes <model>_ctx<N>.json and h200_bench.log under $OUT, or bench/results when OUT is unset. About 2 minutes per
+# model on an H200 (llama-1b's three rows: 3). torch.compile runs in its default mode here: on the
 # H200 max-autotune-no-cudagraphs gave the same step time (llama-1b, ctx 1024: 1.680 against 1.689 ms) for 3-4x the
 # compile time, which would not fit all rows in 10 minutes.
 set -uo pipefail
@@ -21,8 +22,15 @@ row() {  # model, compile time limit (s), ctx values
     --variants torch_bf16,torch_compile,megakernel --compile-mode default --compile-timeout "$limit" \
     --json "$RESULTS/${model}_ctx{ctx}.json"
 }
-{
-  row llama-1b 150 128 1024 4096
-  row llama-3b 120 1024
-  row llama-8b 150 1024
-} 2>&1 | tee "$RESULTS/h200_bench.log"
+rows() {  # the models named on the command line, default all
+  local model models=("$@")
+  [ ${#models[@]} -gt 0 ] || models=(llama-1b llama-3b llama-8b qwen3-0.6b qwen3-1.7b qwen3-8b)
+  for model in "${models[@]}"; do
+    case $model in
+      llama-1b) row llama-1b 150 128 1024 4096 ;;
+      *8b) row "$model" 150 1024 ;;
+      *) row "$model" 120 1024 ;;
+    esac
+  done
+}
+rows "$@" 2>&1 | tee "$RESULTS/h200_bench.log"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The reference runs in bench/runs/<model>-h200 on one H200: one `synth search` per model named on the command line
+# (default: every model with a reference run), ctx 1024, seed 13, 40 candidates, 50 adversarial interleavings per
+# candidate and 300 for the best. Writes <runs>/<model>-h200 under $OUT/runs, or runs/ when OUT is unset. The runs
+# are committed as they come back (their schedules and queues are already gzipped). About 2-3 minutes per model.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+RUNS=${OUT:+$OUT/runs}
+RUNS=${RUNS:-runs}
+mkdir -p "$RUNS"
+if [ -d .whl ] && ! python3 -c 'import z3, pydantic, optuna' 2>/dev/null; then  # wheels carried to a bare machine
+  python3 -m pip install -q --no-index --no-deps .whl/*.whl
+fi
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(llama-1b llama-3b llama-8b qwen3-0.6b qwen3-1.7b qwen3-8b)
+for model in "${models[@]}"; do
+  case $model in *8b) limit=170 ;; llama-1b) limit=130 ;; *) limit=120 ;; esac
+  echo "== $model"
+  python3 -m megasynth.cli search --no-progress --seed 13 --interleavings 50 --final-interleavings 300 \
+    --runs-dir "$RUNS" --run "$model-h200" --model "$model" --ctx 1024 --budget 40 --time-limit "$limit"
+done 2>&1 | tee "$RUNS/search_h200.log"
