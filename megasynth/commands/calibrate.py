@@ -54,10 +54,10 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         raise click.BadParameter(f"{len(schedules)} schedules for {len(traces)} traces", param_hint="--schedule")
     pairs, devices = _read_traces(traces, schedules, allow_estimated)
     base = load_params(prior)
-    if check_runs and not (traces or fit_runs or measured_files):  # check the model as it is
-        _check_only(base, list(check_runs))
-        return
     try:
+        if check_runs and not (traces or fit_runs or measured_files):  # check the model as it is
+            _check_only(base, list(check_runs))
+            return
         if base.ring_bytes > 0:
             doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
                            iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)))

@@ -1,5 +1,5 @@
 """`synth runs …`: browse runs/ — a leaderboard (`list`), one run (`show`), HTML reports (`report`), a server; and
-`merge`, one run folder from several machines' folders of one study."""
+`merge`, one run folder from several machines' folders of one study; `pack`, a run's candidate folders as one file."""
 
 from __future__ import annotations
 
@@ -219,6 +219,37 @@ def merge_cmd(folders: tuple[str, ...], output: str, storage: str | None) -> Non
         click.echo(f"note: files the study does not have, left out: {', '.join(m.left_out)}", err=True)
     for note in m.notes:
         click.echo(f"note: {note}", err=True)
+
+
+@runs.command("pack")
+@click.argument("run")
+@_RUNS_DIR
+def pack_cmd(run: str, runs_dir: str) -> None:
+    """Pack a run's accepted candidates into one file, candidates.json.gz (three or four files per candidate become
+    one; every reader reads the run as before). The pack is written first, then the folders it holds are removed;
+    packing again merges candidates added since (a resumed search). For a run no search is writing to."""
+    from megasynth.runs.rundir import PackError, RunDir
+
+    try:
+        path = _resolve_run(runs_dir, run)
+    except click.BadParameter as exc:
+        click.echo(f"error: {exc.message}", err=True)
+        sys.exit(2)
+    try:
+        done = RunDir(path).pack()
+    except PackError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    except OSError as exc:
+        click.echo(f"error: {getattr(exc, 'filename', None) or path}: {exc.strerror or exc}", err=True)
+        sys.exit(2)
+    if done.packed:
+        click.echo(f"{done.pack}: {len(done.packed)} candidates packed ({done.total} in the pack), "
+                   f"{done.bytes_before:,} bytes before, {done.bytes_after:,} after")
+    else:
+        click.echo(f"{done.pack}: nothing to pack ({done.total} candidates in the pack already)")
+    if done.left:
+        click.echo(f"note: left as they are (no timing.json yet): {', '.join(done.left)}", err=True)
 
 
 def make_server(runs_dir: str | Path, port: int = 0) -> http.server.ThreadingHTTPServer:

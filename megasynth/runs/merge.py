@@ -3,9 +3,10 @@
 The study (its claims, `megasynth.runs.study`) says which candidates exist and what each one's outcome is; the folders
 hold their files. Each done claim's files are copied from the folder whose candidate has the claim's schedule key; a
 candidate no folder has is written from the study's record (timing and validation; the schedule is rebuilt from its
-strategy and patches when it is read, see `RunDir.load_candidate`). Files that the study does not know (a process
-killed in the middle of a candidate) are left out. best/ comes from the folder that promoted the fastest candidate
-(of candidates tied for the fastest, one a folder promoted), and the leaderboard is rebuilt from the merged files.
+strategy and patches when it is read, see `RunDir.load_candidate`); a candidate of a packed folder is written out
+as a folder. Files that the study does not know (a process killed in the middle of a candidate) are left out. best/
+comes from the folder that promoted the fastest candidate (of candidates tied for the fastest, one a folder
+promoted), and the leaderboard is rebuilt from the merged files.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> M
             merged.from_study.append(cid)
             continue
         if want.get("accepted"):
-            shutil.copytree(src.path / "candidates" / cid, dest / "candidates" / cid)
+            src.copy_candidate(cid, out)  # from its folder, or written out of a packed run's pack
         else:
             (dest / "rejected").mkdir(exist_ok=True)
             shutil.copy2(src.path / "rejected" / f"{cid}.json", dest / "rejected" / f"{cid}.json")

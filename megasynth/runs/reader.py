@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megasynth.runs.rundir import read_stored_text, screened_text
+from megasynth.runs.rundir import PackError, RunDir, read_stored_text, screened_text
 
 #: Copy bandwidth measured on the H200 (a streaming copy kernel); used for a floor only when no bench JSON gives one.
 H200_COPY_TBPS = 4.19
@@ -180,7 +180,11 @@ class Run:
         for e in self.entries:
             if e.proposer == "naive" or e.candidate in ("0", "naive", "0000"):
                 return e
-        timing = read_json(self.path / "candidates" / self.baseline / "timing.json")
+        try:
+            c = RunDir(self.path).candidate(self.baseline)  # in its folder or in the pack
+        except PackError:
+            c = None  # load_run notes an unreadable pack
+        timing = c.timing if c is not None else None
         ms = ms_of(timing)
         if ms is not None:
             return Entry(self.baseline, ms, bool(first_of(timing, "estimated")), True, "naive")
@@ -208,7 +212,11 @@ def load_run(path: str | Path) -> Run:
         run.baseline = lb["baseline"]
     if lb is None:
         run.notes.append("leaderboard.json is missing")
-    cands = [d for d in (p / "candidates").glob("*") if d.is_dir()] if (p / "candidates").is_dir() else []
+    try:
+        cands = RunDir(p).candidate_ids()  # folders and the pack of a packed run
+    except PackError as exc:
+        run.notes.append(str(exc))
+        cands = [d.name for d in (p / "candidates").glob("*") if d.is_dir()]
     rejs = list((p / "rejected").glob("*.json")) if (p / "rejected").is_dir() else []
     run.accepted = max(len(cands), sum(1 for e in run.entries if e.accepted))
     run.screened = sum(1 for e in run.entries if e.status == "screened")

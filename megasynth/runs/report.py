@@ -37,7 +37,7 @@ from megasynth.runs.reader import (
     read_json,
     summarize,
 )
-from megasynth.runs.rundir import screened_text, stored
+from megasynth.runs.rundir import PACK, PackError, RunDir, screened_text, stored
 
 #: Bounds on what one report shows (the data files keep everything).
 MAX_REJECTED_SHOWN = 20
@@ -460,7 +460,14 @@ def _critical_view(trace: Trace, crit: list[dict[str, Any]]) -> dict[str, Any] |
 
 def _candidate_link(run: Run, candidate: str) -> str | None:
     """What the leaderboard links a candidate to, relative to the report: its whole schedule where the run keeps it,
-    else its timing.json (the strategy and patches that rebuild it)."""
+    else its timing.json (the strategy and patches that rebuild it); the pack (candidates.json.gz) when it is
+    packed."""
+    try:
+        c = RunDir(run.path).candidate(candidate)
+    except PackError:
+        c = None  # load_run notes an unreadable pack
+    if c is not None and c.packed:
+        return PACK
     d = run.path / "candidates" / candidate
     f = stored(d / "schedule.json") or ((d / "timing.json") if (d / "timing.json").is_file() else None)
     return f.relative_to(run.path).as_posix() if f is not None else None

@@ -10,6 +10,12 @@ Layout:
   candidates/<id>/queues.json.gz            ... its final worker queues (the part of a schedule that depends on the
                                             cost-model parameters, so that a refit model still rebuilds it) ...
   candidates/<id>/schedule.json.gz          ... and, for the `KEEP_SCHEDULES` fastest only, the whole schedule
+  candidates.json.gz                        the accepted candidates of a packed run (`synth runs pack`), each with
+                                            exactly what its folder held: {"format": "megasynth-candidates/1",
+                                            "candidates": {"<id>": {"timing", "validation", "queues", "schedule"}}}
+                                            (a key is absent where the folder had no such file). A packed run that
+                                            is resumed writes new candidates into folders beside it; where an id is
+                                            in both, the folder wins (packing again moves it into the pack)
   rejected/<id>.json                        candidates not accepted: rejected (the counterexample), malformed (the
                                             error), or screened by the cost model (its estimate; never validated)
   leaderboard.json                          {"entries": [...accepted, fastest first..., ...screened and rejected]}
@@ -20,6 +26,9 @@ A whole schedule is megabytes of JSON (llama-1b ~2 MB, llama-8b ~4 MB) but rebui
 strategy and patches, so a run keeps few: `RunDir.load_candidate` rebuilds the others and checks the result against
 the recorded schedule_key. Large files are gzip-compressed (`.json.gz`, ~20x smaller); readers also accept the plain
 `.json` of runs written before (`stored`, `read_stored`).
+
+Readers take an accepted candidate's files through `RunDir.candidate` (folder or pack alike), never from the paths
+above.
 
 Candidate ids are `c0000`, `c0001`, ... (the slot of the study's claim, `megasynth.runs.study`); `c0000` is the naive
 baseline of the run.
@@ -36,6 +45,7 @@ import os
 import platform
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +56,11 @@ BASELINE = "c0000"
 #: The accepted candidates of a run that keep their whole schedule (schedule.json.gz), fastest first; best/ has its own.
 KEEP_SCHEDULES = 3
 QUEUES_FORMAT = "megasynth-queues/1"
+#: The packed form of a run's accepted candidates, at the run's root.
+PACK = "candidates.json.gz"
+PACK_FORMAT = "megasynth-candidates/1"
+#: What a candidate folder holds (each `<name>.json`, or `.json.gz`), under the same names in a pack entry.
+CANDIDATE_FILES = ("timing", "validation", "queues", "schedule")
 
 
 def candidate_id(number: int) -> str:
@@ -183,6 +198,124 @@ def _measured_first(timing: dict[str, Any]) -> tuple[bool, float]:
     return bool(timing.get("estimated", True)), float(timing["ms"])
 
 
+class PackError(ValueError):
+    """A run's candidates cannot be read or packed: an unreadable or foreign candidates.json.gz, or a candidate file
+    that cannot be read. One line, naming the file, because silently skipping it would lose accepted candidates."""
+
+    def __init__(self, file: str | os.PathLike[str], reason: str) -> None:
+        super().__init__(f"{file}: {reason}")
+        self.file = str(file)
+        self.reason = reason
+
+
+#: path -> ((inode, size, mtime), candidates) of packs already read: a pack is megabytes (its kept schedules) and is
+#: rewritten only by renaming a new file into place, so the inode, size and time tell when it changed.
+_PACKS: dict[str, tuple[tuple[int, int, int], dict[str, dict[str, Any]]]] = {}
+
+
+def read_pack(path: Path) -> dict[str, dict[str, Any]]:
+    """candidate id -> its documents (`CANDIDATE_FILES`, those it had) of a pack, {} when there is none. The
+    documents are shared between callers: copy before changing them. A `PackError` for anything but a pack."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise PackError(path, f"cannot read ({exc.strerror or exc})") from None
+    sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+    hit = _PACKS.get(str(path))
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    try:
+        doc = json.loads(read_text(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PackError(path, f"cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise PackError(path, f"invalid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT or not isinstance(doc.get("candidates"), dict):
+        raise PackError(path, f"not a {PACK_FORMAT} document")
+    for cid, entry in doc["candidates"].items():
+        timing = entry.get("timing") if isinstance(entry, dict) else None
+        if not isinstance(timing, dict) or not isinstance(timing.get("ms"), int | float) \
+                or not set(entry) <= set(CANDIDATE_FILES):
+            raise PackError(path, f"$.candidates.{cid}: not an accepted candidate (timing with ms, and only "
+                            f"{', '.join(CANDIDATE_FILES)})")
+    _PACKS[str(path)] = (sig, doc["candidates"])
+    return doc["candidates"]
+
+
+def _copy(doc: Any) -> Any:
+    return json.loads(json.dumps(doc)) if isinstance(doc, dict | list) else doc
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An accepted candidate's stored documents, from its folder or from the run's pack alike, so that no reader
+    needs to know how the run keeps it."""
+
+    cid: str
+    timing: dict[str, Any]
+    folder: Path | None = None  # candidates/<id>/, or None when it is packed
+    pack: Path | None = None  # the run's candidates.json.gz when it is packed
+    entry: dict[str, Any] | None = None  # its entry in the pack
+
+    @property
+    def packed(self) -> bool:
+        return self.folder is None
+
+    def file(self, name: str) -> Path | None:
+        """The file holding document `name` (`CANDIDATE_FILES`): in its folder, or the pack; None when it has none."""
+        if self.folder is None:
+            return self.pack if self.entry is not None and name in self.entry else None
+        return stored(self.folder / f"{name}.json")
+
+    def where(self, name: str) -> str:
+        """Where document `name` is, for messages: a file of its folder, or the pack and the entry."""
+        if self.folder is None:
+            return f"{self.pack} ({self.cid}/{name})"
+        return str(self.file(name) or self.folder / f"{name}.json{'.gz' if name in ('queues', 'schedule') else ''}")
+
+    def document(self, name: str) -> Any:
+        """Document `name` (`CANDIDATE_FILES`), or None when the candidate has none (or, in a folder, an unreadable
+        one). A packed schedule or queues document is shared: copy it before changing it."""
+        if name == "timing":
+            return self.timing
+        if self.folder is None:
+            doc = (self.entry or {}).get(name)
+            return _copy(doc) if name == "validation" else doc
+        return read_stored(self.folder / f"{name}.json")
+
+    def documents(self) -> dict[str, Any]:
+        """Every document it has, strictly read (what a pack holds of it): a `PackError` naming a file that is
+        there but cannot be read, so that packing never drops what a folder held."""
+        if self.folder is None:
+            return dict(self.entry or {})
+        out: dict[str, Any] = {}
+        for name in CANDIDATE_FILES:
+            f = stored(self.folder / f"{name}.json")
+            if f is None:
+                continue
+            try:
+                out[name] = json.loads(read_text(f))
+            except (OSError, UnicodeDecodeError) as exc:
+                raise PackError(f, f"cannot read ({getattr(exc, 'strerror', None) or exc})") from None
+            except json.JSONDecodeError as exc:
+                raise PackError(f, f"invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        return out
+
+
+@dataclass
+class Packed:
+    """What `RunDir.pack` did."""
+
+    pack: Path
+    packed: list[str]  # candidates moved from folders into the pack
+    total: int  # candidates in the pack now
+    bytes_before: int  # the pack and the packed folders' files, before
+    bytes_after: int  # the pack, after
+    left: list[str]  # folders left as they were: no timing.json (a candidate still being written)
+
+
 class RunDir:
     """One run folder. Methods write whole files atomically; readers never see half a file."""
 
@@ -223,8 +356,9 @@ class RunDir:
 
     def save_candidate(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any]) -> None:
         """An accepted candidate: its validation, its queues, its whole schedule when it is among the
-        `KEEP_SCHEDULES` fastest (pushing the slowest kept one out), and timing.json last, stamped with the
-        lowering's version: a candidate counts once its timing is there."""
+        `KEEP_SCHEDULES` fastest (pushing the slowest kept one out of its folder; a packed one keeps it, the pack
+        is not rewritten for a schedule), and timing.json last, stamped with the lowering's version: a candidate
+        counts once its timing is there. Always into a folder, also in a packed run (see the layout above)."""
         d = self.path / "candidates" / cid
         timing = {**timing, "lowering": lowering_version()}
         write_json_atomic(d / "validation.json", validation)
@@ -242,14 +376,39 @@ class RunDir:
     def save_rejected(self, cid: str, record: dict[str, Any]) -> None:
         write_json_atomic(self.path / "rejected" / f"{cid}.json", record)
 
+    def _in_folder(self, cid: str) -> Candidate | None:
+        d = self.path / "candidates" / cid
+        t = _read(d / "timing.json")
+        return Candidate(cid, t, folder=d) if isinstance(t, dict) and isinstance(t.get("ms"), int | float) else None
+
+    def candidates(self) -> dict[str, Candidate]:
+        """Every accepted candidate on disk, by id: those in folders (a folder that has its timing.json) and those in
+        the pack, the folder winning where an id is in both. A `PackError` when the pack cannot be read."""
+        pack = self.path / PACK
+        out = {cid: Candidate(cid, _copy(e["timing"]), pack=pack, entry=e) for cid, e in read_pack(pack).items()}
+        for d in (self.path / "candidates").glob("c*"):
+            c = self._in_folder(d.name)
+            if c is not None:
+                out[d.name] = c
+        return dict(sorted(out.items()))
+
+    def candidate(self, cid: str) -> Candidate | None:
+        """One accepted candidate's documents (its folder's, else the pack's), or None when it is not one."""
+        c = self._in_folder(cid)
+        if c is not None:
+            return c
+        entry = read_pack(self.path / PACK).get(cid)
+        return Candidate(cid, _copy(entry["timing"]), pack=self.path / PACK, entry=entry) if entry else None
+
+    def candidate_ids(self) -> list[str]:
+        """The ids of every candidate folder (complete or not) and every packed candidate: a cheap count that reads
+        no timing.json. A `PackError` when the pack cannot be read."""
+        folders = {d.name for d in (self.path / "candidates").glob("*") if d.is_dir()}
+        return sorted(folders | set(read_pack(self.path / PACK)))
+
     def accepted(self) -> dict[str, dict[str, Any]]:
-        """candidate id -> timing.json of every accepted candidate on disk."""
-        out = {}
-        for d in sorted((self.path / "candidates").glob("c*")):
-            t = _read(d / "timing.json")
-            if isinstance(t, dict) and isinstance(t.get("ms"), int | float):
-                out[d.name] = t
-        return out
+        """candidate id -> timing.json of every accepted candidate on disk (folders and pack alike)."""
+        return {cid: c.timing for cid, c in self.candidates().items()}
 
     def rejected(self) -> dict[str, dict[str, Any]]:
         out = {}
@@ -262,10 +421,9 @@ class RunDir:
     def outcome(self, cid: str) -> dict[str, Any] | None:
         """A candidate's files as one document, `{"accepted", "record", "validation"}` (record: timing.json when it
         was accepted, else rejected/<id>.json), or None when it has neither. What the study keeps of a candidate."""
-        timing = _read(self.path / "candidates" / cid / "timing.json")
-        if isinstance(timing, dict) and isinstance(timing.get("ms"), int | float):
-            return {"accepted": True, "record": timing,
-                    "validation": _read(self.path / "candidates" / cid / "validation.json")}
+        c = self.candidate(cid)
+        if c is not None:
+            return {"accepted": True, "record": c.timing, "validation": c.document("validation")}
         record = _read(self.path / "rejected" / f"{cid}.json")
         if isinstance(record, dict):
             return {"accepted": False, "record": record, "validation": record.get("validation")}
@@ -289,13 +447,20 @@ class RunDir:
 
         shutil.rmtree(self.path / "candidates" / cid, ignore_errors=True)
         (self.path / "rejected" / f"{cid}.json").unlink(missing_ok=True)
+        if cid in read_pack(self.path / PACK):
+            with self._locked():
+                self._write_pack({c: e for c, e in read_pack(self.path / PACK).items() if c != cid})
         best = _read(self.path / "best" / "timing.json")
         if isinstance(best, dict) and best.get("candidate") == cid:
             shutil.rmtree(self.path / "best", ignore_errors=True)
 
     def candidate_schedule(self, cid: str) -> Path | None:
         """The file holding an accepted candidate's whole schedule (schedule.json.gz, or an older run's
-        schedule.json), or None when the run keeps only what rebuilds it."""
+        schedule.json), or None when the run keeps only what rebuilds it, or keeps it in the pack (not a schedule
+        file: `load_candidate` reads it from there, `Candidate.file("schedule")` says whether there is one)."""
+        c = self._in_folder(cid)
+        if c is None and cid in read_pack(self.path / PACK):
+            return None
         return stored(self.path / "candidates" / cid / "schedule.json")
 
     def load_candidate(self, cid: str) -> Schedule:
@@ -306,15 +471,20 @@ class RunDir:
         from megasynth.ir.errors import ScheduleError
         from megasynth.ir.schedule import loads_schedule, parse_schedule
 
-        d = self.path / "candidates" / cid
-        path = self.candidate_schedule(cid)
+        try:
+            path = self.candidate_schedule(cid)
+            c = self.candidate(cid)
+        except PackError as exc:
+            raise ScheduleError(exc.reason, "$", exc.file) from None
         if path is not None:
             try:
                 return loads_schedule(read_stored_text(path), str(path))
             except (OSError, UnicodeDecodeError) as exc:
                 raise ScheduleError(f"cannot read file: {exc}", "$", str(path)) from None
-        where = str(d / "timing.json")
-        timing = _read(d / "timing.json")
+        if c is not None and c.packed and c.file("schedule") is not None:
+            return parse_schedule(c.document("schedule"), c.where("schedule"))
+        where = c.where("timing") if c is not None else str(self.path / "candidates" / cid / "timing.json")
+        timing = c.timing if c is not None else None
         if not isinstance(timing, dict) or "strategy" not in timing:
             raise ScheduleError("no schedule and no strategy in timing.json to rebuild it from", "$", where)
         from megasynth.lowering.lower import lower
@@ -331,8 +501,8 @@ class RunDir:
         doc = schedule.to_json()
         doc["meta"] = {**doc.get("meta", {}), "proposer": proposer, "parent": timing.get("parent"),
                        "rationale": timing.get("rationale", "")}
-        if (d / "queues.json.gz").is_file():
-            doc["queues"] = decode_queues(read_stored(d / "queues.json"), str(d / "queues.json.gz"))
+        if c is not None and c.file("queues") is not None:
+            doc["queues"] = decode_queues(c.document("queues"), c.where("queues"))
         schedule = parse_schedule(doc, where)
         if timing.get("schedule_key") and schedule_key(schedule) != timing["schedule_key"]:
             then = timing.get("lowering") or {}
@@ -342,6 +512,75 @@ class RunDir:
                 f"megasynth {lowering_version()['megasynth']} (lowering {lowering_version()['digest']})",
                 "$.schedule_key", where)
         return schedule
+
+    def copy_candidate(self, cid: str, to: RunDir) -> None:
+        """Copy an accepted candidate into `to` as a folder, whether this run keeps it in a folder or packed. A
+        `PackError` when it is not an accepted candidate here or its files cannot be read."""
+        import shutil
+
+        c = self.candidate(cid)
+        if c is None:
+            raise PackError(self.path, f"{cid} is not an accepted candidate of this run")
+        d = to.path / "candidates" / cid
+        if c.folder is not None:
+            shutil.copytree(c.folder, d)
+            return
+        docs = c.documents()
+        if "validation" in docs:
+            write_json_atomic(d / "validation.json", docs["validation"])
+        if "queues" in docs:
+            write_gz_atomic(d / "queues.json.gz", json.dumps(docs["queues"], separators=(",", ":")))
+        if "schedule" in docs:
+            write_stored(d / "schedule.json", docs["schedule"])
+        write_json_atomic(d / "timing.json", docs["timing"])  # last: the candidate counts once it is there
+
+    # -- the packed form ------------------------------------------------------------------------------------
+    def _write_pack(self, entries: dict[str, dict[str, Any]]) -> None:
+        doc = {"format": PACK_FORMAT, "candidates": dict(sorted(entries.items()))}
+        write_gz_atomic(self.path / PACK, json.dumps(doc, separators=(",", ":")) + "\n")
+
+    def pack(self) -> Packed:
+        """Move every complete candidate folder into candidates.json.gz (merging with the candidates already
+        there, a folder replacing its id's entry): one file instead of three or four per candidate. The pack is
+        written atomically and read back before any folder is removed, so an interruption loses nothing. A
+        `PackError` naming the file, before anything changes, when a candidate file cannot be read or a folder
+        holds a file that is not a candidate's. Meant for a run no search is writing to."""
+        pack = self.path / PACK
+        known = {"timing.json", "validation.json", "queues.json", "queues.json.gz", "schedule.json",
+                 "schedule.json.gz"}
+        with self._locked():
+            entries = dict(read_pack(pack))
+            before = pack.stat().st_size if pack.is_file() else 0
+            moved: list[Path] = []
+            left: list[str] = []
+            for d in sorted((self.path / "candidates").glob("*")):
+                if not d.is_dir():
+                    raise PackError(d, "not a candidate folder (packing would lose it)")
+                files = sorted(d.iterdir())
+                stray = next((f for f in files if f.name not in known or not f.is_file()), None)
+                if stray is not None:
+                    raise PackError(stray, "not a candidate file (packing would lose it)")
+                if not (d / "timing.json").is_file():
+                    left.append(d.name)
+                    continue
+                docs = Candidate(d.name, {}, folder=d).documents()
+                if not isinstance(docs["timing"], dict) or not isinstance(docs["timing"].get("ms"), int | float):
+                    raise PackError(d / "timing.json", "not an accepted candidate's timing (no ms)")
+                entries[d.name] = docs
+                before += sum(f.stat().st_size for f in files)
+                moved.append(d)
+            if moved:
+                self._write_pack(entries)
+                if read_pack(pack) != entries:
+                    raise PackError(pack, "does not read back as written; the candidate folders are kept")
+                for d in moved:
+                    for f in d.iterdir():
+                        f.unlink()
+                    d.rmdir()
+                with contextlib.suppress(OSError):
+                    (self.path / "candidates").rmdir()  # only when nothing is left in it
+        after = pack.stat().st_size if pack.is_file() else 0
+        return Packed(pack, [d.name for d in moved], len(entries), before, after if moved else before, left)
 
     # -- best and leaderboard ---------------------------------------------------------------------------------
     def best_ms(self) -> float | None:
