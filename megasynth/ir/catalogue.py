@@ -16,6 +16,8 @@ Buffers (element counts; fp32 activations, KV cache in the model dtype):
                                    into o_proj: `attn_reduce_o_proj` merges the splits it needs itself)
   act          [I]                 silu(gate) * up
   logits       [V]
+  qk_sq        [(nH+nKV)*hd/2]     qk_norm models, QK-norm apart from QKV: each q/k head's per-pair sums of squares
+  k_new        [nKV*hd]            ... and the new k rows, weighted and roped but not yet normalised
 
 The KV position `pos` (the token's index) is a runtime input: footprints are the union over every position < S, so
 one schedule is valid for every position. Attention over `splits` splits covers, for the sequence length T = pos + 1,
@@ -28,6 +30,9 @@ Weights (read-only, no part in footprints), as `kernels` packs them: `embed` [V,
 `layers.{l}.k_norm` [hd]: RMSNorm over each q and k head before RoPE. A head's norm needs the whole head's sum of
 squares, so for a `qk_norm` model a QKV tile holds whole q and k heads (its bounds inside the q and k rows are
 multiples of head_dim; v rows may still be cut into RoPE pairs); the footprints are those of any QKV tile.
+Or the norm is applied apart (`attn_norm_qkv_rope_sq`, tiles of any RoPE pairs, then `qk_norm_apply` per KV head): a
+per-head scale commutes with RoPE but the per-element norm weight does not, so QKV applies the weight before the
+rotation and records each pair's sum of squares; the apply op scales the group's q heads and writes the new k row.
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Geometry:
             "attn": c.q_size,
             "act": c.intermediate_size,
             "logits": c.vocab_size,
+            **({"qk_sq": (c.num_attention_heads + c.num_key_value_heads) * c.hd // 2,
+                "k_new": c.kv_size} if c.qk_norm else {}),
         }
 
     def kv_head_range(self, layer: int, g0: int, g1: int) -> tuple[int, int]:
@@ -153,6 +160,20 @@ def _check_qkv(geo: Geometry, layer: int, args: dict[str, int]) -> None:
                        f"a QKV tile's bounds below row {qk_end} must be multiples of head_dim = {c.hd}")
 
 
+def _check_qkv_sq(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    if not geo.cfg.qk_norm:
+        raise ArgError("attn_norm_qkv_rope_sq is for models with qk_norm (RMSNorm over each q and k head); this "
+                       "config has none: use attn_norm_qkv_rope")
+    _interval(args, "start", "end", geo.cfg.qkv_size, 2)
+
+
+def _check_kv_head(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    if not geo.cfg.qk_norm:
+        raise ArgError("qk_norm_apply is for models with qk_norm; this config has none")
+    if not 0 <= args["kv_head"] < geo.cfg.num_key_value_heads:
+        raise ArgError(f"args.kv_head = {args['kv_head']} must be in [0, {geo.cfg.num_key_value_heads})")
+
+
 def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
     c = geo.cfg
     if not 0 <= args["kv_head"] < c.num_key_value_heads:
@@ -201,6 +222,34 @@ def _fp_qkv(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
             buf, g = ("k_cache", head - nh) if head < nh + nkv else ("v_cache", head - nh - nkv)
             out.extend(("write", buf, *geo.kv_column_range(layer, g, d0, d1)) for d0, d1 in whole)
     return out
+
+
+def _fp_qkv_sq(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    """Like QKV's, but q and k pairs are written unnormalised (k to `k_new`, not the cache) along with their sums
+    of squares in `qk_sq`; v rows go to the cache as in QKV."""
+    c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    out: list[Access] = [("read", "x", 0, c.hidden_size)]
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        cols = [(0, c.hd)] if (j0, j1) == (0, half) else [(j0, j1), (half + j0, half + j1)]
+        if head < nh + nkv:
+            buf, base = ("q", head * c.hd) if head < nh else ("k_new", (head - nh) * c.hd)
+            out.extend(("write", buf, base + d0, base + d1) for d0, d1 in cols)
+            out.append(("write", "qk_sq", head * half + j0, head * half + j1))
+        else:
+            out.extend(("write", "v_cache", *geo.kv_column_range(layer, head - nh - nkv, d0, d1)) for d0, d1 in cols)
+    return out
+
+
+def _fp_qk_apply(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
+    """The group's q heads are scaled in place; the new k row goes from `k_new` into the cache (any position: the
+    footprint is the KV head's whole range, as QKV's)."""
+    c = geo.cfg
+    g, half, nh = a["kv_head"], c.hd // 2, c.num_attention_heads
+    h0, h1 = g * c.group_size, (g + 1) * c.group_size
+    return [("read", "qk_sq", h0 * half, h1 * half), ("read", "qk_sq", (nh + g) * half, (nh + g + 1) * half),
+            ("read", "q", h0 * c.hd, h1 * c.hd), ("write", "q", h0 * c.hd, h1 * c.hd),
+            ("read", "k_new", g * c.hd, (g + 1) * c.hd), ("write", "k_cache", *geo.kv_head_range(layer, g, g + 1))]
 
 
 def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
@@ -272,6 +321,10 @@ def _tile_rows_k(op: str, rows: Callable[[ModelConfig], int], ks: Callable[[Mode
     return tile
 
 
+def _tile_qk_apply(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
+    return ("qk_norm_apply", layer, a["kv_head"]), ((0, 1), (0, 1)), ((0, 1), (0, 1))
+
+
 def _tile_partial(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
     key = ("attn_partial", layer, a["kv_head"])
     return key, ((a["split"], a["split"] + 1), (0, 1)), ((0, a["splits"]), (0, 1))
@@ -309,6 +362,14 @@ def _cost_qkv(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[i
         norms = (a["start"] < c.q_size) + (a["start"] < c.q_size + c.kv_size and a["end"] > c.q_size)
         nbytes += norms * c.hd * W_BYTES
     return nbytes, flops
+
+
+def _cost_qk_apply(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
+    """Sums of squares and q heads read, q heads written (fp32), the k row read (fp32) and written (cache dtype)."""
+    c = geo.cfg
+    heads = c.group_size + 1
+    return heads * c.hd // 2 * ACT_BYTES + 2 * c.group_size * c.hd * ACT_BYTES + c.hd * (ACT_BYTES + W_BYTES), \
+        3 * heads * c.hd
 
 
 def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
@@ -411,6 +472,42 @@ def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
 def split_range(seq: int, split: int, splits: int) -> tuple[int, int]:
     """Positions [start, end) that split `split` of `splits` covers at sequence length `seq`."""
     return split * seq // splits, (split + 1) * seq // splits
+
+
+def _c_qkv_sq(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
+    wqkv = w[f"layers.{layer}.wqkv"]
+    bias = w[f"layers.{layer}.bqkv"] if c.qkv_bias else None
+    cos, sin = rt["cos"], rt["sin"]
+    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
+        r = head * c.hd
+        y1 = wqkv[r + j0:r + j1].float() @ xn
+        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn
+        if bias is not None:
+            y1, y2 = y1 + bias[r + j0:r + j1].float(), y2 + bias[r + half + j0:r + half + j1].float()
+        if head < nh + nkv:  # the norm weight before the rotation; the per-head scale comes in qk_norm_apply
+            ws["qk_sq"][head * half + j0:head * half + j1] = y1.pow(2) + y2.pow(2)
+            g = w[f"layers.{layer}.q_norm" if head < nh else f"layers.{layer}.k_norm"].float()
+            y1, y2 = y1 * g[j0:j1], y2 * g[half + j0:half + j1]
+            cs, sn = cos[j0:j1], sin[j0:j1]
+            y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
+            dst = ws["q"][r:r + c.hd] if head < nh else ws["k_new"][(head - nh) * c.hd:(head - nh + 1) * c.hd]
+        else:
+            dst = ws["v_cache"][layer, head - nh - nkv, rt["pos"]]
+        dst[j0:j1] = y1
+        dst[half + j0:half + j1] = y2
+
+
+def _c_qk_apply(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    g, half, nh, eps = a["kv_head"], c.hd // 2, c.num_attention_heads, c.rms_norm_eps
+    sq = ws["qk_sq"].view(-1, half)
+    for h in range(g * c.group_size, (g + 1) * c.group_size):
+        ws["q"][h * c.hd:(h + 1) * c.hd] *= (sq[h].sum() / c.hd + eps).rsqrt()
+    k = ws["k_new"][g * c.hd:(g + 1) * c.hd] * (sq[nh + g].sum() / c.hd + eps).rsqrt()
+    ws["k_cache"][layer, g, rt["pos"]] = k
 
 
 def _c_partial(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
@@ -537,11 +634,27 @@ OPS: dict[str, OpSpec] = {
                _check_rows(lambda c: c.vocab_size), _fp_lm_head,
                _tile_rows("final_norm_lm_head", lambda c: c.vocab_size),
                _cost_matvec(_rows, lambda g, a: g.cfg.hidden_size, norm=True), _c_lm_head),
+        OpSpec("attn_norm_qkv_rope_sq",
+               "QKV of a qk_norm model with the norm applied apart: rows [start,end) of wqkv @ rmsnorm(x); q and k "
+               "pairs times their norm weight, roped, to `q` and `k_new`, their sums of squares to `qk_sq`; v rows "
+               "to the cache at pos", True,
+               {"start": "first fused-QKV row, even (RoPE-pair order, as attn_norm_qkv_rope; any pair range)",
+                "end": "end row, even"},
+               _check_qkv_sq, _fp_qkv_sq, _tile_rows("attn_norm_qkv_rope_sq", lambda c: c.qkv_size), _cost_qkv,
+               _c_qkv_sq),
+        OpSpec("qk_norm_apply",
+               "QK-norm of one KV head's group: its q heads times rsqrt(mean square + eps) in place, and its new k "
+               "row, so scaled, from `k_new` into the cache at pos", True,
+               {"kv_head": "KV head (its group of query heads)"},
+               _check_kv_head, _fp_qk_apply, _tile_qk_apply, _cost_qk_apply, _c_qk_apply),
     ]
 }
 
-#: Op order within a decode step (the order `ids` follow in a lowering).
-OP_ORDER = list(OPS)
+#: Op order within a decode step (the order `ids` follow in a lowering). The table's own order (new ops last) gives
+#: the interpreters' opcodes, so that adding an op leaves the others' codes alone.
+OP_ORDER = ["embed", "attn_norm_qkv_rope", "attn_norm_qkv_rope_sq", "qk_norm_apply", "attn_partial", "attn_reduce",
+            "o_proj_residual", "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"]
+assert sorted(OP_ORDER) == sorted(OPS), "OP_ORDER lists every catalogue op once"
 
 
 def check_instruction(geo: Geometry, op: str, layer: int | None, args: Mapping[str, Any]) -> dict[str, int]:
@@ -574,13 +687,19 @@ FUSED_OPROJ = "attn_reduce_o_proj"
 MERGE_OPS = ("attn_reduce", FUSED_OPROJ)
 
 
-def required_tiles(geo: Geometry, unfused: set[int] | None = None) -> list[tuple[Any, ...]]:
+def required_tiles(geo: Geometry, unfused: set[int] | None = None,
+                   qk_apart: set[int] | None = None) -> list[tuple[Any, ...]]:
     """Every coverage key a complete decode step must produce. `unfused`: the layers with a plain o_proj
-    instruction (default: all); attn_reduce is required in those only."""
+    instruction (default: all); attn_reduce is required in those only. `qk_apart`: the layers whose QKV applies the
+    QK-norm apart (attn_norm_qkv_rope_sq, then qk_norm_apply of every KV head; default: none)."""
     c = geo.cfg
     keys: list[tuple[Any, ...]] = [("embed", -1)]
     for layer in range(c.num_hidden_layers):
-        keys.append(("attn_norm_qkv_rope", layer))
+        if qk_apart and layer in qk_apart:
+            keys.append(("attn_norm_qkv_rope_sq", layer))
+            keys.extend(("qk_norm_apply", layer, g) for g in range(c.num_key_value_heads))
+        else:
+            keys.append(("attn_norm_qkv_rope", layer))
         keys.extend(("attn_partial", layer, g) for g in range(c.num_key_value_heads))
         if unfused is None or layer in unfused:
             keys.append(("attn_reduce", layer))

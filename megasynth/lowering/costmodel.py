@@ -41,11 +41,17 @@ DATA = Path(__file__).parents[1] / "data" / "h200_costmodel.json"  # megasynth/d
 MAX_EVENTS_FACTOR = 12  # bound on simulation events per instruction (start, consume, bytes, loader segments, end)
 #: Ops whose bytes interpreter v10's loader streams ahead of the compute warps: weights, and attention's KV history
 #: (megasynth/kernels/gpu/stream.py `_loader`); the embedding row and the split reduction are read by the compute warps.
-LOADER_OPS = frozenset({"attn_norm_qkv_rope", "attn_partial", "o_proj_residual", "attn_reduce_o_proj",
-                        "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"})
+LOADER_OPS = frozenset({"attn_norm_qkv_rope", "attn_norm_qkv_rope_sq", "attn_partial", "o_proj_residual",
+                        "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"})
 #: Matrix-vector ops whose rows the loader moves in whole boxes, and the input width (K) of each.
-_BOXED = ("attn_norm_qkv_rope", "o_proj_residual", "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual",
-          "final_norm_lm_head")
+_BOXED = ("attn_norm_qkv_rope", "attn_norm_qkv_rope_sq", "o_proj_residual", "attn_reduce_o_proj", "mlp_norm_gate_up",
+          "down_proj_residual", "final_norm_lm_head")
+
+
+#: Ops without fitted parameters of their own that move their bytes like another op.
+PARAMS_LIKE = {"attn_norm_qkv_rope_sq": "attn_norm_qkv_rope"}
+#: The ops with parameters of their own.
+OWN_PARAMS = [op for op in OP_ORDER if op not in PARAMS_LIKE]
 
 
 @dataclass
@@ -58,7 +64,7 @@ class OpParams:
 class CostParams:
     """Cost-model parameters. Bandwidths in bytes per µs (4.19 TB/s = 4.19e6 B/µs)."""
 
-    ops: dict[str, OpParams] = field(default_factory=lambda: {op: OpParams() for op in OP_ORDER})
+    ops: dict[str, OpParams] = field(default_factory=lambda: {op: OpParams() for op in OWN_PARAMS})
     total_bw: float = 4.19e6
     sm_peak: float = 9.5e4  # one SM alone; a prior (about 3x its fair share of 132), not measured
     hop_us: float = 0.61
@@ -72,7 +78,8 @@ class CostParams:
     notes: str = ""
 
     def op(self, name: str) -> OpParams:
-        return self.ops.get(name) or OpParams()
+        """An op's parameters; QKV with the QK-norm apart streams like QKV, so it shares QKV's until fitted."""
+        return self.ops.get(name) or self.ops.get(PARAMS_LIKE.get(name, "")) or OpParams()
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ops": {k: asdict(v) for k, v in self.ops.items()}}
@@ -81,7 +88,7 @@ class CostParams:
     def from_json(cls, data: dict[str, Any]) -> CostParams:
         ops = {k: OpParams(**v) for k, v in data.get("ops", {}).items()}
         rest = {k: v for k, v in data.items() if k != "ops" and k in cls.__dataclass_fields__}
-        return cls(ops={**{op: OpParams() for op in OP_ORDER}, **ops}, **rest)
+        return cls(ops={**{op: OpParams() for op in OWN_PARAMS}, **ops}, **rest)
 
     def save(self, path: str | Path) -> None:
         from megasynth.atomic import write_json_atomic
@@ -113,7 +120,7 @@ def moved_bytes(geo: Geometry, op: str, args: dict[str, int], nbytes: int, box_r
     rows = args["end"] - args["start"]
     if rows <= 0:
         return nbytes
-    if op == "attn_norm_qkv_rope":
+    if op in ("attn_norm_qkv_rope", "attn_norm_qkv_rope_sq"):
         moved = sum(2 * box_rows * -(-(j1 - j0) // box_rows) for _, j0, j1 in
                     qkv_pair_pieces(geo.cfg, args["start"], args["end"]))
     else:

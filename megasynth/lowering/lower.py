@@ -54,12 +54,15 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
         return [{"start": s, "end": e, "k_start": k0, "k_end": k1} for s, e in _tiles(rows, t.get(op, 16))
                 for k0, k1 in kt]
 
-    qkv_align = c.hd if c.qk_norm else 2  # RoPE pairs; QK-norm normalises whole heads, so tiles round to heads
+    apart = c.qk_norm and strategy.qk_norm == "apart"  # QK-norm after QKV: its tiles may cut heads into pairs
+    qkv_align = c.hd if c.qk_norm and not apart else 2  # RoPE pairs; QK-norm inside QKV needs whole heads
     prev = 0
     for layer in range(c.num_hidden_layers):
-        qkv = add("attn_norm_qkv_rope", layer, [{"start": s, "end": e} for s, e in
-                                               _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), qkv_align)],
-                  [prev])
+        qkv = add("attn_norm_qkv_rope_sq" if apart else "attn_norm_qkv_rope", layer,
+                  [{"start": s, "end": e} for s, e in
+                   _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), qkv_align)], [prev])
+        if apart:
+            qkv = add("qk_norm_apply", layer, [{"kv_head": g} for g in range(c.num_key_value_heads)], [qkv])
         part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits}
                                            for g in range(c.num_key_value_heads) for s in range(splits)], [qkv])
         if strategy.fuse_attn_reduce:  # o_proj merges the splits of its K range's heads itself
@@ -188,11 +191,11 @@ def _group_key(flat: Flat, geo: Geometry, i: int, granularity: str, chunks: int)
         st = flat.stage[i]
         return (i - flat.first[st]) * chunks // len(flat.stages[st].args)
     c, a, op = geo.cfg, flat.args[i], flat.op[i]
-    if op == "attn_partial":
-        return a["kv_head"]
     if op == "attn_reduce":
         return a["start"] // c.group_size
-    if op == "attn_norm_qkv_rope":
+    if op in ("attn_partial", "qk_norm_apply"):
+        return a["kv_head"]
+    if op in ("attn_norm_qkv_rope", "attn_norm_qkv_rope_sq"):
         r = a["start"]
         if r < c.q_size:
             return r // c.hd // c.group_size

@@ -69,6 +69,11 @@ class Strategy(BaseModel):
         "fold attn_reduce into o_proj: each o_proj instruction merges the attention splits of its K range's heads "
         "itself (op attn_reduce_o_proj; K-split tiles are rounded to whole heads). One counter hop less per layer, "
         "the merge repeated by every o_proj row tile. Interpreter v10 only"))
+    qk_norm: Literal["in_qkv", "apart"] = Field("in_qkv", description=(
+        "for a QK-norm model (Qwen3): 'in_qkv' normalises inside QKV, whose tiles then hold whole q and k heads; "
+        "'apart' lets QKV tiles cut heads into RoPE pairs (op attn_norm_qkv_rope_sq) and scales each KV head's group "
+        "in one qk_norm_apply instruction before attention: more QKV tiles, one counter hop more. 'apart' runs on "
+        "the CPU executor only so far (the GPU interpreters refuse it). Ignored for other models"))
     edges: dict[str, Granularity] = Field(default_factory=dict, description=(
         "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
     default_granularity: Granularity = "all"

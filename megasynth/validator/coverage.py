@@ -72,7 +72,8 @@ def check_coverage(prog: Program) -> list[Finding]:
             continue
         tiles[key].append((rect, i))
     unfused = {prog.layer[i] for i in range(prog.n) if prog.op[i] == "o_proj_residual"}
-    for key in required_tiles(geo, unfused):
+    qk_apart = {prog.layer[i] for i in range(prog.n) if prog.op[i] == "attn_norm_qkv_rope_sq"}
+    for key in required_tiles(geo, unfused, qk_apart):
         if key not in tiles:
             findings.append(Finding("coverage", f"{_key_name(key)}: no instruction produces it", []))
     for key, ts in tiles.items():

@@ -90,6 +90,9 @@ CASES = [
     ("qwen2", 4, {"tiles": {"attn_norm_qkv_rope": 6}, "attn_splits": 2}),
     ("llama", 6, {"tiles": {"attn_norm_qkv_rope": 10}, "attn_splits": 3, "k_splits": {"down_proj_residual": 2}}),
     ("mistral", 3, {"tiles": {"attn_norm_qkv_rope": 4, "final_norm_lm_head": 48}}),
+    ("qwen3", 4, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 2}),
+    ("qwen3", 5, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 40}, "default_granularity": "head",
+                  "fuse_attn_reduce": True, "attn_splits": 3, "assignment": "critical_path"}),
 ]
 
 
@@ -160,3 +163,43 @@ def test_llama_weights_unchanged() -> None:
     assert not any(n.endswith(("bqkv", "q_norm", "k_norm")) for n in names)
     assert weight_shapes(FAMILIES["qwen3"])["layers.0.q_norm"] == (32,)
     assert weight_shapes(FAMILIES["qwen2"])["layers.1.bqkv"] == (FAMILIES["qwen2"].qkv_size,)
+
+
+def test_qk_norm_apart_cuts_heads_and_its_waits_matter() -> None:
+    """With the QK-norm apart, QKV tiles cut q and k heads into pairs, one qk_norm_apply per KV head scales them,
+    and the proofs see every new edge: attention without its wait on the apply is a race, a missing apply a coverage
+    gap, and the GPU interpreters refuse the ops by name."""
+    from megasynth.kernels.gpu.pack import pack
+
+    cfg = FAMILIES["qwen3"]
+    spec = ModelSpec("qwen3", "qwen3", cfg, MAX_SEQ)
+    doc = lower(spec, 4, Strategy(qk_norm="apart", tiles={"attn_norm_qkv_rope": 12})).to_json()
+    ops = [ins["op"] for ins in doc["instructions"]]
+    assert "attn_norm_qkv_rope" not in ops
+    assert ops.count("qk_norm_apply") == cfg.num_hidden_layers * cfg.num_key_value_heads
+    assert any(ins["args"]["start"] % cfg.hd for ins in doc["instructions"] if ins["op"] == "attn_norm_qkv_rope_sq")
+    assert {"qk_sq", "k_new"} <= set(doc["buffers"])
+    assert verify(parse_schedule(doc)).accepted
+
+    apply_ids = {ins["id"] for ins in doc["instructions"] if ins["op"] == "qk_norm_apply" and ins["layer"] == 1}
+    applied = {s["counter"] for ins in doc["instructions"] if ins["id"] in apply_ids for s in ins["signals"]}
+    racy = {**doc, "instructions": [
+        {**ins, "waits": [w for w in ins["waits"] if w["counter"] not in applied]}
+        if ins["op"] == "attn_partial" and ins["layer"] == 1 else ins for ins in doc["instructions"]]}
+    report = verify(parse_schedule(racy))
+    assert not report.accepted
+    assert any(f.category == "race" and ("q[" in f.message or "k_cache[" in f.message) for f in report.findings), \
+        [f.message for f in report.findings][:3]
+
+    gone = next(ins["id"] for ins in doc["instructions"] if ins["op"] == "qk_norm_apply")
+    missing = {**doc, "instructions": [ins for ins in doc["instructions"] if ins["id"] != gone],
+               "queues": [[i for i in q if i != gone] for q in doc["queues"]]}
+    report = verify(parse_schedule(missing))
+    assert any(f.category == "coverage" and "qk_norm_apply layer 0 kv_head 0" in f.message for f in report.findings)
+
+    with pytest.raises(ScheduleError, match="'attn_norm_qkv_rope_sq' has no GPU implementation"):
+        pack(parse_schedule(doc))
+    with pytest.raises(ArgError, match="for models with qk_norm"):
+        check_instruction(Geometry(FAMILIES["llama"], MAX_SEQ, 1), "attn_norm_qkv_rope_sq", 0, {"start": 0, "end": 2})
+    llama = lower(ModelSpec("llama", "llama", FAMILIES["llama"], MAX_SEQ), 2, Strategy(qk_norm="apart")).to_json()
+    assert {ins["op"] for ins in llama["instructions"]} >= {"attn_norm_qkv_rope"}  # no QK-norm: the knob is moot

@@ -173,8 +173,10 @@ def _synthetic_steps(n: int, secret: CostParams, noise: float, seed: int) -> lis
 def test_step_fit_recovers_a_v10_model_on_steps_it_never_saw() -> None:
     from megasynth.search.calibrate import error_summary, fit_steps
 
+    llama_ops = ("embed", "attn_norm_qkv_rope", "attn_partial", "attn_reduce", "o_proj_residual", "attn_reduce_o_proj",
+                 "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head")
     secret = replace(V10, ops={op: OpParams(eff=1.0, overhead_us=o) for op, o in zip(
-        CostParams().ops, [0.5, 2.0, 3.0, 1.5, 1.2, 2.4, 2.5, 1.8, 1.0], strict=True)}, hop_us=0.9, launch_us=6.0)
+        llama_ops, [0.5, 2.0, 3.0, 1.5, 1.2, 2.4, 2.5, 1.8, 1.0], strict=True)}, hop_us=0.9, launch_us=6.0)
     steps = _synthetic_steps(24, secret, noise=0.005, seed=1)
     fit_set, held = steps[:17], steps[17:]  # 17 to fit: one more op (the fused merge + o_proj) than before
     prior = replace(secret, ops={op: OpParams(1.0, 0.4) for op in secret.ops}, hop_us=0.2, launch_us=1.0,

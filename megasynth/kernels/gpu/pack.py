@@ -23,13 +23,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megasynth.ir.catalogue import OP_ORDER, OPS
+from megasynth.ir.catalogue import OPS
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.program import Program, resolve
 from megasynth.ir.schedule import Schedule
 
-#: Opcodes: the catalogue's op order (one owner per fact: the kernel's `OP_*` constants are checked against this).
-OPCODES: dict[str, int] = {name: i for i, name in enumerate(OP_ORDER)}
+#: Opcodes: the catalogue table's order, new ops last (one owner per fact: the kernel's `OP_*` constants are checked
+#: against this).
+OPCODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
+#: The catalogue ops interpreters v10 and v9 execute. QK-norm applied apart from QKV (attn_norm_qkv_rope_sq and
+#: qk_norm_apply) runs on the CPU executor only so far.
+GPU_OPS = frozenset({"embed", "attn_norm_qkv_rope", "attn_partial", "attn_reduce", "o_proj_residual",
+                     "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"})
 ROW = 19  # fields per instruction row
 F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
 F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU, F_A4 = 11, 12, 13, 14, 15, 16, 17, 18
@@ -89,6 +94,9 @@ def pack_program(prog: Program) -> Packed:
         if op not in OPCODES:
             raise ScheduleError(f"op {op!r} is not a catalogue op; the GPU interpreter cannot execute it",
                                 f"{prog.path(i)}.op")
+        if op not in GPU_OPS:
+            raise ScheduleError(f"op {op!r} has no GPU implementation yet (the CPU executor runs it); lower with "
+                                "the strategy's qk_norm = 'in_qkv' for the GPU", f"{prog.path(i)}.op")
         row = rows[i]
         row[F_OP] = OPCODES[op]
         layer = prog.layer[i]
