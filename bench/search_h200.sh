@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The reference runs in bench/runs/<model>-h200 on one H200: one `synth search` per model named on the command line
 # (default: every model with a reference run), ctx 1024, seed 13, 40 candidates, 50 adversarial interleavings per
-# candidate and 300 for the best. Writes <runs>/<model>-h200 under $OUT/runs, or runs/ when OUT is unset. The runs
-# are committed as they come back (their schedules and queues are already gzipped). About 2-3 minutes per model.
+# candidate and 300 for the best. Writes <model>-h200 under $OUT/runs, or runs/ when OUT is unset, packed (`synth runs
+# pack`: one candidates.json.gz) as bench/runs holds them. About 2-3 minutes per model.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RUNS=${OUT:+$OUT/runs}
@@ -17,5 +17,6 @@ for model in "${models[@]}"; do
   case $model in *8b) limit=170 ;; llama-1b) limit=130 ;; *) limit=120 ;; esac
   echo "== $model"
   python3 -m megasynth.cli search --no-progress --seed 13 --interleavings 50 --final-interleavings 300 \
-    --runs-dir "$RUNS" --run "$model-h200" --model "$model" --ctx 1024 --budget 40 --time-limit "$limit"
+    --runs-dir "$RUNS" --run "$model-h200" --model "$model" --ctx 1024 --budget 40 --time-limit "$limit" &&
+    python3 -m megasynth.cli runs pack "$model-h200" --runs-dir "$RUNS"
 done 2>&1 | tee "$RUNS/search_h200.log"
