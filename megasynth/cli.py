@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from megasynth.commands import max_seq_len_option
+from megasynth.commands import batch_option, max_seq_len_option
 from megasynth.ir.errors import ScheduleError
 
 
@@ -60,14 +60,16 @@ def models_table(width: int = 80) -> Any:
 @click.option("--strategy", "strategy_file", type=click.Path(dir_okay=False), help="Strategy JSON.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
 @max_seq_len_option()
-def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str, max_seq_len: int | None) -> None:
+@batch_option("attention per sequence, every weight tile once for all of them")
+def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str, max_seq_len: int | None,
+              batch: int) -> None:
     """Lower a model into a complete schedule (default: the naive round-robin baseline)."""
     from megasynth.commands import model_spec
     from megasynth.ir.schedule import dump_schedule
     from megasynth.lowering.lower import lower
     from megasynth.lowering.strategy import load_strategy
 
-    spec = model_spec(model_name, max_seq_len)
+    spec = model_spec(model_name, max_seq_len, batch)
     try:
         strategy = load_strategy(strategy_file) if strategy_file else None
         schedule = lower(spec, workers, strategy, proposer="naive" if strategy is None else "manual")

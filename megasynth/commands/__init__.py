@@ -23,13 +23,20 @@ def max_seq_len_option(default: str = "the model row's max_seq_len") -> Callable
                         help=f"{MAX_SEQ_LEN_HELP} [default: {default}]")
 
 
-def model_spec(model_name: str, max_seq_len: int | None) -> ModelSpec:
-    """The spec of `--model` at `--max-seq-len`: an unknown model is click's bad-parameter error on --model, a
-    length the model cannot take exits 2 with the message (it names the value, the limit and the option)."""
-    from megasynth.lowering.models import MaxSeqLenError, get_model
+def batch_option(what: str) -> Callable[[Callable[..., Any]], Any]:
+    """`--batch N` (1-16): sequences decoded together per step, each with its own KV cache slot and position."""
+    return click.option("--batch", "batch", type=click.IntRange(1, 16), default=1, show_default=True, metavar="N",
+                        help=f"Sequences decoded together per step (one KV cache slot and position each): {what}")
+
+
+def model_spec(model_name: str, max_seq_len: int | None, batch: int | None = None) -> ModelSpec:
+    """The spec of `--model` at `--max-seq-len` and `--batch`: an unknown model is click's bad-parameter error on
+    --model, a length the model cannot take exits 2 with the message (it names the value, the limit and the
+    option)."""
+    from megasynth.lowering.models import MaxSeqLenError, get_model, with_batch
 
     try:
-        return get_model(model_name, max_seq_len)
+        return with_batch(get_model(model_name, max_seq_len), batch)
     except MaxSeqLenError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

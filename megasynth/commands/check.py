@@ -25,11 +25,12 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 
-from megasynth.commands import max_seq_len_option
+from megasynth.commands import batch_option, max_seq_len_option
 from megasynth.ir.errors import ScheduleError
 
 #: Agreement bound on the fp32 logits, relative L2 per step.
@@ -138,7 +139,8 @@ def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1, 1024), default=8, show_default=True,
               help="Greedy decode steps to compare.")
 @click.option("--prompt", default=None, help="Comma-separated prompt token ids (default: a fixed prompt of "
-                                             f"{PROMPT_LEN} ids).")
+                                             f"{PROMPT_LEN} ids; with --batch, sequence b's is {PROMPT_LEN} + b ids "
+                                             "long); prompts of a batch separated by ';'.")
 @click.option("--workers", type=click.IntRange(1, 4096), default=8, show_default=True,
               help="Workers of the lowered schedule.")
 @click.option("--seed", type=int, default=0, show_default=True, help="The CPU executor's interleaving seed.")
@@ -147,8 +149,9 @@ def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu")
                    "transformers then gets the same bf16 roundings; not yet run on a GPU), cpu = the CPU executor "
                    "(fp32), auto = cuda when available.")
 @max_seq_len_option("the positions of the prompt and --tokens")
+@batch_option("the batched schedule on the CPU executor; transformers decodes each sequence alone")
 def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int, device: str,
-          max_seq_len: int | None) -> None:
+          max_seq_len: int | None, batch: int) -> None:
     """Decode a checkpoint with the megakernel path and with transformers side by side; exit 0 when the fp32 logits
     agree within rel L2 1e-4 and the greedy tokens are identical. On the GPU, transformers runs with the kernel's
     bf16-rounded matrices and KV cache (see `--device`)."""
@@ -159,8 +162,11 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     from megasynth.lowering.models import MaxSeqLenError, ModelNotFound, spec_from_checkpoint, with_max_seq_len
     from megasynth.lowering.strategy import Strategy
 
+    if batch > 1 and device == "cuda":
+        _fail("--batch > 1 runs on the CPU executor only so far: the GPU interpreters decode one sequence per step "
+              "(pass --device cpu)")
     try:
-        device = pick_device(device, _cuda_available())
+        device = "cpu" if batch > 1 else pick_device(device, _cuda_available())
     except ValueError as exc:
         _fail(str(exc))
     try:
@@ -169,13 +175,18 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         _fail(str(exc))
     cfg = spec.config
     try:
-        tokens = default_prompt(cfg.vocab_size) if prompt is None else [int(t) for t in prompt.split(",")]
+        prompts = ([default_prompt(cfg.vocab_size, PROMPT_LEN + b) for b in range(batch)] if prompt is None else
+                   [[int(t) for t in part.split(",")] for part in prompt.split(";")])
     except ValueError:
-        _fail(f"--prompt {prompt!r}: not a comma-separated list of token ids")
-    bad = [t for t in tokens if not 0 <= t < cfg.vocab_size]
-    if not tokens or bad:
+        _fail(f"--prompt {prompt!r}: not a comma-separated list of token ids (prompts separated by ';')")
+    if len(prompts) == 1:
+        prompts *= batch
+    if len(prompts) != batch:
+        _fail(f"--prompt holds {len(prompts)} prompts; --batch {batch} needs 1 or {batch}")
+    if any(not p or any(not 0 <= t < cfg.vocab_size for t in p) for p in prompts):
         _fail(f"--prompt: token ids must lie in [0, {cfg.vocab_size}) and there must be one at least")
-    seq = len(tokens) + n_tokens
+    tokens = prompts[0]
+    seq = max(map(len, prompts)) + n_tokens
     if spec.max_position_embeddings is not None and seq > spec.max_position_embeddings:
         _fail(f"--tokens: {seq} positions exceed max_position_embeddings = {spec.max_position_embeddings}")
     try:  # default: just the positions this check decodes
@@ -186,7 +197,7 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         _fail(f"--max-seq-len {spec.max_seq_len} is below the {seq} positions of the prompt and --tokens")
     try:
         weights = load_hf_weights(weights_dir, cfg)
-        schedule = lower(spec, workers, Strategy(attn_splits=2))
+        schedule = lower(replace(spec, batch=batch), workers, Strategy(attn_splits=2))
         prog = resolve(schedule)
     except (WeightsError, ScheduleError) as exc:
         _fail(str(exc))
@@ -195,6 +206,9 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         theirs_of = _hf_runner(weights_dir, gpu, device)
     except Exception as exc:  # noqa: BLE001 (transformers raises many types for a folder it cannot load)
         _fail(f"{weights_dir}: transformers cannot load the checkpoint: {type(exc).__name__}: {exc}")
+    if batch > 1:
+        sys.exit(check_batch(prog, weights, prompts, n_tokens, seed, theirs_of, f"{weights_dir}: {spec.description}",
+                             workers))
 
     try:
         run_step = megakernel_runner(schedule, weights, spec.max_seq_len, seed, device)
@@ -231,3 +245,43 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     click.echo(f"tokens hf   {theirs_seq[len(tokens):]}")
     click.echo("agree" if ok else f"DISAGREE (bound: rel L2 <= {REL_L2:g} per step and identical tokens)")
     sys.exit(0 if ok else 1)
+
+
+def check_batch(prog, weights, prompts: list[list[int]], n_tokens: int, seed: int,  # noqa: ANN001
+                theirs_of: Callable[[list[int]], object], title: str, workers: int) -> int:
+    """The batched schedule on the CPU executor against transformers, which decodes each sequence alone. All
+    sequences step together from position 0; a sequence whose prompt is shorter starts generating earlier (so in one
+    step some sequences read their prompt and others their own tokens) and each generates until the longest prompt
+    plus `n_tokens`. Every generated step is compared; returns the exit code (0 agree, 1 differ)."""
+    from megasynth.kernels.cpu_executor import run_program
+    from megasynth.kernels.reference import new_kv_cache
+
+    geo = prog.geometry
+    batch = len(prompts)
+    k_cache, v_cache = new_kv_cache(geo.cfg, geo.max_seq_len, batch=batch)
+    ours_seq = [list(p) for p in prompts]
+    theirs_seq = [list(p) for p in prompts]
+    steps = max(map(len, prompts)) - 1 + n_tokens
+    click.echo(f"{title}; {batch} sequences, prompts of {', '.join(str(len(p)) for p in prompts)} tokens; "
+               f"{len(prog.ids)} instructions on {workers} workers (CPU executor, batch {batch}) vs transformers fp32 "
+               "eager, one sequence at a time")
+    click.echo(f"{'step':>4}  {'seq':>3}  {'pos':>4}  {'rel L2':>9}  {'ours':>7}  {'hf':>7}")
+    ok = True
+    for pos in range(steps):
+        logits = run_program(prog, weights, k_cache, v_cache, [s[pos] for s in ours_seq], [pos] * batch, seed=seed)
+        for b in range(batch):
+            if pos < len(prompts[b]) - 1:  # still reading its prompt
+                continue
+            ours = logits[b]
+            theirs = theirs_of(theirs_seq[b])
+            err = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
+            a, h = int(ours.argmax()), int(theirs.argmax())
+            agree = err <= REL_L2 and a == h and ours_seq[b] == theirs_seq[b]
+            ok &= agree
+            click.echo(f"{pos:>4}  {b:>3}  {pos:>4}  {err:>9.2e}  {a:>7}  {h:>7}" + ("" if agree else "  MISMATCH"))
+            ours_seq[b].append(a)
+            theirs_seq[b].append(h)
+    for b in range(batch):
+        click.echo(f"seq {b}: tokens ours {ours_seq[b][len(prompts[b]):]}, hf {theirs_seq[b][len(prompts[b]):]}")
+    click.echo("agree" if ok else f"DISAGREE (bound: rel L2 <= {REL_L2:g} per step and identical tokens)")
+    return 0 if ok else 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from megasynth.commands import max_seq_len_option, model_spec
+from megasynth.commands import batch_option, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 
@@ -43,6 +43,7 @@ from megasynth.ir.errors import ScheduleError
               help="Context length the schedules are timed/estimated at, at most max_seq_len. [default: 1024, or "
                    "max_seq_len if smaller]")
 @max_seq_len_option()
+@batch_option("estimated with --cpu (the GPU interpreters run batch 1); the best schedule may differ per batch")
 @click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Cost-model parameters (default: megasynth/data/h200_costmodel.json).")
 @click.option("--cpu", is_flag=True, help="Estimate with the cost model even when CUDA is present.")
@@ -66,13 +67,13 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
            jobs: int | None,
            no_progress: bool,
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
-           llm_timeout: float | None) -> None:
+           llm_timeout: float | None, batch: int) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from megasynth.lowering.costmodel import load_params
     from megasynth.search.config import SearchConfig
     from megasynth.search.loop import run_search
 
-    spec = model_spec(model_name, max_seq_len)
+    spec = model_spec(model_name, max_seq_len, batch)
     if ctx is None:
         ctx = min(1024, spec.max_seq_len)
     elif ctx > spec.max_seq_len:
@@ -88,7 +89,7 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, lease_s=lease, interleavings=interleavings,
-                       final_interleavings=final_interleavings, ctx=ctx, max_seq_len=max_seq_len,
+                       final_interleavings=final_interleavings, ctx=ctx, max_seq_len=max_seq_len, sequences=batch,
                        gpu=False if cpu else None,
                        progress=not no_progress,
                        cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),

@@ -1,4 +1,4 @@
-"""The op catalogue of the Llama family, batch-1 decode: per op, its arguments, footprint, coverage, cost and compute.
+"""The op catalogue of the Llama family's decode step: per op, its arguments, footprint, coverage, cost and compute.
 
 One owner per fact (STYLE.md): the validator reads footprints and coverage from here, the CPU executor and the
 reference-checked GPU interpreter read the compute and the buffer layout, the cost model reads bytes and flops, the
@@ -23,6 +23,12 @@ The KV position `pos` (the token's index) is a runtime input: footprints are the
 one schedule is valid for every position. Attention over `splits` splits covers, for the sequence length T = pos + 1,
 positions [s*T//splits, (s+1)*T//splits) in split s (possibly empty).
 
+A batch (Geometry.batch = B, the schedule's `model.batch`) decodes B sequences per step, each with its own position:
+every buffer above is one sequence's part, B times over (sequence b's part of an activation buffer starts at b times
+one sequence's size; the caches are [L, B, nKV, hd, S] in footprint order). The ops below describe one sequence; an
+instruction of a weight op serves every sequence (`footprint` and `compute` place its accesses and run it per
+sequence), one of `PER_SEQ_OPS` serves sequence `args.seq` (default 0).
+
 Weights (read-only, no part in footprints), as `kernels` packs them: `embed` [V,H]; per layer `layers.{l}.attn_norm`
 [H], `layers.{l}.wqkv` [q+2kv, H] (q rows, k rows, v rows), `layers.{l}.wo` [H, nH*hd], `layers.{l}.mlp_norm` [H],
 `layers.{l}.w_gate` [I,H], `layers.{l}.w_up` [I,H], `layers.{l}.w_down` [H,I]; `final_norm` [H]; `lm_head` [V,H]; with
@@ -37,6 +43,8 @@ rotation and records each pair's sum of squares; the apply op scales the group's
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -50,13 +58,26 @@ W_BYTES = 2  # bf16 weights and KV cache on the GPU
 
 @dataclass(frozen=True)
 class Geometry:
-    """A model config plus the sizes a schedule fixes (max sequence length, largest attention split count)."""
+    """A model config plus the sizes a schedule fixes (max sequence length, largest attention split count, the
+    number of sequences decoded together)."""
 
     cfg: ModelConfig
     max_seq_len: int
     max_splits: int = 1
+    batch: int = 1
+
+    @functools.cached_property
+    def seq_sizes(self) -> dict[str, int]:
+        """`seq_buffers`, computed once (footprints of a batch read it per instruction)."""
+        return self.seq_buffers()
 
     def buffers(self) -> dict[str, int]:
+        """Element counts of every buffer: one sequence's (`seq_buffers`) times the batch."""
+        return {name: size * self.batch for name, size in self.seq_buffers().items()}
+
+    def seq_buffers(self) -> dict[str, int]:
+        """One sequence's part of each buffer; sequence b's part of an activation buffer starts at b times this, and
+        its KV cache slot is the b-th of each layer's (the caches are [L, B, nKV, hd, S] in footprint order)."""
         c, s = self.cfg, self.max_seq_len
         kv = c.num_hidden_layers * c.num_key_value_heads * s * c.hd
         return {
@@ -74,7 +95,8 @@ class Geometry:
         }
 
     def kv_head_range(self, layer: int, g0: int, g1: int) -> tuple[int, int]:
-        """Element range of KV heads [g0, g1) of one layer, every position."""
+        """Element range of KV heads [g0, g1) of one layer, every position, in one sequence's coordinates (as
+        footprints are computed; `to_batch` places them in sequence b's cache slot)."""
         c, s = self.cfg, self.max_seq_len
         base = layer * c.num_key_value_heads
         return ((base + g0) * s * c.hd, (base + g1) * s * c.hd)
@@ -102,6 +124,77 @@ def qkv_pair_pieces(cfg: ModelConfig, start: int, end: int) -> list[tuple[int, i
 
 # An access: (kind, buffer, start, end) with kind in {"read", "write", "reduce"}.
 Access = tuple[str, str, int, int]
+
+CACHES = ("k_cache", "v_cache")
+#: Ops whose instructions serve one sequence (args.seq, default 0); every other op serves the whole batch.
+PER_SEQ_OPS = ("attn_partial", "attn_reduce")
+
+
+def to_batch(geo: Geometry, accesses: list[Access], b: int) -> list[Access]:
+    """One sequence's accesses placed in sequence b's part of each buffer: activations shift by b times one
+    sequence's size, a cache range moves to sequence b's slot of its layer (a cache range never spans layers)."""
+    if geo.batch == 1:
+        return accesses
+    per = geo.seq_sizes
+    block = geo.cfg.num_key_value_heads * geo.max_seq_len * geo.cfg.hd
+    out: list[Access] = []
+    for kind, buf, lo, hi in accesses:
+        if buf in CACHES:
+            layer, off = divmod(lo, block)
+            base = (layer * geo.batch + b) * block + off
+            out.append((kind, buf, base, base + hi - lo))
+        else:
+            shift = b * per[buf]
+            out.append((kind, buf, lo + shift, hi + shift))
+    return out
+
+
+def _coalesce(accesses: list[Access]) -> list[Access]:
+    """Ranges of the same kind and buffer that follow on from each other merged (sequence by sequence, a
+    whole-batch read of x becomes one access, not B)."""
+    runs: dict[tuple[str, str], list[list[int]]] = {}
+    for kind, buf, lo, hi in accesses:
+        rs = runs.setdefault((kind, buf), [])
+        if rs and rs[-1][1] == lo:
+            rs[-1][1] = hi
+        else:
+            rs.append([lo, hi])
+    return [(kind, buf, lo, hi) for (kind, buf), rs in runs.items() for lo, hi in rs]
+
+
+def sequences(geo: Geometry, op: str, a: Mapping[str, int]) -> range:
+    """The sequences an instruction serves."""
+    if op in PER_SEQ_OPS:
+        return range(a.get("seq", 0), a.get("seq", 0) + 1)
+    return range(geo.batch)
+
+
+def footprint(geo: Geometry, op: str, layer: int, a: dict[str, int]) -> list[Access]:
+    """An instruction's accesses over the sequences it serves (one sequence's, from the op, placed per sequence)."""
+    one = OPS[op].footprint(geo, layer, a)
+    if geo.batch == 1:
+        return one
+    seqs = sequences(geo, op, a)
+    if len(seqs) == 1:
+        return to_batch(geo, one, seqs[0])
+    return _coalesce([acc for b in seqs for acc in to_batch(geo, one, b)])
+
+
+def seq_views(ws: Mapping[str, Any], rt: Mapping[str, Any], geo: Geometry, b: int) -> tuple[dict, dict]:
+    """Sequence b's views of the workspace (activations [B, n] row b; caches [L, B, nKV, S, hd] slot b) and of the
+    runtime inputs (pos, token, cos, sin as lists or [B, hd] rows)."""
+    per = geo.seq_buffers()
+    views = {name: t[:, b] if name in CACHES else t[b * per[name]:(b + 1) * per[name]] if name in per else t
+             for name, t in ws.items()}
+    return views, {"pos": rt["pos"][b], "token": rt["token"][b], "cos": rt["cos"][b], "sin": rt["sin"][b]}
+
+
+def compute(ws: Mapping[str, Any], w: Mapping[str, Any], rt: Mapping[str, Any], geo: Geometry, op: str, layer: int,
+            a: dict[str, int]) -> None:
+    """Run an instruction on the sequences it serves (the op's compute works on one sequence's views)."""
+    for b in sequences(geo, op, a):
+        views, rt_b = seq_views(ws, rt, geo, b)
+        OPS[op].compute(views, w, rt_b, geo, layer, a)
 # A coverage tile: the logical output it produces, as (key, ((r0, r1), (k0, k1)), domain ((0, R), (0, K))).
 Tile = tuple[tuple[Any, ...], tuple[tuple[int, int], tuple[int, int]], tuple[tuple[int, int], tuple[int, int]]]
 
@@ -122,7 +215,8 @@ class OpSpec:
     footprint: Callable[[Geometry, int, dict[str, int]], list[Access]]
     tile: Callable[[Geometry, int, dict[str, int]], Tile]
     cost: Callable[[Geometry, int, dict[str, int], int], tuple[int, int]]  # -> (bytes, flops) at sequence length T
-    compute: Callable[..., None]
+    compute: Callable[..., None]  # one sequence's part: `compute` below runs it for each sequence served
+    optional: Mapping[str, str] = dataclasses.field(default_factory=dict)  # arguments with a default of 0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,7 +268,13 @@ def _check_kv_head(geo: Geometry, layer: int, args: dict[str, int]) -> None:
         raise ArgError(f"args.kv_head = {args['kv_head']} must be in [0, {geo.cfg.num_key_value_heads})")
 
 
+def _check_seq(geo: Geometry, args: dict[str, int]) -> None:
+    if not 0 <= args.get("seq", 0) < geo.batch:
+        raise ArgError(f"args.seq = {args['seq']} must be in [0, batch={geo.batch})")
+
+
 def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    _check_seq(geo, args)
     c = geo.cfg
     if not 0 <= args["kv_head"] < c.num_key_value_heads:
         raise ArgError(f"args.kv_head = {args['kv_head']} must be in [0, {c.num_key_value_heads})")
@@ -190,6 +290,7 @@ def _check_splits(geo: Geometry, args: dict[str, int]) -> None:
 
 
 def _check_reduce(geo: Geometry, layer: int, args: dict[str, int]) -> None:
+    _check_seq(geo, args)
     _interval(args, "start", "end", geo.cfg.num_attention_heads, geo.cfg.group_size)
     _check_splits(geo, args)
 
@@ -325,9 +426,19 @@ def _tile_qk_apply(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
     return ("qk_norm_apply", layer, a["kv_head"]), ((0, 1), (0, 1)), ((0, 1), (0, 1))
 
 
+def _seq_key(geo: Geometry, a: dict[str, int]) -> tuple[int, ...]:
+    """A per-sequence op's coverage key gains the sequence in a batch (batch 1 keeps the keys it always had)."""
+    return (a.get("seq", 0),) if geo.batch > 1 else ()
+
+
 def _tile_partial(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
-    key = ("attn_partial", layer, a["kv_head"])
+    key = ("attn_partial", layer, a["kv_head"], *_seq_key(geo, a))
     return key, ((a["split"], a["split"] + 1), (0, 1)), ((0, a["splits"]), (0, 1))
+
+
+def _tile_reduce(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
+    key = ("attn_reduce", layer, *_seq_key(geo, a))
+    return key, ((a["start"], a["end"]), (0, 1)), ((0, geo.cfg.num_attention_heads), (0, 1))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -337,10 +448,10 @@ def _tile_partial(geo: Geometry, layer: int, a: dict[str, int]) -> Tile:
 def _cost_matvec(rows_of: Callable[[dict[str, int]], int], k_of: Callable[[Geometry, dict[str, int]], int],
                  norm: bool = False, out_mult: int = 1):
     def cost(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
-        r, k = rows_of(a), k_of(geo, a)
+        r, k, n = rows_of(a), k_of(geo, a), geo.batch  # the weights once, the activations of every sequence
         inp = geo.cfg.hidden_size if norm else k
-        nbytes = r * out_mult * k * W_BYTES + inp * ACT_BYTES + r * ACT_BYTES * (2 if not norm else 1)
-        return nbytes, 2 * r * out_mult * k
+        nbytes = r * out_mult * k * W_BYTES + n * (inp * ACT_BYTES + r * ACT_BYTES * (2 if not norm else 1))
+        return nbytes, 2 * r * out_mult * k * n
     return cost
 
 
@@ -368,8 +479,8 @@ def _cost_qk_apply(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tu
     """Sums of squares and q heads read, q heads written (fp32), the k row read (fp32) and written (cache dtype)."""
     c = geo.cfg
     heads = c.group_size + 1
-    return heads * c.hd // 2 * ACT_BYTES + 2 * c.group_size * c.hd * ACT_BYTES + c.hd * (ACT_BYTES + W_BYTES), \
-        3 * heads * c.hd
+    one = heads * c.hd // 2 * ACT_BYTES + 2 * c.group_size * c.hd * ACT_BYTES + c.hd * (ACT_BYTES + W_BYTES)
+    return geo.batch * one, geo.batch * 3 * heads * c.hd
 
 
 def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
@@ -392,14 +503,14 @@ def _cost_reduce(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tupl
 
 
 def _cost_reduce_oproj(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
-    k = a["k_end"] - a["k_start"]
+    k, n = a["k_end"] - a["k_start"], geo.batch
     mb, mf = _merge_cost(k // geo.cfg.hd, geo.cfg.hd, a["splits"])
     rows = a["end"] - a["start"]
-    return rows * k * W_BYTES + mb + 2 * rows * ACT_BYTES, mf + 2 * rows * k
+    return rows * k * W_BYTES + n * (mb + 2 * rows * ACT_BYTES), n * (mf + 2 * rows * k)
 
 
 def _cost_embed(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
-    return _rows(a) * (W_BYTES + ACT_BYTES), 0
+    return geo.batch * _rows(a) * (W_BYTES + ACT_BYTES), 0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -603,12 +714,13 @@ OPS: dict[str, OpSpec] = {
                "attention of the query heads of one KV head over one split of the sequence; writes o and lse",
                True, {"kv_head": "KV head (its group of query heads)", "split": "split index",
                       "splits": "number of splits of the sequence"},
-               _check_partial, _fp_partial, _tile_partial, _cost_partial, _c_partial),
+               _check_partial, _fp_partial, _tile_partial, _cost_partial, _c_partial,
+               {"seq": "sequence of the batch whose attention it computes (default 0)"}),
         OpSpec("attn_reduce", "merge the splits of query heads [start,end) by log-sum-exp into `attn`", True,
                {"start": "first query head, a multiple of the GQA group", "end": "end query head",
                 "splits": "number of splits to merge (must match attn_partial)"},
-               _check_reduce, _fp_reduce, _tile_rows("attn_reduce", lambda c: c.num_attention_heads),
-               _cost_reduce, _c_reduce),
+               _check_reduce, _fp_reduce, _tile_reduce, _cost_reduce, _c_reduce,
+               {"seq": "sequence of the batch it merges (default 0)"}),
         OpSpec("o_proj_residual", "x[start:end] += wo[start:end, k_start:k_end] @ attn[k_start:k_end]", True,
                _ROWS_K, _check_rows_k(lambda c: c.hidden_size, lambda c: c.q_size), _fp_oproj,
                _tile_rows_k("o_proj_residual", lambda c: c.hidden_size, lambda c: c.q_size),
@@ -668,11 +780,12 @@ def check_instruction(geo: Geometry, op: str, layer: int | None, args: Mapping[s
     missing = [k for k in spec.args if k not in args]
     if missing:
         raise ArgError(f"args.{missing[0]} is missing ({spec.args[missing[0]]})")
-    extra = [k for k in args if k not in spec.args]
+    extra = [k for k in args if k not in spec.args and k not in spec.optional]
     if extra:
-        raise ArgError(f"args.{extra[0]} is not an argument of {op} (it takes {', '.join(spec.args)})")
+        raise ArgError(f"args.{extra[0]} is not an argument of {op} (it takes "
+                       f"{', '.join([*spec.args, *spec.optional])})")
     out: dict[str, int] = {}
-    for k in spec.args:
+    for k in [*spec.args, *(k for k in spec.optional if k in args)]:
         v = args[k]
         if not isinstance(v, int) or isinstance(v, bool) or not -(2**31) <= v < 2**31:
             raise ArgError(f"args.{k} must be a 32-bit integer, got {v!r}")
@@ -693,6 +806,7 @@ def required_tiles(geo: Geometry, unfused: set[int] | None = None,
     instruction (default: all); attn_reduce is required in those only. `qk_apart`: the layers whose QKV applies the
     QK-norm apart (attn_norm_qkv_rope_sq, then qk_norm_apply of every KV head; default: none)."""
     c = geo.cfg
+    seqs = [(b,) for b in range(geo.batch)] if geo.batch > 1 else [()]
     keys: list[tuple[Any, ...]] = [("embed", -1)]
     for layer in range(c.num_hidden_layers):
         if qk_apart and layer in qk_apart:
@@ -700,9 +814,9 @@ def required_tiles(geo: Geometry, unfused: set[int] | None = None,
             keys.extend(("qk_norm_apply", layer, g) for g in range(c.num_key_value_heads))
         else:
             keys.append(("attn_norm_qkv_rope", layer))
-        keys.extend(("attn_partial", layer, g) for g in range(c.num_key_value_heads))
+        keys.extend(("attn_partial", layer, g, *b) for b in seqs for g in range(c.num_key_value_heads))
         if unfused is None or layer in unfused:
-            keys.append(("attn_reduce", layer))
+            keys.extend(("attn_reduce", layer, *b) for b in seqs)
         keys.extend([("o_proj_residual", layer), ("mlp_norm_gate_up", layer), ("down_proj_residual", layer)])
     keys.append(("final_norm_lm_head", -1))
     return keys

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from megasynth.ir.catalogue import MERGE_OPS, OPS, Access, ArgError, Geometry, check_instruction
+from megasynth.ir.catalogue import MERGE_OPS, OPS, Access, ArgError, Geometry, check_instruction, footprint
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.model import ConfigError, ModelConfig
 from megasynth.ir.schedule import Schedule
@@ -81,7 +81,8 @@ def geometry_of(schedule: Schedule, file: str | None = None) -> Geometry | None:
         s = ins.args.get("splits") if ins.op in ("attn_partial", *MERGE_OPS) else None
         if isinstance(s, int) and not isinstance(s, bool) and s > splits:
             splits = s
-    return Geometry(cfg, schedule.model.max_seq_len, min(splits, schedule.model.max_seq_len))
+    return Geometry(cfg, schedule.model.max_seq_len, min(splits, schedule.model.max_seq_len),
+                    schedule.model.batch or 1)
 
 
 def _regions(kind: str, regions: list) -> list[Access]:
@@ -170,7 +171,7 @@ def resolve(schedule: Schedule, file: str | None = None) -> Program:
                 prog.args[i] = check_instruction(geo, ins.op, ins.layer, ins.args)
             except ArgError as exc:
                 raise ScheduleError(str(exc), where, file) from None
-            derived = [a for a in OPS[ins.op].footprint(geo, ins.layer if ins.layer is not None else -1, prog.args[i])
+            derived = [a for a in footprint(geo, ins.op, ins.layer if ins.layer is not None else -1, prog.args[i])
                        if a[2] < a[3]]
             for a in derived:
                 if a[3] > buffers[a[1]]:

@@ -26,6 +26,7 @@ MAX_COUNTERS = 4_000_000
 #: context's KV cache passes 2**31 elements (llama-8b at 131072 positions: 2**32). Bounded well inside the int64
 #: arrays the validator sweeps element ranges in.
 MAX_ELEMENTS = 2**50
+MAX_BATCH = 256
 
 NonNeg = Annotated[StrictInt, Field(ge=0, le=MAX_INT)]
 Positive = Annotated[StrictInt, Field(ge=1, le=MAX_INT)]
@@ -92,6 +93,8 @@ class ModelRef(_Open):
     name: StrictStr
     config: dict[str, Any]
     max_seq_len: Positive
+    #: Sequences decoded per step, each with its own KV cache slot and position; absent: 1.
+    batch: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] | None = None
 
 
 class Target(_Open):

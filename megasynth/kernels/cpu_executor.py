@@ -11,11 +11,12 @@ on; the executor never spins.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from megasynth.ir.catalogue import OPS
+from megasynth.ir.catalogue import OPS, compute
 from megasynth.ir.program import Program, resolve
 from megasynth.ir.schedule import Schedule
 from megasynth.kernels.reference import rope_cos_sin
@@ -55,22 +56,38 @@ class ExecutorError(ValueError):
     """The schedule or the inputs cannot be executed here (not a catalogue schedule, wrong cache shape, ...)."""
 
 
-def _check_inputs(prog: Program, k_cache: torch.Tensor, v_cache: torch.Tensor, token: int, pos: int) -> None:
+def _inputs(prog: Program, k_cache: torch.Tensor, v_cache: torch.Tensor, token: int | Sequence[int],
+            pos: int | Sequence[int]) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """The tokens and positions as lists of the batch's length and the caches as [L, B, nKV, S, hd] views; a defect
+    raises `ExecutorError` naming it."""
     geo = prog.geometry
     if geo is None:
         raise ExecutorError("$.model: the CPU executor needs a schedule with a model")
     for i in range(prog.n):
         if prog.op[i] not in OPS:
             raise ExecutorError(f"{prog.path(i)}.op: {prog.op[i]!r} is not a catalogue op")
-    c = geo.cfg
-    want = (c.num_hidden_layers, c.num_key_value_heads, geo.max_seq_len, c.hd)
+    c, n = geo.cfg, geo.batch
+    tokens = [token] if isinstance(token, int) else list(token)
+    positions = [pos] if isinstance(pos, int) else list(pos)
+    if len(tokens) != n or len(positions) != n:
+        raise ExecutorError(f"the schedule decodes {n} sequence(s) per step; got {len(tokens)} token(s) and "
+                            f"{len(positions)} position(s)")
+    want = (c.num_hidden_layers, n, c.num_key_value_heads, geo.max_seq_len, c.hd)
+    caches = []
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if n == 1 and cache.dim() == 4:
+            cache = cache.unsqueeze(1)  # one sequence's [L, nKV, S, hd] cache, as a slot of a batch of one
         if tuple(cache.shape) != want:
-            raise ExecutorError(f"{name} has shape {list(cache.shape)}; the schedule needs {list(want)}")
-    if not 0 <= pos < geo.max_seq_len:
-        raise ExecutorError(f"pos {pos} outside [0, max_seq_len={geo.max_seq_len})")
-    if not 0 <= token < c.vocab_size:
-        raise ExecutorError(f"token {token} outside the vocabulary [0, {c.vocab_size})")
+            raise ExecutorError(f"{name} has shape {list(cache.shape)}; the schedule needs {list(want)}"
+                                + (f" or {[want[0], *want[2:]]}" if n == 1 else ""))
+        caches.append(cache)
+    for b, (t, p) in enumerate(zip(tokens, positions, strict=True)):
+        where = f"sequence {b}: " if n > 1 else ""
+        if not 0 <= p < geo.max_seq_len:
+            raise ExecutorError(f"{where}pos {p} outside [0, max_seq_len={geo.max_seq_len})")
+        if not 0 <= t < c.vocab_size:
+            raise ExecutorError(f"{where}token {t} outside the vocabulary [0, {c.vocab_size})")
+    return tokens, positions, caches[0], caches[1]
 
 
 def workspace(prog: Program, k_cache: torch.Tensor, v_cache: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -82,16 +99,17 @@ def workspace(prog: Program, k_cache: torch.Tensor, v_cache: torch.Tensor) -> di
     return ws
 
 
-def run_program(prog: Program, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor, token: int,
-                pos: int, *, seed: int = 0, max_steps: int | None = None,
+def run_program(prog: Program, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                token: int | Sequence[int], pos: int | Sequence[int], *, seed: int = 0, max_steps: int | None = None,
                 trace: list[int] | None = None) -> torch.Tensor:
     """`run_schedule` on an already resolved `Program` (resolve once, run many interleavings)."""
-    _check_inputs(prog, k_cache, v_cache, token, pos)
+    tokens, positions, k5, v5 = _inputs(prog, k_cache, v_cache, token, pos)
     geo = prog.geometry
     assert geo is not None
-    cos, sin = rope_cos_sin(geo.cfg, pos, k_cache.device)
-    rt = {"pos": pos, "token": token, "cos": cos, "sin": sin}
-    ws = workspace(prog, k_cache, v_cache)
+    rope = [rope_cos_sin(geo.cfg, p, k_cache.device) for p in positions]
+    rt = {"pos": positions, "token": tokens, "cos": torch.stack([r[0] for r in rope]),
+          "sin": torch.stack([r[1] for r in rope])}
+    ws = workspace(prog, k5, v5)
     rng = random.Random(seed)
     counters = [0] * prog.counters
     head = [0] * len(prog.queues)
@@ -110,7 +128,7 @@ def run_program(prog: Program, weights: Weights, k_cache: torch.Tensor, v_cache:
         w = rng.choice(ready)
         i = prog.queues[w][head[w]]
         layer = prog.layer[i]
-        OPS[prog.op[i]].compute(ws, weights, rt, geo, layer if layer is not None else -1, prog.args[i])
+        compute(ws, weights, rt, geo, prog.op[i], layer if layer is not None else -1, prog.args[i])
         for c, add in prog.signals[i]:
             counters[c] += add
         head[w] += 1
@@ -129,13 +147,16 @@ def run_program(prog: Program, weights: Weights, k_cache: torch.Tensor, v_cache:
         if stuck and len(stuck) == sum(head[w] < len(q) for w, q in enumerate(prog.queues)):
             raise DeadlockError(stuck, order[start:], prog.n)
         raise ExecutorError(f"stopped after max_steps={limit} of {prog.n} instructions")
-    return ws["logits"].clone()
+    logits = ws["logits"][:geo.batch * geo.cfg.vocab_size].view(geo.batch, -1).clone()
+    return logits[0] if isinstance(token, int) and geo.batch == 1 else logits
 
 
-def run_schedule(schedule: Schedule, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor, token: int,
-                 pos: int, *, seed: int = 0, max_steps: int | None = None,
-                 trace: list[int] | None = None) -> torch.Tensor:
-    """Run one decode step of `schedule`; return the fp32 logits [V]. K/V of this token land in the caches at `pos`.
+def run_schedule(schedule: Schedule, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 token: int | Sequence[int], pos: int | Sequence[int], *, seed: int = 0,
+                 max_steps: int | None = None, trace: list[int] | None = None) -> torch.Tensor:
+    """Run one decode step of `schedule`; return the fp32 logits [V] (for one `token` at one `pos`), or [B, V] for
+    lists of a batch's tokens and positions, with the caches [L, B, nKV, S, hd] (one slot per sequence). K/V of
+    each token land in its sequence's slot at its position.
 
     `seed` picks the interleaving; `max_steps` bounds the instructions run (default: all of them); `trace`, when
     given, receives the instruction ids in the order they ran. Raises `DeadlockError` when the schedule stalls and

@@ -1,4 +1,4 @@
-"""The PyTorch reference decode step (batch 1): the independent oracle the executors and the catalogue are checked by.
+"""The PyTorch reference decode step: the independent oracle the executors and the catalogue are checked by.
 
 Plain functions that read like the equations (gpt-fast style). It deliberately does not call the catalogue's compute
 functions; it shares only the RoPE frequencies (`megasynth.ir.catalogue.rope_inv_freq`, one owner of Llama-3 scaling)
@@ -19,9 +19,11 @@ Weights = dict[str, torch.Tensor]
 
 
 def new_kv_cache(cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed K and V caches shaped [L, nKV, S, hd] (the catalogue's layout)."""
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, max_seq_len, cfg.hd)
+                 device: str | torch.device = "cpu", batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed K and V caches shaped [L, nKV, S, hd] (the catalogue's layout), or [L, B, nKV, S, hd] with one slot
+    per sequence for a `batch`."""
+    shape = (cfg.num_hidden_layers, *(() if batch is None else (batch,)), cfg.num_key_value_heads, max_seq_len,
+             cfg.hd)
     return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
 
@@ -92,3 +94,14 @@ def decode_step(cfg: ModelConfig, weights: Weights, k_cache: torch.Tensor, v_cac
         h = rms_norm(x, w["mlp_norm"], eps)
         x = x + w["w_down"] @ (F.silu(w["w_gate"] @ h) * (w["w_up"] @ h))
     return weights["lm_head"].float() @ rms_norm(x, weights["final_norm"], eps)
+
+
+def decode_batch(cfg: ModelConfig, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tokens: list[int], positions: list[int]) -> torch.Tensor:
+    """One decode step of a batch: each sequence alone, with its own cache slot ([L, B, nKV, S, hd]) and its own
+    position; fp32 logits [B, V]. The oracle for batched schedules is the batch-1 step, sequence by sequence."""
+    if not len(tokens) == len(positions) == k_cache.shape[1] == v_cache.shape[1]:
+        raise ValueError(f"{len(tokens)} tokens, {len(positions)} positions and caches of {k_cache.shape[1]} slots "
+                         "must agree")
+    return torch.stack([decode_step(cfg, weights, k_cache[:, b], v_cache[:, b], t, p)
+                        for b, (t, p) in enumerate(zip(tokens, positions, strict=True))])

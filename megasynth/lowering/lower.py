@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from megasynth.ir.catalogue import FUSED_OPROJ, OP_ORDER, OPS, Geometry
+from megasynth.ir.catalogue import FUSED_OPROJ, OP_ORDER, Geometry, footprint
 from megasynth.ir.schedule import FORMAT, Schedule, parse_schedule
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.strategy import Strategy
@@ -54,6 +54,7 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
         return [{"start": s, "end": e, "k_start": k0, "k_end": k1} for s, e in _tiles(rows, t.get(op, 16))
                 for k0, k1 in kt]
 
+    seqs = [{"seq": b} for b in range(spec.batch)] if spec.batch > 1 else [{}]  # attention is per sequence
     apart = c.qk_norm and strategy.qk_norm == "apart"  # QK-norm after QKV: its tiles may cut heads into pairs
     qkv_align = c.hd if c.qk_norm and not apart else 2  # RoPE pairs; QK-norm inside QKV needs whole heads
     prev = 0
@@ -63,14 +64,16 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
                    _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), qkv_align)], [prev])
         if apart:
             qkv = add("qk_norm_apply", layer, [{"kv_head": g} for g in range(c.num_key_value_heads)], [qkv])
-        part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits}
-                                           for g in range(c.num_key_value_heads) for s in range(splits)], [qkv])
+        part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits, **seq}
+                                           for seq in seqs for g in range(c.num_key_value_heads)
+                                           for s in range(splits)], [qkv])
         if strategy.fuse_attn_reduce:  # o_proj merges the splits of its K range's heads itself
             oproj = add(FUSED_OPROJ, layer, [{**a, "splits": splits} for a in
                                              rows_k("o_proj_residual", c.hidden_size, c.q_size, c.hd)], [part])
         else:
             red = add("attn_reduce", layer, [{"start": g * c.group_size, "end": (g + 1) * c.group_size,
-                                              "splits": splits} for g in range(c.num_key_value_heads)], [part])
+                                              "splits": splits, **seq} for seq in seqs
+                                             for g in range(c.num_key_value_heads)], [part])
             oproj = add("o_proj_residual", layer, rows_k("o_proj_residual", c.hidden_size, c.q_size), [red])
         gate = add("mlp_norm_gate_up", layer, [{"start": s, "end": e} for s, e in
                                                _tiles(c.intermediate_size, t.get("mlp_norm_gate_up", 16))], [oproj])
@@ -138,7 +141,7 @@ def direct_dependencies(flat: Flat, geo: Geometry) -> list[set[int]]:
     version: dict[str, int] = defaultdict(int)
     read_cache: dict[tuple[str, int, int, int], frozenset[int]] = {}
     for b in range(len(flat.op)):
-        acc = OPS[flat.op[b]].footprint(geo, flat.layer[b] if flat.layer[b] is not None else -1, flat.args[b])
+        acc = footprint(geo, flat.op[b], flat.layer[b] if flat.layer[b] is not None else -1, flat.args[b])
         mine: set[int] = set()
         for kind, buf, s, e in sorted(acc, key=lambda a: a[0] != "read"):
             if s >= e:
@@ -493,7 +496,7 @@ def lower(spec: ModelSpec, workers: int, strategy: Strategy | None = None, propo
     stage, round-robin over workers in id order."""
     strategy = strategy or Strategy()
     splits = min(strategy.attn_splits, spec.max_seq_len)
-    geo = Geometry(spec.config, spec.max_seq_len, splits)
+    geo = Geometry(spec.config, spec.max_seq_len, splits, spec.batch)
     stages = plan_stages(spec, strategy)
     flat = flatten(stages)
     plan = counter_plan(flat, geo, direct_dependencies(flat, geo), strategy)
@@ -508,7 +511,8 @@ def lower(spec: ModelSpec, workers: int, strategy: Strategy | None = None, propo
         instructions.append(ins)
     doc = {
         "format": FORMAT,
-        "model": {"name": spec.name, "config": spec.config.to_hf(), "max_seq_len": spec.max_seq_len},
+        "model": {"name": spec.name, "config": spec.config.to_hf(), "max_seq_len": spec.max_seq_len,
+                  **({"batch": spec.batch} if spec.batch > 1 else {})},
         "target": {"workers": workers, "device": "NVIDIA H200"},
         "buffers": geo.buffers(),
         "counters": plan.counters,

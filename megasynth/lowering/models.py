@@ -25,6 +25,8 @@ class ModelSpec:
     max_position_embeddings: int | None = None
     #: The checkpoint folder the spec was read from (`--model DIR`); its weights go with it.
     weights_dir: str | None = None
+    #: Sequences decoded per step (each with its own KV cache slot and position).
+    batch: int = 1
 
 
 class ModelNotFound(KeyError):
@@ -116,6 +118,22 @@ def with_max_seq_len(spec: ModelSpec, max_seq_len: int | None) -> ModelSpec:
         bound = f"[1, {limit}] (its max_position_embeddings)" if limit is not None else "at least 1"
         raise MaxSeqLenError(f"--max-seq-len {max_seq_len} is out of range for {spec.name}: it must be {bound}")
     return replace(spec, max_seq_len=max_seq_len)
+
+
+MAX_BATCH = 16  # what the commands offer; the format allows more
+
+
+class BatchError(ValueError):
+    """A batch size the commands do not take; the message names it and the range."""
+
+
+def with_batch(spec: ModelSpec, batch: int | None) -> ModelSpec:
+    """`spec` for `batch` sequences per step (None: its own, 1 unless set)."""
+    if batch is None or batch == spec.batch:
+        return spec
+    if not 1 <= batch <= MAX_BATCH:
+        raise BatchError(f"--batch {batch} is out of range: it must be in [1, {MAX_BATCH}]")
+    return replace(spec, batch=batch)
 
 
 def get_model(name: str, max_seq_len: int | None = None) -> ModelSpec:

@@ -488,13 +488,14 @@ class RunDir:
         if not isinstance(timing, dict) or "strategy" not in timing:
             raise ScheduleError("no schedule and no strategy in timing.json to rebuild it from", "$", where)
         from megasynth.lowering.lower import lower
-        from megasynth.lowering.models import get_model
+        from megasynth.lowering.models import get_model, with_batch
         from megasynth.lowering.patches import apply_patches
         from megasynth.lowering.strategy import parse_strategy
 
         model = self.info.get("model") or "llama-1b"
         proposer = timing.get("proposer") or "naive"
-        spec = get_model(model, self.info.get("max_seq_len"))  # None in runs that predate --max-seq-len
+        spec = with_batch(get_model(model, self.info.get("max_seq_len")),  # None in runs that predate --max-seq-len
+                          int(self.info.get("batch") or 1))
         schedule = lower(spec, int(timing.get("workers") or self.info.get("workers") or 132),
                          parse_strategy(timing["strategy"], where), proposer)
         schedule = apply_patches(schedule, timing.get("patches") or [])

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megasynth.ir.catalogue import OP_ORDER, OPS, Geometry
+from megasynth.ir.catalogue import OP_ORDER, OPS, Geometry, footprint
 from megasynth.ir.model import ModelConfig
 from megasynth.ir.program import geometry_of
 from megasynth.ir.schedule import Schedule
@@ -199,7 +199,7 @@ def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
             rec[1] += nbytes
             rec[2] += flops
             if rec[3] is None:
-                rec[3] = OPS[ins.op].footprint(geo, layer, ins.args)
+                rec[3] = footprint(geo, ins.op, layer, ins.args)
     total_bytes = sum(r[1] for r in per_op.values()) or 1
     for op in OP_ORDER:
         spec_op = OPS[op]

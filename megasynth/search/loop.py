@@ -31,7 +31,7 @@ from typing import Any
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
 from megasynth.lowering.costmodel import load_params
-from megasynth.lowering.models import get_model
+from megasynth.lowering.models import get_model, with_batch
 from megasynth.lowering.strategy import parse_strategy
 from megasynth.runs.rundir import BASELINE, RunDir, candidate_id, schedule_key, status_of
 from megasynth.runs.study import Claims, StorageError, shown, study_name, without_password
@@ -103,7 +103,7 @@ class Search:
 
     def __init__(self, cfg: SearchConfig) -> None:
         self.cfg = cfg
-        self.spec = get_model(cfg.model, cfg.max_seq_len)
+        self.spec = with_batch(get_model(cfg.model, cfg.max_seq_len), cfg.sequences)
         self.gpu = cuda_available() if cfg.gpu is None else cfg.gpu
         self.workers = cfg.workers or default_workers()
         self.params = cfg.cost_params or load_params()
@@ -124,7 +124,14 @@ class Search:
                 if cfg.max_seq_len is not None:
                     raise ValueError(f"run {path} is for max_seq_len {info['max_seq_len']}, not {cfg.max_seq_len}")
                 self.spec = get_model(cfg.model, int(info["max_seq_len"]))
+            if int(info.get("batch", 1)) != self.spec.batch:
+                if cfg.sequences != 1:
+                    raise ValueError(f"run {path} is for --batch {info.get('batch', 1)}, not {cfg.sequences}")
+                self.spec = with_batch(self.spec, int(info["batch"]))
             self.workers = int(info.get("workers", self.workers))
+        if self.spec.batch > 1 and self.gpu:
+            raise ValueError(f"--batch {self.spec.batch}: the GPU interpreters decode one sequence per step so far; "
+                             "search batched schedules with --cpu (the cost model estimates them)")
         self.standing = Standing()
         self.evaluator = Evaluator(cfg, self.spec, self.workers, self.gpu, self.params, self.run, self.standing)
         self.proposer: Proposer | None = None
@@ -159,7 +166,10 @@ class Search:
         if cfg.resume and not (self.run.path / "run.json").exists() and self.claims.info() is None:
             raise ValueError(f"cannot resume {self.run.path}: it has no run.json, and {shown(url)} has no run {name}")
         theirs = self.claims.settle_info({"model": cfg.model, "workers": self.workers, "ctx": cfg.ctx,
-                                          "max_seq_len": self.spec.max_seq_len})
+                                          "max_seq_len": self.spec.max_seq_len, "batch": self.spec.batch})
+        if theirs.get("batch", 1) != self.spec.batch:
+            raise ValueError(f"run {name} in {shown(url)} is for --batch {theirs.get('batch', 1)}, not "
+                             f"{self.spec.batch}")
         if theirs.get("model") != cfg.model:
             raise ValueError(f"run {name} in {shown(url)} is for model {theirs.get('model')!r}, not {cfg.model!r}")
         if theirs.get("max_seq_len", self.spec.max_seq_len) != self.spec.max_seq_len:
@@ -358,7 +368,8 @@ class Search:
         cfg = self.cfg
         t_start = time.monotonic()
         self._open()
-        self.run.init({"model": cfg.model, "max_seq_len": self.spec.max_seq_len, "seed": cfg.seed,
+        self.run.init({"model": cfg.model, "max_seq_len": self.spec.max_seq_len, "batch": self.spec.batch,
+                       "seed": cfg.seed,
                        "workers": self.workers, "ctx": cfg.ctx,
                        "proposer": cfg.proposer, "budget": cfg.budget,
                        "storage": without_password(cfg.storage) if cfg.storage else "study.db",

@@ -33,7 +33,7 @@ def cut(spec: ModelSpec, layers: int = LAYERS) -> ModelSpec:
     """The model spec with only its first `layers` layers (unchanged when it has no more)."""
     if spec.config.num_hidden_layers <= layers:
         return spec
-    return ModelSpec(spec.name, spec.description, replace(spec.config, num_hidden_layers=layers), spec.max_seq_len)
+    return replace(spec, config=replace(spec.config, num_hidden_layers=layers))
 
 
 def extrapolated_ms(spec: ModelSpec, workers: int, strategy: Strategy, params: CostParams, ctx: int) -> float:

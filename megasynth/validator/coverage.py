@@ -5,14 +5,16 @@ from __future__ import annotations
 from collections import defaultdict
 from itertools import pairwise
 
-from megasynth.ir.catalogue import FUSED_OPROJ, MERGE_OPS, OPS, required_tiles
+from megasynth.ir.catalogue import FUSED_OPROJ, MERGE_OPS, OPS, required_tiles, sequences
 from megasynth.ir.program import Finding, Program
 
 
 def _key_name(key: tuple) -> str:
     """A coverage key as words: 'attn_partial layer 3 kv_head 1'."""
+    if key[0] == "attn_reduce" and len(key) > 2:  # a batch: (op, layer, seq)
+        return f"attn_reduce layer {key[1]} seq {key[2]}"
     return f"{key[0]}" + (f" layer {key[1]}" if len(key) > 1 and key[1] >= 0 else "") + \
-        (f" kv_head {key[2]}" if len(key) > 2 else "")
+        (f" kv_head {key[2]}" if len(key) > 2 else "") + (f" seq {key[3]}" if len(key) > 3 else "")
 
 
 def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]], prog: Program) -> list[Finding]:
@@ -86,9 +88,13 @@ def check_coverage(prog: Program) -> list[Finding]:
             continue
         a = prog.args[i]
         h0, h1 = (a["k_start"] // hd, a["k_end"] // hd) if prog.op[i] == FUSED_OPROJ else (a["start"], a["end"])
+        seqs = [()] if geo.batch == 1 else [(b,) for b in sequences(geo, prog.op[i], a)]
         for g in range(h0 // group, (h1 + group - 1) // group):
-            dom = domains.get(("attn_partial", prog.layer[i], g))
-            if dom is not None and dom[0][1] != a["splits"]:
-                findings.append(Finding("coverage", f"{prog.label(i)} merges {a['splits']} splits but attn_partial "
-                                        f"of kv_head {g} produces {dom[0][1]}", [prog.ids[i]], prog.path(i)))
+            for b in seqs:
+                dom = domains.get(("attn_partial", prog.layer[i], g, *b))
+                if dom is not None and dom[0][1] != a["splits"]:
+                    findings.append(Finding("coverage", f"{prog.label(i)} merges {a['splits']} splits but "
+                                            f"attn_partial of kv_head {g} produces {dom[0][1]}", [prog.ids[i]],
+                                            prog.path(i)))
+                    break
     return findings

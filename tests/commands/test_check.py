@@ -154,3 +154,28 @@ def test_check_on_the_gpu(tmp_path: Path, family: str) -> None:
     code, out = _check(tmp_path, "--device", "cuda")
     assert code == 0, out
     assert "GPU interpreter" in out and out.rstrip().endswith("agree")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama-hd"])
+def test_check_batch_3_agrees_with_transformers_one_sequence_at_a_time(tmp_path: Path, family: str) -> None:
+    """Three sequences with prompts of 4, 5 and 6 tokens step together through one batched schedule; transformers
+    decodes each alone. In the first compared steps the shorter prompts already generate while the longest is still
+    read, so every sequence's tokens and logits are its own."""
+    save_hf_checkpoint(tmp_path, family)
+    code, out = _check(tmp_path, "--batch", "3")
+    assert code == 0, out
+    assert out.rstrip().endswith("agree")
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and len(line.split()) == 6]
+    assert sorted({int(r[1]) for r in rows}) == [0, 1, 2]
+    assert [sum(int(r[1]) == b for r in rows) for b in range(3)] == [5, 4, 3]  # 3 tokens after the longest prompt
+    assert all(float(r[3]) <= 1e-4 and r[4] == r[5] for r in rows)
+    outs = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("seq ")}
+    assert len(set(v.split(":", 1)[1] for v in outs.values())) == 3  # the sequences decode different tokens
+
+
+def test_check_batch_bad_input(tmp_path: Path) -> None:
+    save_hf_checkpoint(tmp_path, "mistral")
+    code, out = _check(tmp_path, "--batch", "3", "--prompt", "1,2;3,4")
+    assert code == 2 and "--prompt holds 2 prompts; --batch 3 needs 1 or 3" in out
+    code, out = _check(tmp_path, "--batch", "2", "--device", "cuda")
+    assert code == 2 and "runs on the CPU executor only so far" in out

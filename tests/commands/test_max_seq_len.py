@@ -173,3 +173,35 @@ def test_bench_state_refuses_a_kv_cache_that_does_not_fit(monkeypatch: pytest.Mo
     _patch_free(monkeypatch, int(1e9))
     with pytest.raises(BenchError, match=r"KV cache for max_seq_len 131072 .* does not fit in 1.00 GB"):
         new_state(get_model("llama-1b", 131072), BenchOptions(model="llama-1b", device="cuda"))
+
+
+def test_lower_and_search_take_a_batch(tmp_path: Path) -> None:
+    """`--batch N`: the schedule decodes N sequences (validated), a CPU search records and keeps it (resume
+    included; its rebuilt candidates are batched too), and a GPU search of a batch is refused with the reason."""
+    out = tmp_path / "s.json"
+    code, text = _invoke("lower", "--model", "tiny", "--workers", "6", "--batch", "3", "-o", str(out))
+    assert code == 0, text
+    schedule = load_schedule(str(out))
+    assert schedule.model is not None and schedule.model.batch == 3
+    from megasynth.validator.verify import verify
+
+    assert verify(schedule).accepted
+    base = ["search", "--model", "tiny", "--workers", "6", "--runs-dir", str(tmp_path), "--cpu", "--no-progress",
+            "--interleavings", "5", "--final-interleavings", "5", "--jobs", "1", "--run", "b"]
+    code, text = _invoke(*base, "--batch", "2", "--budget", "3", "--proposer", "heuristic")
+    assert code == 0, text
+    run = RunDir(tmp_path / "b")
+    assert run.info["batch"] == 2 and run.accepted()
+    for cid in run.accepted():
+        sched = run.load_candidate(cid)
+        assert sched.model is not None and sched.model.batch == 2
+    code, text = _invoke(*base[:-2], "--resume", "b", "--budget", "4", "--proposer", "heuristic")
+    assert code == 0, text
+    code, text = _invoke(*base[:-2], "--resume", "b", "--batch", "3", "--budget", "5")
+    assert code == 2 and "--batch 2, not 3" in text
+
+    from megasynth.search.config import SearchConfig
+    from megasynth.search.loop import Search
+
+    with pytest.raises(ValueError, match="decode one sequence per step so far"):
+        Search(SearchConfig(model="tiny", runs_dir=tmp_path, run="g", sequences=2, gpu=True))

@@ -83,6 +83,9 @@ class Packed:
 
 def pack_program(prog: Program) -> Packed:
     """Pack a resolved program; ops the catalogue does not know cannot run and raise `ScheduleError`."""
+    if prog.geometry is not None and prog.geometry.batch > 1:
+        raise ScheduleError(f"the GPU interpreters decode one sequence per step; this schedule decodes "
+                            f"{prog.geometry.batch} (the CPU executor runs it)", "$.model.batch")
     n = prog.n
     rows = np.zeros((max(n, 1), ROW), dtype=np.int32)  # by instruction index; reordered into queue order below
     waits: list[tuple[int, int]] = []
