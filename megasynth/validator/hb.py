@@ -159,8 +159,11 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
             pk, pr = np.concatenate([pk, ek]), np.concatenate([pr, prev[extra_r][has_prev[extra_r]]])
         local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
         for r in sorted_unique(pr).tolist():
-            members = sorted_unique(np.concatenate([arr[row_start[k]:row_start[k + 1], 0]
-                                              for k in klass[run_start[r]:run_end[r]].tolist()]))
+            ks = klass[run_start[r]:run_end[r]].tolist()
+            if len(ks) == 1:  # one class: its rows are distinct instructions in ascending order already
+                members = arr[row_start[ks[0]]:row_start[ks[0] + 1], 0]
+            else:
+                members = sorted_unique(np.concatenate([arr[row_start[k]:row_start[k + 1], 0] for k in ks]))
             k = members.tobytes()
             g = content.get(k)
             if g is None:
