@@ -8,7 +8,7 @@ import time
 
 import click
 
-from megasynth.commands import max_seq_len_option, model_spec
+from megasynth.commands import batch_option, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 
@@ -44,6 +44,9 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
                    "[default: 1024, or max_seq_len if smaller]")
 @click.argument("extra_ctx", nargs=-1, type=int, metavar="")
 @max_seq_len_option()
+@batch_option("every sequence at the same --ctx, each with its own random KV history and token; the table adds "
+              "tokens/s = N / step time. Variants that decode one sequence per step (hf_eager, per_op_graph, "
+              "megakernel) are reported as skipped.")
 @click.option("--reps", type=click.IntRange(1, 100000), default=100, show_default=True,
               help="Timed repetitions per variant.")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
@@ -71,7 +74,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...],
-          max_seq_len: int | None, reps: int,
+          max_seq_len: int | None, batch: int, reps: int,
           warmup: int, json_file: str, variants: str | None, compile_timeout: float, compile_mode: str,
           flush_l2: bool, seed: int,
           weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
@@ -85,7 +88,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     from megasynth.measure.render import render
 
     console = Console(stderr=True)
-    spec = model_spec(model_name, max_seq_len)
+    spec = model_spec(model_name, max_seq_len, batch)
     import torch
 
     device = "cuda"
@@ -100,7 +103,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
                         device=device,
                         variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                         compile_timeout_s=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
-                        verify=verify)
+                        verify=verify, batch=spec.batch)
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")

@@ -12,6 +12,10 @@ between timed repetitions (outside the timed region), which also evicts the KV c
 Every ratio is against the best PyTorch step of the same ctx (`pytorch_best`): the fastest PyTorch variant whose
 logits are within PYTORCH_TOL of the fp32 reference's with the same greedy token (bf16 rounding passes, a wrong step
 does not), in practice the bf16 step in a CUDA graph or its torch.compile.
+
+At `batch` B > 1 every sequence sits at the same ctx with its own random KV history and token; the reference is
+`decode_batch` (each sequence alone), the floor counts the weights once and each sequence's KV history, new K/V and
+logits, and every variant's `tokens_per_s` is B / its step time.
 """
 
 from __future__ import annotations
@@ -25,12 +29,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from megasynth.lowering.models import MaxSeqLenError, ModelSpec, get_model
+from megasynth.lowering.models import BatchError, MaxSeqLenError, ModelSpec, get_model, with_batch
 from megasynth.measure.compile import run_compile
 from megasynth.measure.options import FORMAT, BenchError, BenchOptions
 from megasynth.measure.timing import device_info, floor_bytes, measure_copy_bandwidth, schedule_bytes, versions
-from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok, kv_history, prefill
-from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_state, run_variant
+from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok, prefill
+from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_state, reference_step, run_variant
 
 
 def read_schedule_text(path: str) -> str:
@@ -77,6 +81,9 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
             raise ScheduleError(f"max_seq_len {schedule.model.max_seq_len} differs from {spec.name}'s "
                                 f"{spec.max_seq_len} (give --max-seq-len {schedule.model.max_seq_len})",
                                 "$.model.max_seq_len", path)
+        if (schedule.model.batch or 1) != spec.batch:
+            raise ScheduleError(f"the schedule decodes batch {schedule.model.batch or 1}, not {spec.batch} "
+                                f"(give --batch {schedule.model.batch or 1})", "$.model.batch", path)
     info.update(sha256=hashlib.sha256(text.encode()).hexdigest(), instructions=len(schedule.instructions),
                 workers=len(schedule.queues), counters=schedule.counters,
                 proposer=(schedule.meta or {}).get("proposer") if isinstance(schedule.meta, dict) else None)
@@ -110,7 +117,9 @@ def pytorch_best(variants: dict[str, Any]) -> dict[str, Any] | None:
 def add_ratios(ctx_rec: dict[str, Any], copy_tbps: float) -> None:
     """Fill the floor, `pytorch_best` and the ratio fields of one ctx's variants from their measured medians
     (nothing is estimated): speedup_vs_pytorch_best = best PyTorch time / this time, x_floor = this time / floor,
-    pct_copy_bw = floor / this time (the floor is at the copy bandwidth)."""
+    pct_copy_bw = floor / this time (the floor is at the copy bandwidth), tokens_per_s = the ctx record's batch
+    (1 when absent) / this time."""
+    batch = ctx_rec.get("batch", 1)
     floor = ctx_rec["floor"]
     floor["ms"] = floor["bytes"]["total"] / (copy_tbps * 1e12) * 1e3
     variants = ctx_rec["variants"]
@@ -127,6 +136,7 @@ def add_ratios(ctx_rec: dict[str, Any], copy_tbps: float) -> None:
         rec["x_floor"] = ms / floor["ms"]
         rec["achieved_tbps"] = floor["bytes"]["total"] / (ms * 1e-3) / 1e12
         rec["pct_copy_bw"] = 100.0 * floor["ms"] / ms
+        rec["tokens_per_s"] = batch / (ms * 1e-3)
     for name in ("per_op_graph", "megakernel"):  # bytes the schedule moves by the catalogue's own accounting
         rec = variants.get(name, {})
         if rec.get("status") == "ok" and ctx_rec.get("schedule_bytes"):
@@ -138,8 +148,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     import torch
 
     try:
-        spec = get_model(opts.model, opts.max_seq_len)
-    except MaxSeqLenError as exc:
+        spec = with_batch(get_model(opts.model, opts.max_seq_len), opts.batch)
+    except (MaxSeqLenError, BatchError) as exc:
         raise BenchError(str(exc)) from None
     bad = [c for c in opts.ctxs if not 1 <= c <= spec.max_seq_len]
     if bad:
@@ -168,13 +178,15 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     result: dict[str, Any] = {
         "format": FORMAT, "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "command": " ".join(["synth", *sys.argv[1:]]) if sys.argv else None,
-        "model": spec.name, "config": spec.config.to_hf(), "max_seq_len": spec.max_seq_len,
+        "model": spec.name, "config": spec.config.to_hf(), "max_seq_len": spec.max_seq_len, "batch": spec.batch,
         "device": dev, "versions": versions(), "dry_run": opts.device != "cuda",
         "settings": {"reps": opts.reps, "warmup": opts.warmup, "seed": opts.seed, "weights": opts.weights_dir,
-                     "token": opts.token, "variants": [v for v in VARIANTS if v in wanted],
+                     "token": opts.token, "tokens": st.tokens, "variants": [v for v in VARIANTS if v in wanted],
                      "dtype": "bfloat16 weights and KV cache", "flush_l2": opts.flush_l2,
                      "timer": "CUDA events per repetition" if opts.device == "cuda" else "perf_counter",
-                     "position": "pos = ctx - 1 (attention over ctx positions), random KV history",
+                     "position": "pos = ctx - 1 (attention over ctx positions), random KV history"
+                                 + (f"; each of the {spec.batch} sequences at the same ctx with its own history and "
+                                    "token" if spec.batch > 1 else ""),
                      "check_tolerance": CHECK_TOL, "pytorch_best_tolerance": PYTORCH_TOL,
                      "compile_timeout_s": opts.compile_timeout_s, "compile_mode": opts.compile_mode,
                      "weights_over_l2": (floor_bytes(spec.config, 1)["weights"] / dev["l2_bytes"]
@@ -183,14 +195,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     }
     for ctx in opts.ctxs:
         st.ctx = ctx
-        hist = kv_history(spec.config, spec.max_seq_len, ctx, opts.seed)
+        hist = st.history(opts.seed)
         prefill(st.k, st.v, hist)
         with torch.inference_mode():
-            from megasynth.kernels.reference import decode_step
-
-            ref = decode_step(st.cfg, st.weights, st.k, st.v, st.token, st.pos)
-        rec: dict[str, Any] = {"ctx": ctx, "pos": st.pos,
-                               "floor": {"bytes": floor_bytes(spec.config, ctx)},
+            ref = reference_step(st)()
+        rec: dict[str, Any] = {"ctx": ctx, "pos": st.pos, "batch": spec.batch,
+                               "floor": {"bytes": floor_bytes(spec.config, ctx, spec.batch)},
                                "schedule_bytes": schedule_bytes(schedule, ctx), "variants": {}}
         for name in VARIANTS:
             if name == "torch_compile" or name not in wanted:

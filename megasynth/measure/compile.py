@@ -15,19 +15,19 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from megasynth.lowering.models import get_model
+from megasynth.lowering.models import get_model, with_batch
 from megasynth.measure.options import BenchOptions
 from megasynth.measure.timing import capture_graph, time_fn
 from megasynth.measure.torch_step import (
+    bf16_decode_batch,
     bf16_decode_step,
     bf16_rope,
     compare,
-    kv_history,
     kv_write_index,
     prefill,
     step_weights,
 )
-from megasynth.measure.variants import VARIANTS, State, new_state, short_error
+from megasynth.measure.variants import VARIANTS, State, batch_token_ids, new_state, reference_step, short_error
 
 RESULT_TAG = "@@BENCH "  # prefix of the worker's result lines on stdout
 NAME = "torch_compile"
@@ -39,20 +39,18 @@ def compile_worker(opts: BenchOptions, emit: Callable[[dict[str, Any]], None]) -
     result dict per ctx as soon as it has it, so a later kill keeps the earlier ctx values."""
     import torch
 
-    from megasynth.kernels import reference
-
-    spec = get_model(opts.model, opts.max_seq_len)
+    spec = with_batch(get_model(opts.model, opts.max_seq_len), opts.batch)
     st = new_state(spec, opts)
     label, launch = VARIANTS[NAME]
     # modes with inductor's own CUDA graphs (cudagraph trees) replay those; the others are captured in one of ours
     own_graphs = opts.compile_mode in INDUCTOR_GRAPHS and opts.device == "cuda"
     for ctx in opts.ctxs:
         st.ctx = ctx
-        prefill(st.k, st.v, kv_history(spec.config, spec.max_seq_len, ctx, opts.seed))
+        prefill(st.k, st.v, st.history(opts.seed))
         rec: dict[str, Any] = {"ctx": ctx, "label": label, "launch": launch}
         try:
             with torch.inference_mode():
-                ref = reference.decode_step(st.cfg, st.weights, st.k, st.v, st.token, st.pos)
+                ref = reference_step(st)()
                 step_fn, statics = compiled_step(st)
                 if own_graphs:  # else cudagraph trees copy every weight into their own buffers at each replay
                     for t in statics:
@@ -73,7 +71,8 @@ def compile_worker(opts: BenchOptions, emit: Callable[[dict[str, Any]], None]) -
             how = ("inductor's CUDA graphs" if own_graphs else "captured in a CUDA graph" if opts.device == "cuda"
                    else "no CUDA graph on the CPU")
             rec["note"] = (f"mode={opts.compile_mode}, backend={opts.compile_backend}, static shapes (one graph per "
-                           f"ctx), K/V written in place by index_put_; {how}")
+                           f"ctx), K/V written in place by index_put_; {how}"
+                           + (f"; the {st.batch} sequences in one step" if st.batch > 1 else ""))
         except Exception as exc:  # noqa: BLE001 - reported to the parent
             rec.update(status="failed", reason=short_error(exc))
         emit(rec)
@@ -83,13 +82,17 @@ def compiled_step(st: State) -> tuple[Callable[[], Any], list[Any]]:
     """The bf16 step at the state's position as torch.compile is given it, and every tensor it reads (all at fixed
     addresses: weights laid out once per run, the caches, RoPE and the K/V write index made once per ctx). The same
     math as the plain step; only the K/V write is an index_put_ (`bf16_decode_step`'s `kv_at`) so that the compiled
-    step updates the caches in place instead of copying them whole."""
+    step updates the caches in place instead of copying them whole. A batch > 1 compiles `bf16_decode_batch` (its
+    token ids are one more fixed tensor)."""
     if st.step_weights is None:
         st.step_weights = step_weights(st.cfg, st.weights)
     w, cfg, k, v, token, pos = st.step_weights, st.cfg, st.k, st.v, st.token, st.pos
     cos, sin = bf16_rope(cfg, pos, st.device)
     kv_at = kv_write_index(cfg, pos, st.device)
     statics = [*static_tensors(st), cos, sin, *kv_at]
+    if st.batch > 1:
+        ids = batch_token_ids(st)
+        return (lambda: bf16_decode_batch(cfg, w, k, v, ids, pos, cos, sin, kv_at)), [*statics, ids]
     return (lambda: bf16_decode_step(cfg, w, k, v, token, pos, cos, sin, kv_at)), statics
 
 

@@ -37,3 +37,4 @@ class BenchOptions:
     flush_l2: bool = False
     copy_bytes: int = 1 << 30
     verify: bool = True
+    batch: int = 1  # sequences per step, all at the same ctx, each with its own KV history and token

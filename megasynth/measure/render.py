@@ -1,6 +1,6 @@
 """The `synth bench` result as rich tables that fit 80 columns: one per ctx (median, spread, ratios against the best
-PyTorch step and the floor, the check against the reference), then one line per variant on how it is launched or
-why it did not run."""
+PyTorch step and the floor, the check against the reference; at a batch > 1 also tokens/s), then one line per
+variant on how it is launched or why it did not run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ LEGEND = ("ms = median; vs PT = the best PyTorch step's time (*) / this time; x 
           "% copy = floor / this time (the floor moves the step's bytes at the measured copy bandwidth); "
           f"err = relative L2 error of the logits against the fp32 reference (green <= {CHECK_TOL:g}; yellow <= "
           f"{PYTORCH_TOL:g}, bf16 rounding; argmax: the greedy token differs)")
+BATCH_LEGEND = ("; at a batch, tok/s = the batch's tokens per second (batch / ms) in place of % copy, err = the "
+                "worst sequence's, argmax = a sequence's greedy token differs beyond a near-tie")
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -33,28 +35,35 @@ def render(result: dict[str, Any]) -> list[Any]:
 
     out: list[Any] = []
     copy = result["copy_bandwidth"]["tbps"]
+    batched = False
     for rec in result["results"]:
         floor = rec["floor"]
         best = (rec.get("pytorch_best") or {}).get("variant")
-        title = (f"{result['model']}, ctx {rec['ctx']}, {result['device']['name']}"
+        batch = rec.get("batch", 1)
+        batched |= batch > 1
+        title = (f"{result['model']}, ctx {rec['ctx']}{f', batch {batch}' if batch > 1 else ''}, "
+                 f"{result['device']['name']}"
                  f"{' (DRY RUN on the CPU)' if result['dry_run'] else ''}\nfloor {floor['ms']:.3f} ms = "
                  f"{floor['bytes']['total'] / 1e9:.3f} GB at {copy:.2f} TB/s copy")
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                       collapse_padding=True)
-        for col in ("variant", "ms", "p10-p90 ms", "vs PT", "x floor", "% copy", "err"):
+        # at a batch, tok/s takes the place of % copy (100 / x floor), so that the table still fits 80 columns
+        cols = ("variant", "ms", "p10-p90 ms", "vs PT", "x floor", "tok/s" if batch > 1 else "% copy", "err")
+        for col in cols:
             table.add_column(col, justify="left" if col in ("variant", "err") else "right", no_wrap=True)
         notes = []
         for name, v in rec["variants"].items():
             short = SHORT.get(name, name) + ("*" if name == best else "")
             if v.get("status") != "ok":
-                table.add_row(short, "-", "-", "-", "-", "-", f"[yellow]{v['status']}[/yellow]")
+                table.add_row(short, *["-"] * (len(cols) - 2), f"[yellow]{v['status']}[/yellow]")
                 notes.append(f"  {short}: [yellow]{v['status']}: {v.get('reason', '')}[/yellow]")
                 continue
             t, chk = v["timing"], v.get("check", {})
-            check = _fmt(chk.get("rel_l2"), ".1e") + ("" if chk.get("argmax_match") else " argmax")
+            check = _fmt(chk.get("rel_l2_max", chk.get("rel_l2")), ".1e") + ("" if chk.get("argmax_match")
+                                                                              else " argmax")
+            last = _fmt(v.get("tokens_per_s"), ".0f") if batch > 1 else f"{v['pct_copy_bw']:.0f}%"
             table.add_row(short, f"{t['median_ms']:.3f}", f"{t['p10_ms']:.3f}-{t['p90_ms']:.3f}",
-                          _fmt(v.get("speedup_vs_pytorch_best"), ".2f", "x"), f"{v['x_floor']:.2f}",
-                          f"{v['pct_copy_bw']:.0f}%",
+                          _fmt(v.get("speedup_vs_pytorch_best"), ".2f", "x"), f"{v['x_floor']:.2f}", last,
                           f"[{_colour(chk)}]{check}[/{_colour(chk)}]")
             extra = f"; {v['note']}" if v.get("note") else ""
             if v.get("compile_s") is not None:
@@ -67,5 +76,5 @@ def render(result: dict[str, Any]) -> list[Any]:
             notes.append(f"  {short}: {v['launch']}{extra}")
         out.append(table)
         out.append("\n".join(notes))
-    out.append(LEGEND)
+    out.append(LEGEND + (BATCH_LEGEND if batched else ""))
     return out

@@ -101,18 +101,20 @@ def measure_copy_bandwidth(device: str, nbytes: int = 1 << 30, reps: int = 20) -
     return {"bytes": moved, "tbps": moved / (timing["median_ms"] * 1e-3) / 1e12, "timing": timing}
 
 
-def floor_bytes(cfg: ModelConfig, ctx: int) -> dict[str, int]:
+def floor_bytes(cfg: ModelConfig, ctx: int, batch: int = 1) -> dict[str, int]:
     """The bytes one decode step at sequence length `ctx` must move through device memory, at the least.
 
     Weights once (bf16; a tied head counted once; an untied embedding table contributes only the token's row), the
-    KV history read (ctx - 1 positions, K and V, every layer), the new K/V written, the fp32 logits written.
+    KV history read (ctx - 1 positions, K and V, every layer), the new K/V written, the fp32 logits written. A
+    `batch` of sequences, all at `ctx`, shares the weights (read once per step: batching's gain) but each has its
+    own history, new K/V, logits and embedding row, counted `batch` times.
     """
     weights = cfg.weight_bytes(W_BYTES)
     if not cfg.tie_word_embeddings:
-        weights -= (cfg.vocab_size - 1) * cfg.hidden_size * W_BYTES
+        weights -= (cfg.vocab_size - min(batch, cfg.vocab_size)) * cfg.hidden_size * W_BYTES
     per_pos = 2 * cfg.num_hidden_layers * cfg.kv_size * W_BYTES
-    out = {"weights": weights, "kv_read": (ctx - 1) * per_pos, "kv_write": per_pos,
-           "activations": cfg.vocab_size * ACT_BYTES}
+    out = {"weights": weights, "kv_read": batch * (ctx - 1) * per_pos, "kv_write": batch * per_pos,
+           "activations": batch * cfg.vocab_size * ACT_BYTES}
     out["total"] = sum(out.values())
     return out
 

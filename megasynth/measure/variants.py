@@ -14,6 +14,11 @@ history and weights, and its logits are checked against the fp32 reference befor
   cpu_executor   dry run without CUDA only: the schedule on kernels.cpu_executor (tests the command's plumbing)
 
 The PyTorch variants compete for "best PyTorch", the line the megakernel's ratios are against.
+
+At a batch of B sequences (all at the same ctx, each with its own KV history and token), the reference is
+`decode_batch` (each sequence alone); torch_eager and torch_graph run it, torch_bf16 and torch_compile compute the B
+sequences in one step (`bf16_decode_batch`), cpu_executor runs the batched schedule. The variants in `BATCH_ONE` are
+reported as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -29,10 +34,13 @@ from megasynth.measure.options import BenchError, BenchOptions, Skip
 from megasynth.measure.timing import capture_graph, time_fn
 from megasynth.measure.torch_step import (
     StepWeights,
+    batch_tokens,
+    bf16_decode_batch,
     bf16_decode_step,
     bf16_rope,
     compare,
     hf_model,
+    kv_history,
     static_rope,
     step_weights,
 )
@@ -56,6 +64,14 @@ GPU_ONLY = {"torch_graph", "torch_compile", "per_op_graph", "megakernel"}
 #: reference and HF eager are 3-15x slower than the bf16 step and add minutes on llama-8b)
 DEFAULT_GPU = ("torch_bf16", "torch_compile", "per_op_graph", "megakernel")
 DEFAULT_CPU = ("torch_eager", "torch_bf16", "torch_compile", "megakernel", "cpu_executor")
+_GPU_INTERPRETERS = ("the GPU interpreters decode one sequence per step (kernels/gpu/pack.py refuses a schedule "
+                     "with $.model.batch > 1)")
+#: variants that decode one sequence per step only -> why (reported as `skipped` at a batch > 1)
+BATCH_ONE = {
+    "hf_eager": "batch 1 only: the HF baseline decodes one sequence (its pre-filled DynamicCache holds one history)",
+    "per_op_graph": f"batch 1 only: {_GPU_INTERPRETERS}",
+    "megakernel": f"batch 1 only: {_GPU_INTERPRETERS}",
+}
 
 
 def default_variants(device: str) -> list[str]:
@@ -70,7 +86,7 @@ class State:
     spec: ModelSpec
     device: str
     weights: dict[str, Any]
-    k: Any  # reference KV caches [L, nKV, S, hd], bf16
+    k: Any  # reference KV caches [L, nKV, S, hd], bf16; [L, B, nKV, S, hd] (a slot per sequence) for a batch > 1
     v: Any
     token: int
     ctx: int = 0
@@ -78,6 +94,7 @@ class State:
     megakernel: Any = None
     hf: Any = None
     step_weights: StepWeights | None = None
+    token_ids: Any = None  # the batch's tokens as a device tensor [B], made once (a CUDA graph reads it in place)
 
     @property
     def cfg(self) -> ModelConfig:
@@ -86,6 +103,19 @@ class State:
     @property
     def pos(self) -> int:
         return self.ctx - 1
+
+    @property
+    def batch(self) -> int:
+        return self.spec.batch
+
+    @property
+    def tokens(self) -> list[int]:
+        """Each sequence's token (the batch-1 token first)."""
+        return batch_tokens(self.token, self.batch, self.cfg.vocab_size)
+
+    def history(self, seed: int) -> tuple[Any, Any]:
+        """The random KV history at this ctx, one per sequence for a batch (`kv_history`)."""
+        return kv_history(self.cfg, self.spec.max_seq_len, self.ctx, seed, self.batch if self.batch > 1 else None)
 
 
 def new_state(spec: ModelSpec, opts: BenchOptions) -> State:
@@ -99,7 +129,9 @@ def new_state(spec: ModelSpec, opts: BenchOptions) -> State:
         raise BenchError(f"--token {opts.token} is outside the vocabulary [0, {spec.config.vocab_size})")
     dtype = torch.bfloat16
     if opts.device == "cuda":  # this state's weights and KV cache; the megakernel variant checks its own copy
-        parts = [kv_cache_part(spec.config, spec.max_seq_len), ("weights", spec.config.weight_bytes(2))]
+        desc, kv = kv_cache_part(spec.config, spec.max_seq_len)
+        kv_part = (desc, kv) if spec.batch == 1 else (f"{spec.batch} x {desc}", spec.batch * kv)
+        parts = [kv_part, ("weights", spec.config.weight_bytes(2))]
         try:
             check_fits(parts, torch.cuda.mem_get_info()[0])
         except DoesNotFit as exc:
@@ -108,16 +140,41 @@ def new_state(spec: ModelSpec, opts: BenchOptions) -> State:
         weights = model_weights(spec.config, opts.weights_dir, seed=opts.seed, dtype=dtype, device=opts.device)
     except WeightsError as exc:
         raise BenchError(str(exc)) from None
-    k, v = new_kv_cache(spec.config, spec.max_seq_len, dtype=dtype, device=opts.device)
+    k, v = new_kv_cache(spec.config, spec.max_seq_len, dtype=dtype, device=opts.device,
+                        batch=spec.batch if spec.batch > 1 else None)
     return State(spec, opts.device, weights, k, v, opts.token)
 
 
+def reference_step(st: State) -> Callable[[], Any]:
+    """The fp32 reference at the state's position as a zero-argument function: `decode_step` (logits [V]), or for a
+    batch `decode_batch` (each sequence alone, logits [B, V])."""
+    from megasynth.kernels import reference
+
+    if st.batch == 1:
+        return lambda: reference.decode_step(st.cfg, st.weights, st.k, st.v, st.token, st.pos)
+    tokens, positions = st.tokens, [st.pos] * st.batch
+    return lambda: reference.decode_batch(st.cfg, st.weights, st.k, st.v, tokens, positions)
+
+
+def batch_token_ids(st: State) -> Any:
+    """The batch's tokens as an int64 device tensor [B] at a fixed address (made once per run)."""
+    import torch
+
+    if st.token_ids is None:
+        st.token_ids = torch.tensor(st.tokens, dtype=torch.int64, device=st.device)
+    return st.token_ids
+
+
 def bf16_step_fn(st: State) -> Callable[[], Any]:
-    """The bf16 step at the state's position as a zero-argument function (weights laid out once per run)."""
+    """The bf16 step at the state's position as a zero-argument function (weights laid out once per run); a batch
+    > 1 decodes all its sequences in one step (`bf16_decode_batch`)."""
     if st.step_weights is None:
         st.step_weights = step_weights(st.cfg, st.weights)
     w, cfg, k, v, token, pos = st.step_weights, st.cfg, st.k, st.v, st.token, st.pos
     cos, sin = bf16_rope(cfg, pos, st.device)
+    if st.batch > 1:
+        ids = batch_token_ids(st)
+        return lambda: bf16_decode_batch(cfg, w, k, v, ids, pos, cos, sin)
     return lambda: bf16_decode_step(cfg, w, k, v, token, pos, cos, sin)
 
 
@@ -125,25 +182,26 @@ def bf16_step_fn(st: State) -> Callable[[], Any]:
 # run after the timing with (record, options)).
 
 
-def _v_torch_eager(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
-    from megasynth.kernels import reference
+_ONE_BY_ONE = "the batch's sequences one after another (reference.decode_batch)"
 
-    return (lambda: reference.decode_step(st.cfg, st.weights, st.k, st.v, st.token, st.pos)), {}
+
+def _v_torch_eager(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
+    return reference_step(st), ({"note": _ONE_BY_ONE} if st.batch > 1 else {})
 
 
 def _v_torch_graph(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
-    from megasynth.kernels import reference
-
-    with static_rope(st.cfg, st.pos, st.device):
-        replay = capture_graph(lambda: reference.decode_step(st.cfg, st.weights, st.k, st.v, st.token, st.pos))
-    return replay, {"note": "RoPE cos/sin for the position made once outside the graph"}
+    with static_rope(st.cfg, st.pos, st.device):  # every sequence of a batch is at the same position
+        replay = capture_graph(reference_step(st))
+    return replay, {"note": "RoPE cos/sin for the position made once outside the graph"
+                            + (f"; {_ONE_BY_ONE}" if st.batch > 1 else "")}
 
 
 def _v_torch_bf16(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
     fn = bf16_step_fn(st)
+    batched = f"; the {st.batch} sequences in one step ([B, H] matmuls, batched SDPA)" if st.batch > 1 else ""
     if st.device != "cuda":
-        return fn, {"launch": "eager (no CUDA graph on the CPU)"}
-    return capture_graph(fn), {"note": "bf16 weights, activations and KV cache; RoPE cos/sin made once"}
+        return fn, {"launch": "eager (no CUDA graph on the CPU)", **({"note": batched[2:]} if batched else {})}
+    return capture_graph(fn), {"note": "bf16 weights, activations and KV cache; RoPE cos/sin made once" + batched}
 
 
 def _v_hf_eager(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
@@ -284,6 +342,9 @@ def _v_cpu_executor(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
         from megasynth.kernels.cpu_executor import run_schedule
     except ImportError as exc:
         raise Skip(f"megasynth.kernels.cpu_executor is not available ({exc})") from None
+    if st.batch > 1:  # the batched schedule, every sequence at the same position
+        tokens, positions = st.tokens, [st.pos] * st.batch
+        return (lambda: run_schedule(st.schedule, st.weights, st.k, st.v, tokens, positions, seed=0)), {}
     return (lambda: run_schedule(st.schedule, st.weights, st.k, st.v, st.token, st.pos, seed=0)), {}
 
 
@@ -307,6 +368,8 @@ def run_variant(name: str, st: State, opts: BenchOptions, ref: Any, between: Cal
 
     label, launch = VARIANTS[name]
     rec: dict[str, Any] = {"label": label, "launch": launch}
+    if st.batch > 1 and name in BATCH_ONE:
+        return {**rec, "status": "skipped", "reason": BATCH_ONE[name]}
     if opts.device != "cuda" and name in GPU_ONLY:
         return {**rec, "status": "skipped", "reason": "no CUDA (dry run)"}
     if opts.device == "cuda" and name == "cpu_executor":
