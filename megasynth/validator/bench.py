@@ -19,9 +19,10 @@ from megasynth.validator.verify import Options, gc_paused, verify
 PHASES = ("load", "structure", "coverage", "deadlock", "graph", "z3", "replay")
 
 
-def _lower(model: str, folder: Path, strategy: str | None) -> Path:
-    out = folder / f"{model}.json"
-    cmd = [sys.executable, "-c", "from megasynth.cli import main; main()", "lower", "--model", model, "-o", str(out)]
+def _lower(model: str, folder: Path, strategy: str | None, batch: int = 1) -> Path:
+    out = folder / (f"{model}.json" if batch == 1 else f"{model}-batch{batch}.json")
+    cmd = [sys.executable, "-c", "from megasynth.cli import main; main()", "lower", "--model", model, "-o", str(out),
+           "--batch", str(batch)]
     subprocess.run(cmd + (["--strategy", strategy] if strategy else []), check=True, capture_output=True)
     return out
 
@@ -32,11 +33,14 @@ def _lower(model: str, folder: Path, strategy: str | None) -> Path:
 @click.option("--interleavings", "counts", multiple=True, type=int, default=(1000, 10000), show_default=True)
 @click.option("--strategy", type=click.Path(exists=True, dir_okay=False),
               help="Strategy JSON for the models lowered when no FILE is given (`synth lower --strategy`).")
+@click.option("--batch", type=click.IntRange(1, 16), default=1, show_default=True,
+              help="Sequences per step of the models lowered when no FILE is given (`synth lower --batch`).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def main(files: tuple[str, ...], models: str, counts: tuple[int, ...], strategy: str | None, seed: int) -> None:
+def main(files: tuple[str, ...], models: str, counts: tuple[int, ...], strategy: str | None, batch: int,
+         seed: int) -> None:
     """Time every phase of `validate` on real schedules."""
     with tempfile.TemporaryDirectory() as tmp:
-        paths = [Path(f) for f in files] or [_lower(m, Path(tmp), strategy) for m in models.split(",") if m]
+        paths = [Path(f) for f in files] or [_lower(m, Path(tmp), strategy, batch) for m in models.split(",") if m]
         header = f"{'schedule':<14}{'instr':>8}{'pairs':>11}{'interl.':>9}" + "".join(f"{p:>10}" for p in PHASES) + \
             f"{'total':>9}  verdict"
         click.echo(header)
