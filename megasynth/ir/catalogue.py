@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -551,26 +551,40 @@ def _c_embed(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     ws["x"][a["start"]:a["end"]] = w["embed"][rt["token"], a["start"]:a["end"]].float()
 
 
-def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+def _qkv_pairs(ws, w, geo: Geometry, layer: int, a: dict[str, int]) -> Iterator[tuple[int, int, int, Any, Any]]:
+    """A QKV tile's projections, piece by piece: (head, j0, j1, y1, y2) with y1 the rows of pairs [j0, j1) of the
+    fused head and y2 their partners (rows j + hd/2), bias added (qkv_bias); both QKV ops start from these."""
     c = geo.cfg
-    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    half = c.hd // 2
     xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
     wqkv = w[f"layers.{layer}.wqkv"]
     bias = w[f"layers.{layer}.bqkv"] if c.qkv_bias else None
-    cos, sin = rt["cos"], rt["sin"]  # [hd]: the first and second halves repeat the pair frequencies
     for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
         r = head * c.hd
-        y1 = wqkv[r + j0:r + j1].float() @ xn  # the pairs' first-half rows
-        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn  # and their partners
+        y1 = wqkv[r + j0:r + j1].float() @ xn
+        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn
         if bias is not None:
             y1, y2 = y1 + bias[r + j0:r + j1].float(), y2 + bias[r + half + j0:r + half + j1].float()
+        yield head, j0, j1, y1, y2
+
+
+def _rope(rt, j0: int, j1: int, y1: Any, y2: Any) -> tuple[Any, Any]:
+    """RoPE on pairs [j0, j1) (HF convention): (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin)."""
+    cs, sn = rt["cos"][j0:j1], rt["sin"][j0:j1]  # [hd]: the first and second halves repeat the pair frequencies
+    return y1 * cs - y2 * sn, y2 * cs + y1 * sn
+
+
+def _c_qkv(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
+    c = geo.cfg
+    half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
+    for head, j0, j1, y1, y2 in _qkv_pairs(ws, w, geo, layer, a):
+        r = head * c.hd
         if c.qk_norm and head < nh + nkv:  # the check keeps q and k tiles whole heads: (j0, j1) == (0, half)
             g = w[f"layers.{layer}.q_norm" if head < nh else f"layers.{layer}.k_norm"].float()
             inv = ((y1.pow(2).sum() + y2.pow(2).sum()) / c.hd + c.rms_norm_eps).rsqrt()
             y1, y2 = y1 * inv * g[:half], y2 * inv * g[half:]
-        if head < nh + nkv:  # RoPE (HF convention): (y1, y2) -> (y1 cos - y2 sin, y2 cos + y1 sin)
-            cs, sn = cos[j0:j1], sin[j0:j1]
-            y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
+        if head < nh + nkv:
+            y1, y2 = _rope(rt, j0, j1, y1, y2)
         if head < nh:
             dst = ws["q"][r:r + c.hd]
         else:
@@ -588,23 +602,13 @@ def split_range(seq: int, split: int, splits: int) -> tuple[int, int]:
 def _c_qkv_sq(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     c = geo.cfg
     half, nh, nkv = c.hd // 2, c.num_attention_heads, c.num_key_value_heads
-    xn = _rmsnorm(ws["x"], w[f"layers.{layer}.attn_norm"], c.rms_norm_eps)
-    wqkv = w[f"layers.{layer}.wqkv"]
-    bias = w[f"layers.{layer}.bqkv"] if c.qkv_bias else None
-    cos, sin = rt["cos"], rt["sin"]
-    for head, j0, j1 in qkv_pair_pieces(c, a["start"], a["end"]):
-        r = head * c.hd
-        y1 = wqkv[r + j0:r + j1].float() @ xn
-        y2 = wqkv[r + half + j0:r + half + j1].float() @ xn
-        if bias is not None:
-            y1, y2 = y1 + bias[r + j0:r + j1].float(), y2 + bias[r + half + j0:r + half + j1].float()
+    for head, j0, j1, y1, y2 in _qkv_pairs(ws, w, geo, layer, a):
         if head < nh + nkv:  # the norm weight before the rotation; the per-head scale comes in qk_norm_apply
             ws["qk_sq"][head * half + j0:head * half + j1] = y1.pow(2) + y2.pow(2)
             g = w[f"layers.{layer}.q_norm" if head < nh else f"layers.{layer}.k_norm"].float()
-            y1, y2 = y1 * g[j0:j1], y2 * g[half + j0:half + j1]
-            cs, sn = cos[j0:j1], sin[j0:j1]
-            y1, y2 = y1 * cs - y2 * sn, y2 * cs + y1 * sn
-            dst = ws["q"][r:r + c.hd] if head < nh else ws["k_new"][(head - nh) * c.hd:(head - nh + 1) * c.hd]
+            y1, y2 = _rope(rt, j0, j1, y1 * g[j0:j1], y2 * g[half + j0:half + j1])
+            dst = ws["q"][head * c.hd:(head + 1) * c.hd] if head < nh else \
+                ws["k_new"][(head - nh) * c.hd:(head - nh + 1) * c.hd]
         else:
             dst = ws["v_cache"][layer, head - nh - nkv, rt["pos"]]
         dst[j0:j1] = y1
