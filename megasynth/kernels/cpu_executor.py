@@ -67,8 +67,8 @@ def _inputs(prog: Program, k_cache: torch.Tensor, v_cache: torch.Tensor, token: 
         if prog.op[i] not in OPS:
             raise ExecutorError(f"{prog.path(i)}.op: {prog.op[i]!r} is not a catalogue op")
     c, n = geo.cfg, geo.batch
-    tokens = [token] if isinstance(token, int) else list(token)
-    positions = [pos] if isinstance(pos, int) else list(pos)
+    tokens = list(token) if isinstance(token, list | tuple) else [int(token)]  # a scalar: one sequence
+    positions = list(pos) if isinstance(pos, list | tuple) else [int(pos)]
     if len(tokens) != n or len(positions) != n:
         raise ExecutorError(f"the schedule decodes {n} sequence(s) per step; got {len(tokens)} token(s) and "
                             f"{len(positions)} position(s)")
@@ -148,7 +148,7 @@ def run_program(prog: Program, weights: Weights, k_cache: torch.Tensor, v_cache:
             raise DeadlockError(stuck, order[start:], prog.n)
         raise ExecutorError(f"stopped after max_steps={limit} of {prog.n} instructions")
     logits = ws["logits"][:geo.batch * geo.cfg.vocab_size].view(geo.batch, -1).clone()
-    return logits[0] if isinstance(token, int) and geo.batch == 1 else logits
+    return logits if isinstance(token, list | tuple) else logits[0]
 
 
 def run_schedule(schedule: Schedule, weights: Weights, k_cache: torch.Tensor, v_cache: torch.Tensor,
