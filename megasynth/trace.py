@@ -188,6 +188,17 @@ def layer_chain(path: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
             "hops_us": max(0.0, period - sum(per_op.values()))}
 
 
+def _tally(evs: Sequence[Mapping[str, Any]], key: str, time_name: str) -> dict[Any, dict[str, float]]:
+    """Events grouped by `key` (op or SM): their count, summed duration (as `time_name`) and summed wait."""
+    out: dict[Any, dict[str, float]] = {}
+    for e in evs:
+        d = out.setdefault(e[key], {"count": 0, time_name: 0.0, "wait_us": 0.0})
+        d["count"] += 1
+        d[time_name] += e["dur"]
+        d["wait_us"] += e["args"].get("wait_us", 0.0)
+    return out
+
+
 def summarize(trace: Mapping[str, Any], producers: Mapping[int, Sequence[int]] | None = None,
               top: int = 10) -> dict[str, Any]:
     """Time per op, busy / waiting / idle time per SM, makespan and the critical path of a trace."""
@@ -198,20 +209,10 @@ def summarize(trace: Mapping[str, Any], producers: Mapping[int, Sequence[int]] |
     t0 = min(e["ts"] for e in evs)
     t1 = max(e["ts"] + e["dur"] for e in evs)
     makespan = t1 - t0
-    per_op: dict[str, dict[str, float]] = {}
-    for e in evs:
-        d = per_op.setdefault(e["cat"], {"count": 0, "total_us": 0.0, "wait_us": 0.0})
-        d["count"] += 1
-        d["total_us"] += e["dur"]
-        d["wait_us"] += e["args"].get("wait_us", 0.0)
+    per_op = _tally(evs, "cat", "total_us")
     for d in per_op.values():
         d["mean_us"] = d["total_us"] / d["count"]
-    per_sm: dict[int, dict[str, float]] = {}
-    for e in evs:
-        d = per_sm.setdefault(e["tid"], {"count": 0, "busy_us": 0.0, "wait_us": 0.0})
-        d["count"] += 1
-        d["busy_us"] += e["dur"]
-        d["wait_us"] += e["args"].get("wait_us", 0.0)
+    per_sm = _tally(evs, "tid", "busy_us")
     for d in per_sm.values():
         d["idle_us"] = max(0.0, makespan - d["busy_us"] - d["wait_us"])
     path = critical_path(trace, producers)
