@@ -73,7 +73,7 @@ class Strategy(BaseModel):
         "for a QK-norm model (Qwen3): 'in_qkv' normalises inside QKV, whose tiles then hold whole q and k heads; "
         "'apart' lets QKV tiles cut heads into RoPE pairs (op attn_norm_qkv_rope_sq) and scales each KV head's group "
         "in one qk_norm_apply instruction before attention: more QKV tiles, one counter hop more. 'apart' runs on "
-        "the CPU executor only so far (the GPU interpreters refuse it). Ignored for other models"))
+        "the CPU executor and interpreter v10 (v9 refuses it). Ignored for other models"))
     edges: dict[str, Granularity] = Field(default_factory=dict, description=(
         "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
     default_granularity: Granularity = "all"

@@ -168,7 +168,7 @@ def test_llama_weights_unchanged() -> None:
 def test_qk_norm_apart_cuts_heads_and_its_waits_matter() -> None:
     """With the QK-norm apart, QKV tiles cut q and k heads into pairs, one qk_norm_apply per KV head scales them,
     and the proofs see every new edge: attention without its wait on the apply is a race, a missing apply a coverage
-    gap, and the GPU interpreters refuse the ops by name."""
+    gap, and interpreter v9 refuses the ops by name."""
     from megasynth.kernels.gpu.pack import pack
 
     cfg = FAMILIES["qwen3"]
@@ -198,7 +198,7 @@ def test_qk_norm_apart_cuts_heads_and_its_waits_matter() -> None:
     assert any(f.category == "coverage" and "qk_norm_apply layer 0 kv_head 0" in f.message for f in report.findings)
 
     with pytest.raises(ScheduleError, match="'attn_norm_qkv_rope_sq' has no GPU implementation"):
-        pack(parse_schedule(doc))
+        pack(parse_schedule(doc), "v9")
     with pytest.raises(ArgError, match="for models with qk_norm"):
         check_instruction(Geometry(FAMILIES["llama"], MAX_SEQ, 1), "attn_norm_qkv_rope_sq", 0, {"start": 0, "end": 2})
     llama = lower(ModelSpec("llama", "llama", FAMILIES["llama"], MAX_SEQ), 2, Strategy(qk_norm="apart")).to_json()

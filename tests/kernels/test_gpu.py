@@ -340,3 +340,58 @@ def test_qwen_full_size(name):
     strat = Strategy(tiles=tiles, attn_splits=16, fuse_attn_reduce=True, k_splits={"down_proj_residual": 2},
                      edges={"attn_partial->attn_reduce_o_proj": "head"})
     _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3004), 3000, mk=mk)
+
+
+def _cuts_heads(schedule, hd: int) -> bool:
+    """Whether some QKV tile of the QK-norm apart starts or ends inside a head."""
+    return any(i.args["start"] % hd or i.args["end"] % hd for i in schedule.instructions
+               if i.op == "attn_norm_qkv_rope_sq")
+
+
+def test_tiny_qwen3_qk_norm_apart():
+    """QK-norm applied apart from QKV on v10 (attn_norm_qkv_rope_sq, then qk_norm_apply per KV head): QKV tiles of 12
+    RoPE pairs that cut q and k heads; 20-pair tiles (a 16-pair group and a 4-pair one, crossing heads) with per-head
+    edges into and out of the apply, K splits, reversed workers and permuted counters, from position 0 (attention
+    over the apply's k row alone); 5-pair tiles with per-instruction counters (the apply and attention wait on many
+    QKV tiles) and the fused attn_reduce_o_proj; the tensor-core consumer. Interpreter v9 refuses the schedule."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec = _tiny_qwen("qwen3")
+    c = spec.config
+    w = _weights(c, seed=9)
+    hist = spec.max_seq_len // 2
+    cut = lower(spec, 8, Strategy(qk_norm="apart", tiles={"attn_norm_qkv_rope": 24}))
+    assert _cuts_heads(cut, c.hd)
+    mk = _decode_and_compare(spec, cut, w, range(hist, hist + 6), hist)
+    assert mk.v10 and "qk_norm_apply" in mk.packed.ops and "attn_norm_qkv_rope" not in mk.packed.ops
+    strat = Strategy(qk_norm="apart", attn_splits=3, k_splits={"o_proj_residual": 2, "down_proj_residual": 2},
+                     tiles={"attn_norm_qkv_rope": 40, "o_proj_residual": 8, "mlp_norm_gate_up": 24,
+                            "down_proj_residual": 8, "final_norm_lm_head": 40},
+                     edges={"attn_norm_qkv_rope_sq->qk_norm_apply": "head", "qk_norm_apply->attn_partial": "head"})
+    _decode_and_compare(spec, _variant(spec, 5, strat, seed=3), w, range(0, 4), 0, mk=mk)
+    fine = Strategy(qk_norm="apart", attn_splits=3, fuse_attn_reduce=True, k_splits={"o_proj_residual": 2},
+                    tiles={"attn_norm_qkv_rope": 10, "o_proj_residual": 16}, default_granularity="tile")
+    _decode_and_compare(spec, lower(spec, 7, fine), w, range(hist, hist + 3), hist, mk=mk)
+    mma = _decode_and_compare(spec, cut, w, range(hist, hist + 3), hist, config=StreamConfig(mma=True))
+    assert mma.kcfg.mma
+    with pytest.raises(ScheduleError, match="'attn_norm_qkv_rope_sq' has no GPU implementation in interpreter v9"):
+        Megakernel(cut, w, max_seq_len=spec.max_seq_len, config=KernelConfig())
+
+
+def test_qwen3_full_size_qk_norm_apart():
+    """Qwen3-0.6B's published shape with the QK-norm apart, past position 1000: the searched shape's 16-pair QKV
+    tiles (a head is 4 of them) on every SM, per-head edges from the apply into attention, 16 attention splits and
+    the fused attn_reduce_o_proj."""
+    spec = get_model("qwen3-0.6b")
+    c = spec.config
+    w = _weights(c, seed=0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = {"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32}
+    strat = Strategy(qk_norm="apart", tiles=tiles, attn_splits=16, fuse_attn_reduce=True,
+                     k_splits={"down_proj_residual": 2},
+                     edges={"attn_partial->attn_reduce_o_proj": "head", "qk_norm_apply->attn_partial": "head"})
+    sched = lower(spec, sms, strat)
+    assert _cuts_heads(sched, c.hd)
+    _decode_and_compare(spec, sched, w, range(1500, 1506), 1500)

@@ -85,6 +85,61 @@ def test_pack_refuses_ops_it_cannot_execute() -> None:
         P.pack(parse_schedule(doc))
 
 
+def _qk_apart_schedule():
+    """Tiny Qwen3 with the QK-norm apart from QKV: 24-row QKV tiles (12 RoPE pairs) that cut q and k heads."""
+    return lower(get_model("tiny-qwen3"), 4, Strategy(qk_norm="apart", tiles={"attn_norm_qkv_rope": 24}))
+
+
+def test_qk_norm_apart_packs_for_v10() -> None:
+    """attn_norm_qkv_rope_sq and qk_norm_apply pack for v10 (the default) with their catalogue opcodes (the table's
+    order: the earlier ops keep theirs) and arguments."""
+    sched = _qk_apart_schedule()
+    assert [P.OPCODES[op] for op in OPS] == list(range(len(OPS)))
+    assert (P.OPCODES["attn_norm_qkv_rope_sq"], P.OPCODES["qk_norm_apply"]) == (9, 10)
+    assert P.INTERPRETER_OPS["v10"] == set(OPS) == P.GPU_OPS
+    for packed in (P.pack(sched), P.pack(sched, "v10")):
+        assert packed.n == len(sched.instructions)
+        by_id = sched.by_id()
+        seen = set()
+        for r in packed.ins:
+            ins = by_id[int(r[P.F_ID])]
+            seen.add(ins.op)
+            assert int(r[P.F_OP]) == P.OPCODES[ins.op]
+            if ins.op == "qk_norm_apply":
+                assert int(r[P.F_A0]) == ins.args["kv_head"]
+            elif ins.op == "attn_norm_qkv_rope_sq":
+                assert (int(r[P.F_A0]), int(r[P.F_A0 + 1])) == (ins.args["start"], ins.args["end"])
+        assert {"attn_norm_qkv_rope_sq", "qk_norm_apply"} <= seen and "attn_norm_qkv_rope" not in seen
+
+
+def test_qk_norm_apart_is_refused_for_v9_by_name() -> None:
+    """Interpreter v9 has neither op: packing for it names the op and the interpreter that runs it; the rest of a
+    schedule packs for v9 as before, and an unknown interpreter is a plain error."""
+    sched = _qk_apart_schedule()
+    assert P.INTERPRETER_OPS["v9"] == set(OPS) - {"attn_norm_qkv_rope_sq", "qk_norm_apply"}
+    with pytest.raises(ScheduleError, match=r"'attn_norm_qkv_rope_sq' has no GPU implementation in interpreter v9: "
+                                            r"interpreter v10 runs it") as err:
+        P.pack(sched, "v9")
+    assert err.value.path.endswith(".op") and "qk_norm = 'in_qkv'" in str(err.value)
+    P.pack(lower(get_model("tiny-qwen3"), 4), "v9")  # the QK-norm inside QKV: v9 runs it
+    with pytest.raises(ValueError, match="interpreter must be one of"):
+        P.pack(sched, "v8")
+
+
+def test_megakernel_on_v9_refuses_qk_norm_apart() -> None:
+    """Megakernel packs for the interpreter it runs: with v9's KernelConfig the apart ops are refused by name before
+    anything is compiled (the CPU is enough to check)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
+    from megasynth.kernels.weights import random_weights
+
+    spec = get_model("tiny-qwen3")
+    w = {k: v.to(torch.bfloat16) for k, v in random_weights(spec.config, seed=1).items()}
+    with pytest.raises(ScheduleError, match="'attn_norm_qkv_rope_sq' has no GPU implementation in interpreter v9"):
+        Megakernel(_qk_apart_schedule(), w, device="cpu", config=KernelConfig())
+
+
 def test_trace_round_trip_summary_and_critical_path(tmp_path) -> None:
     # Two workers: #0 (w0) then #2 (w0); #1 (w1) waits for #0 and ends last.
     raw = [(0, 0, 2000, 0), (0, 3000, 9000, 1), (2000, 2000, 4000, 0), (0, 0, 0, 1)]  # the last one never ran

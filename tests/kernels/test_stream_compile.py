@@ -63,9 +63,21 @@ def test_v10_compiles_qwen_families_without_spills(family: str) -> None:
         assert res.shared <= SMEM_LIMIT, f"{family} {sc}: {res.shared} B of shared memory > {SMEM_LIMIT}"
 
 
+def _qk_apart_params(ptx: str) -> tuple[str, str]:
+    """The PTX names of the kernel parameters qk_sq_ptr and k_new_ptr: the two before timeout_ns, which is the last
+    parameter that is not a pointer (the TMA descriptors' expansion comes before them, Triton's scratch after)."""
+    params = [ln for ln in ptx.splitlines() if ln.strip().startswith(".param") and "stream_megakernel_param_" in ln]
+    last = max(i for i, ln in enumerate(params) if ".ptr" not in ln)
+    names = [ln.split()[-1].rstrip(",") for ln in params[last - 2:last]]
+    assert all(".ptr" in ln for ln in params[last - 2:last]), params[last - 2:last]
+    return names[0], names[1]
+
+
 def test_llama_build_has_none_of_the_family_code() -> None:
     """QKV bias and QK-norm are constexpr-gated: the Llama build never reads their weights (its only trace of them is
-    two kernel parameters), the Qwen2 build reads the bias alone and the Qwen3 build the stacked norm weights alone."""
+    two kernel parameters), the Qwen2 build reads the bias alone and the Qwen3 build the stacked norm weights alone.
+    Likewise the QK-norm applied apart from QKV (attn_norm_qkv_rope_sq, qk_norm_apply): only the Qwen3 build reads
+    its buffers `qk_sq` and `k_new`."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import StreamConfig
@@ -78,8 +90,28 @@ def test_llama_build_has_none_of_the_family_code() -> None:
     for name, cfg in (("llama", tiny), ("qwen3", _qwen("qwen3")), ("qwen2", _qwen("qwen2"))):
         ptx = compile_v10(cfg, 64, StreamConfig())[0].asm["ptx"]
         assert ".global .align 1 stream_megakernel_param_14," in ptx  # a pointer, as bqkv_ptr and qk_norm_ptr are
-        reads[name] = (bias in ptx, norm in ptx)
-    assert reads == {"llama": (False, False), "qwen3": (False, True), "qwen2": (True, False)}
+        sq, knew = _qk_apart_params(ptx)
+        reads[name] = (bias in ptx, norm in ptx, f"[{sq}]" in ptx and f"[{knew}]" in ptx)
+    assert reads == {"llama": (False, False, False), "qwen3": (False, True, True), "qwen2": (True, False, False)}
+
+
+def test_v10_qk_norm_apart_compiles_into_the_qwen3_build() -> None:
+    """tiny-qwen3's build (the shape the GPU test of the QK-norm apart runs) holds both apart ops next to the QK-norm
+    inside QKV and still fits: no spill stack, the shared memory of a CTA; the tensor-core build too. The apart ops
+    add no shared memory (QKV-sq is QKV's slot sequence, qk_norm_apply reads no weights)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    spec = get_model("tiny-qwen3")
+    for sc in (StreamConfig(), StreamConfig(mma=True)):
+        kernel, res = compile_v10(spec.config, spec.max_seq_len, sc)
+        assert res.stack == 0, f"{sc}: {res.stack} bytes of spill stack"
+        geo = stream_geometry(spec.config, sc)
+        assert res.shared <= SMEM_LIMIT and res.shared - geo["ring_bytes"] - geo["stage_bytes"] <= 1024, res
+        sq, knew = _qk_apart_params(kernel.asm["ptx"])
+        assert f"[{sq}]" in kernel.asm["ptx"] and f"[{knew}]" in kernel.asm["ptx"]
 
 
 def test_v9_compiles_qwen_families_without_spills() -> None:

@@ -31,10 +31,14 @@ from megasynth.ir.schedule import Schedule
 #: Opcodes: the catalogue table's order, new ops last (one owner per fact: the kernel's `OP_*` constants are checked
 #: against this).
 OPCODES: dict[str, int] = {name: i for i, name in enumerate(OPS)}
-#: The catalogue ops interpreters v10 and v9 execute. QK-norm applied apart from QKV (attn_norm_qkv_rope_sq and
-#: qk_norm_apply) runs on the CPU executor only so far.
-GPU_OPS = frozenset({"embed", "attn_norm_qkv_rope", "attn_partial", "attn_reduce", "o_proj_residual",
-                     "attn_reduce_o_proj", "mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head"})
+#: QK-norm applied apart from QKV (the strategy's qk_norm = "apart"): interpreter v10 runs these, v9 does not.
+QK_APART_OPS = frozenset({"attn_norm_qkv_rope_sq", "qk_norm_apply"})
+#: The catalogue ops each interpreter executes (its name -> ops): v10 (kernels/gpu/stream.py) runs every op; v9
+#: (kernels/gpu/v9.py) runs neither QK_APART_OPS op (and Megakernel refuses its other limits: QKV tiles of whole heads,
+#: no attn_reduce_o_proj).
+INTERPRETER_OPS: dict[str, frozenset[str]] = {"v10": frozenset(OPS), "v9": frozenset(OPS) - QK_APART_OPS}
+#: The ops some GPU interpreter executes.
+GPU_OPS = frozenset().union(*INTERPRETER_OPS.values())
 ROW = 19  # fields per instruction row
 F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
 F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU, F_A4 = 11, 12, 13, 14, 15, 16, 17, 18
@@ -49,6 +53,8 @@ ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
 #: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
 WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
 MAX_ARGS = len(ARG_FIELDS)
+#: How to select each interpreter, for the messages that send an op to another one.
+_HOW = {"v10": "StreamConfig, Megakernel's default on Hopper", "v9": "KernelConfig"}
 
 for _name, _spec in OPS.items():
     if len(_spec.args) > MAX_ARGS:  # pragma: no cover - a catalogue change the kernel must follow
@@ -81,11 +87,15 @@ class Packed:
         return len(self.ids)
 
 
-def pack_program(prog: Program) -> Packed:
-    """Pack a resolved program; ops the catalogue does not know cannot run and raise `ScheduleError`."""
+def pack_program(prog: Program, interpreter: str = "v10") -> Packed:
+    """Pack a resolved program for `interpreter` ("v10" or "v9"); ops the catalogue does not know, or that this
+    interpreter does not execute (`INTERPRETER_OPS`), cannot run and raise `ScheduleError`, as does a batch."""
+    if interpreter not in INTERPRETER_OPS:
+        raise ValueError(f"interpreter must be one of {sorted(INTERPRETER_OPS)}, got {interpreter!r}")
     if prog.geometry is not None and prog.geometry.batch > 1:
         raise ScheduleError(f"the GPU interpreters decode one sequence per step; this schedule decodes "
                             f"{prog.geometry.batch} (the CPU executor runs it)", "$.model.batch")
+    runs = INTERPRETER_OPS[interpreter]
     n = prog.n
     rows = np.zeros((max(n, 1), ROW), dtype=np.int32)  # by instruction index; reordered into queue order below
     waits: list[tuple[int, int]] = []
@@ -97,9 +107,12 @@ def pack_program(prog: Program) -> Packed:
         if op not in OPCODES:
             raise ScheduleError(f"op {op!r} is not a catalogue op; the GPU interpreter cannot execute it",
                                 f"{prog.path(i)}.op")
-        if op not in GPU_OPS:
-            raise ScheduleError(f"op {op!r} has no GPU implementation yet (the CPU executor runs it); lower with "
-                                "the strategy's qk_norm = 'in_qkv' for the GPU", f"{prog.path(i)}.op")
+        if op not in runs:
+            others = [name for name, ops in INTERPRETER_OPS.items() if op in ops]
+            raise ScheduleError(f"op {op!r} has no GPU implementation in interpreter {interpreter}: interpreter "
+                                f"{' and '.join(others)} runs it ({_HOW[others[0]]})"
+                                + (", or lower with the strategy's qk_norm = 'in_qkv'" if op in QK_APART_OPS else ""),
+                                f"{prog.path(i)}.op")
         row = rows[i]
         row[F_OP] = OPCODES[op]
         layer = prog.layer[i]
@@ -155,8 +168,8 @@ def warm_hints(prog: Program, qoff: np.ndarray, ins: np.ndarray) -> None:
                     row[fld] = qoff[w] + pos
 
 
-def pack(schedule: Schedule) -> Packed:
-    """Resolve (structural checks) and pack a schedule."""
-    packed = pack_program(resolve(schedule))
+def pack(schedule: Schedule, interpreter: str = "v10") -> Packed:
+    """Resolve (structural checks) and pack a schedule for `interpreter` ("v10", the default on Hopper, or "v9")."""
+    packed = pack_program(resolve(schedule), interpreter)
     packed.schedule = schedule
     return packed

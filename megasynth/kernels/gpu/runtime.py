@@ -113,6 +113,14 @@ class Megakernel:
         self.attn = torch.zeros(c.q_size, **f32)
         self.act = torch.zeros(c.intermediate_size, **f32)
         self.logits = torch.zeros(c.vocab_size, **f32)
+        # QK-norm applied apart from QKV (v10): per-pair sums of squares of every q and k head, and the new k rows
+        # before their per-head scale (the catalogue's `qk_sq` and `k_new`); other models pass `q` as a stand-in the
+        # kernel never reads (its build has that code compiled out: QK_NORM)
+        if c.qk_norm:
+            self.qk_sq = torch.zeros((c.num_attention_heads + c.num_key_value_heads) * c.hd // 2, **f32)
+            self.k_new = torch.zeros(c.kv_size, **f32)
+        else:
+            self.qk_sq = self.k_new = self.q
         angles = np.arange(self.max_seq_len, dtype=np.float64)[:, None] * np.array(rope_inv_freq(c))[None, :]
         self.cos = torch.tensor(np.cos(angles), **f32).contiguous()
         self.sin = torch.tensor(np.sin(angles), **f32).contiguous()
@@ -135,7 +143,7 @@ class Megakernel:
         """Resolve + pack a schedule and copy its tables (and its own counters/workspace) to the device."""
         if schedule.model is None or ModelConfig.from_hf(schedule.model.config) != self.cfg:
             raise ScheduleError("the schedule's model config differs from this Megakernel's", "$.model.config")
-        p = pack(schedule)
+        p = pack(schedule, "v10" if self.v10 else "v9")
         if not self.v10:  # interpreter v9 computes QKV a whole head at a time and has no fused merge + o_proj
             hd, qkv = OPCODES["attn_norm_qkv_rope"], self.cfg.hd
             pairs = (p.ins[:, F_OP] == hd) & (((p.ins[:, F_A0] % qkv) != 0) | ((p.ins[:, F_A0 + 1] % qkv) != 0))
@@ -186,7 +194,7 @@ class Megakernel:
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
                     self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *extra, *self.descs,
                     self.x, self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
-                    self.logits, self.cos, self.sin, self.timeout_ns]
+                    self.logits, self.cos, self.sin, self.qk_sq, self.k_new, self.timeout_ns]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],

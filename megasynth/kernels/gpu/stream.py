@@ -52,6 +52,8 @@ from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
 OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
+OP_QKV_SQ: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope_sq"])
+OP_QK_APPLY: gl.constexpr = gl.constexpr(OPCODES["qk_norm_apply"])
 OP_PARTIAL: gl.constexpr = gl.constexpr(OPCODES["attn_partial"])
 OP_REDUCE: gl.constexpr = gl.constexpr(OPCODES["attn_reduce"])
 OP_OPROJ: gl.constexpr = gl.constexpr(OPCODES["o_proj_residual"])
@@ -206,12 +208,13 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 @gluon.jit
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-            BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
+            QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+            BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
-    its own last fill was issued: how far the ring ran ahead of the compute warps."""
+    its own last fill was issued: how far the ring ran ahead of the compute warps. QKV with the QK-norm apart
+    (QK_NORM builds only) streams the same tiles as QKV; qk_norm_apply reads no weights."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -226,7 +229,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_reach = ptx.gl_globaltimer()
-        if op == OP_QKV:
+        is_qkv = op == OP_QKV
+        if QK_NORM:
+            is_qkv = is_qkv | (op == OP_QKV_SQ)
+        if is_qkv:
             base = layer * QKV
             p = a0 // 2
             pend = a1 // 2
@@ -396,10 +402,10 @@ def _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM: gl.constexpr, NCHK: gl.constex
 
 @gluon.jit
 def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-            sin_ptr, layer, a0, a1, pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-            S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr,
-            NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr,
-            MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+            sin_ptr, sq_ptr, knew_ptr, layer, a0, a1, pos, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
+            HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr,
+            SQ: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
+            BK: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """Pair-ordered rows [a0, a1) of wqkv @ rmsnorm(x): per group of <= 16 RoPE pairs of one head, box a holds the
     pairs' first-half rows and box b their second-half rows; RoPE on q and k heads, k/v into the cache at pos.
 
@@ -408,7 +414,12 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
     head spans hd / 32 groups, so the head's groups are kept unrotated in registers ([16, QG] per half, column g =
     group g) and rotated once its last group is in (the tile holds whole q and k heads: the catalogue's check). Their
     layout has a row's QG columns in one thread's registers (no register holds a copy of another, so the sums count
-    each value once) and the rows where `blk`'s row vectors have them (so the group's vectors convert for free)."""
+    each value once) and the rows where `blk`'s row vectors have them (so the group's vectors convert for free).
+
+    With SQ (attn_norm_qkv_rope_sq, QK_NORM False) the QK-norm is applied apart, so any pair range works: a q or k
+    pair's sum of squares y1^2 + y2^2 goes to `qk_sq` (sq_ptr) before its norm weight, the weighted pair is rotated
+    (the weight is per element, so it goes before RoPE; the head's scale commutes with RoPE and comes in
+    qk_norm_apply), q to `q` and k to the fp32 `k_new` (knew_ptr) instead of the cache."""
     HALF: gl.constexpr = HD // 2
     NKH: gl.constexpr = (H + BK - 1) // BK
     QKV: gl.constexpr = (NH + 2 * NKV) * HD
@@ -435,6 +446,10 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
             rot = m & (head < NH + NKV)
             cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
             sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+            if SQ:  # the norm weight's elements j and j + hd/2 (stacked per layer as [q_norm, k_norm])
+                nrm = qkn_ptr + layer * (2 * HD) + (head >= NH).to(gl.int32) * HD + jj
+                w1 = gl.load(nrm, mask=rot, other=0.0)
+                w2 = gl.load(nrm + HALF, mask=rot, other=0.0)
         t, y1, y2 = _pair_rows(t, ring, ready, empty, vbuf, vstage, NKH, p < pend, blk, NS, SB, BK, MMA, num_warps)
         y1 = y1 * rstd
         y2 = y2 * rstd
@@ -457,11 +472,19 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
                 gl.store(vc_ptr + cb + HALF + jj, y2.to(gl.bfloat16), mask=m)
         else:
             if head < NH + NKV:  # q and k heads are rotated (HF convention: pair (i, i + hd/2))
+                if SQ:
+                    gl.store(sq_ptr + head * HALF + jj, y1 * y1 + y2 * y2, mask=m)
+                    y1 = y1 * w1
+                    y2 = y2 * w2
                 o1 = y1 * cs - y2 * sn
                 o2 = y2 * cs + y1 * sn
                 if head < NH:
                     gl.store(q_ptr + head * HD + jj, o1, mask=m)
                     gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+                elif SQ:
+                    kb = (head - NH) * HD
+                    gl.store(knew_ptr + kb + jj, o1, mask=m)
+                    gl.store(knew_ptr + kb + HALF + jj, o2, mask=m)
                 else:
                     cb = ((layer * NKV + head - NH).to(gl.int64) * S + pos) * HD
                     gl.store(kc_ptr + cb + jj, o1.to(gl.bfloat16), mask=m)
@@ -506,6 +529,36 @@ def _qk_norm_rope(h1, h2, gcol, qkn_ptr, q_ptr, kc_ptr, cos_ptr, sin_ptr, layer,
             else:
                 gl.store(q_ptr + head * HD + jj, o1, mask=m)
                 gl.store(q_ptr + head * HD + HALF + jj, o2, mask=m)
+
+
+@gluon.jit
+def _op_qk_apply(q_ptr, sq_ptr, knew_ptr, kc_ptr, layer, g, pos, NH: gl.constexpr, NKV: gl.constexpr,
+                 HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
+                 num_warps: gl.constexpr):
+    """qk_norm_apply of KV head g: its G query heads times rsqrt(mean square + eps) in place, and its new k row
+    (`k_new`, weighted and roped by attn_norm_qkv_rope_sq) so scaled into the cache at pos, bf16. The means come from
+    each head's per-pair sums of squares in `qk_sq` (hd / 2 values, read as the first half of an [.., hd] row so that
+    the head's values and its sums share one layout). No weights: every load is one L2 round trip, all in flight at
+    once, and the data was written by other workers before this instruction's waits (hence `.cg`)."""
+    HALF: gl.constexpr = HD // 2
+    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
+    h0 = g * G
+    hs = h0 + gl.arange(0, GP, layout=gl.SliceLayout(1, L2))
+    d = gl.expand_dims(gl.arange(0, HD, layout=gl.SliceLayout(0, L2)), 0)  # [1, HD]
+    hm = gl.expand_dims(hs < h0 + G, 1)
+    qoffs = gl.expand_dims(hs, 1) * HD + d
+    sq = gl.load(sq_ptr + gl.expand_dims(hs, 1) * HALF + d, mask=hm & (d < HALF), other=0.0, cache_modifier=".cg")
+    q = gl.load(q_ptr + qoffs, mask=hm, other=0.0, cache_modifier=".cg")
+    ksq = gl.load(sq_ptr + (NH + g) * HALF + d, mask=d < HALF, other=0.0, cache_modifier=".cg")
+    k = gl.load(knew_ptr + g * HD + d, cache_modifier=".cg")
+    inv = 1.0 / gl.sqrt(gl.sum(sq, axis=1) / HD + EPS)  # [GP]
+    # q is scaled in place and a [GP, hd] tensor can be smaller than the CTA (its layout then repeats it across
+    # warps): every warp's loads of q come before any warp's store
+    gl.thread_barrier()
+    gl.store(q_ptr + qoffs, q * gl.expand_dims(inv, 1), mask=hm)
+    kinv = 1.0 / gl.sqrt(gl.sum(ksq, axis=1) / HD + EPS)  # [1]
+    cb = ((layer * NKV + g).to(gl.int64) * S + pos) * HD
+    gl.store(kc_ptr + cb + d, (k * gl.expand_dims(kinv, 1)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -868,7 +921,7 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
              embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
              x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-             timeout_ns, ring, ready, empty, vbuf, vstage,
+             qk_sq_ptr, k_new_ptr, timeout_ns, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
              QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
@@ -902,8 +955,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
-                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S, EPS, QKV_BIAS,
-                        QK_NORM, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
+                        EPS, QKV_BIAS, QK_NORM, False, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
                                  empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
@@ -924,6 +977,13 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         elif op == OP_LM_HEAD:
             t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
                             a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+        # QK-norm applied apart from QKV: compiled into QK_NORM builds only (the Llama build has neither branch)
+        elif QK_NORM and op == OP_QKV_SQ:
+            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
+                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
+                        EPS, QKV_BIAS, False, True, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+        elif QK_NORM and op == OP_QK_APPLY:
+            _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, pos, NH, NKV, HD, S, EPS, G, GP, num_warps)
         gl.thread_barrier()
         if TRACE:
             gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
@@ -954,7 +1014,7 @@ def stream_megakernel(
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
     d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-    timeout_ns,
+    qk_sq_ptr, k_new_ptr, timeout_ns,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
     QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
@@ -987,11 +1047,12 @@ def stream_megakernel(
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP,
+                    sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD,
+                    S, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
                     MMA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE)),
+                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE)),
     ], [1], [LOADER_REGS])
 
 
