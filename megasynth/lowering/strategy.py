@@ -197,14 +197,16 @@ def wave_tiles(rows: int, workers: int, splits: tuple[int, ...] = (1,), align: i
 
 def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
-    are RoPE pairs (any even row count; a whole head is `head_dim` rows), whole heads for a QK-norm model."""
+    are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
+    tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
+    whole heads (at least one)."""
     c = spec.config
     rows = _rows_of(spec)[op]
     if op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
         base = {8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, c.hd, 2 * c.hd}
         cands = base | set(wave_tiles(rows, workers, align=2, box=2 * BOX_ROWS))
-        if c.qk_norm:  # QK-norm needs whole q and k heads: only whole-head tiles
-            cands = {t for t in cands if t % c.hd == 0} | {c.hd * n for n in (1, 2, 4) if c.hd * n <= rows}
+        if c.qk_norm:  # the whole-head tiles that QK-norm inside QKV needs
+            cands |= {c.hd * n for n in (1, 2, 4) if c.hd * n <= rows}
     else:
         lo, hi = {"final_norm_lm_head": (256, 8192)}.get(op, (8, 256))
         pows = {1 << k for k in range(20) if lo <= 1 << k <= hi}
@@ -235,8 +237,8 @@ class SearchSpace:
     on them (a random point, neighbours, mutations). Everything a schedule decides that changes its speed on the
     interpreter is here: tiles per op (powers of two, one-wave tiles from the worker count, QKV pair tiles of any
     even size), K-splits of o_proj and down_proj, the attention split, the dependency granularity of every edge
-    where a finer one can overlap two stages, whether o_proj merges the attention splits itself, the assignment of
-    instructions to SMs and the order within a queue.
+    where a finer one can overlap two stages, whether o_proj merges the attention splits itself, where a QK-norm
+    model applies its norm, the assignment of instructions to SMs and the order within a queue.
 
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
@@ -254,6 +256,10 @@ class SearchSpace:
         knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                           "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
                           "repeated per o_proj row tile (interpreter v10)"))
+        if spec.config.qk_norm:
+            knobs.append(Knob("qk_norm", ("in_qkv", "apart"), False,
+                              "QK-norm inside QKV (whole-head QKV tiles) or apart (QKV tiles of any RoPE pairs, then "
+                              "one qk_norm_apply per KV head: more SMs on QKV, one counter hop more)"))
         knobs += [Knob(f"edges.{e}", edge_choices(spec), True,
                        "which producers a consumer waits for: all of the stage, its KV head's, a chunk's, its tile's")
                   for e in FINE_EDGES]

@@ -169,9 +169,12 @@ def _features(c: ModelConfig) -> list[str]:
         parts.append("qkv_bias: attn_norm_qkv_rope adds a bias to its q, k and v rows (no constraint on tiles)")
     if c.qk_norm:
         qk_end = c.q_size + c.kv_size
-        parts.append(f"qk_norm: RMSNorm over each q and k head before RoPE, so attn_norm_qkv_rope tiles hold whole q "
-                     f"and k heads: start/end below {qk_end} (the end of the k rows) are multiples of head_dim "
-                     f"{c.hd}; v rows may still be cut into RoPE pairs; a tile that cuts a q or k head is rejected")
+        parts.append(f"qk_norm: RMSNorm over each q and k head before RoPE. With the strategy's qk_norm 'in_qkv' "
+                     f"the norm is inside attn_norm_qkv_rope, whose tiles hold whole q and k heads: start/end below "
+                     f"{qk_end} (the end of the k rows) are multiples of head_dim {c.hd}; v rows may still be cut "
+                     f"into RoPE pairs; a tile that cuts a q or k head is rejected. With 'apart', "
+                     f"attn_norm_qkv_rope_sq takes tiles of any RoPE pairs and one qk_norm_apply per KV head scales "
+                     f"its q heads and writes its k row before attention (more SMs on QKV, one counter hop more)")
     return ["Model features: " + "; ".join(parts) + "."] if parts else []
 
 

@@ -138,10 +138,11 @@ def test_cpu_executor_reproduces_the_reference(model: str, workers: int, strateg
     del torch
 
 
-def test_qk_norm_search_space_offers_only_whole_head_qkv_tiles() -> None:
-    """On qwen3-0.6b (QK-norm, head_dim 128) every QKV tile the search space offers, the hand seeds (QKV tiles of 32
-    and 64 rows, rounded to whole heads by the lowering) and a random point of the space lower to schedules whose QKV
-    tiles keep q and k heads whole and that the validator accepts."""
+def test_qk_norm_search_space_offers_both_placements_and_every_tile_lowers_legally() -> None:
+    """On qwen3-0.6b (QK-norm, head_dim 128) the search space offers the norm inside QKV and apart, and QKV pair
+    tiles. Every offered tile lowers, inside QKV, to whole q and k heads (the lowering rounds it down) and, apart, to
+    the sq op with the tile as offered plus one qk_norm_apply per KV head; the hand seeds and a random point of the
+    space lower too. The validator accepts the smallest and largest tile each way, the seeds and the random point."""
     import random
 
     from megasynth.ir.program import resolve
@@ -151,16 +152,30 @@ def test_qk_norm_search_space_offers_only_whole_head_qkv_tiles() -> None:
     spec = get_model("qwen3-0.6b")
     c = spec.config
     space = SearchSpace(spec, 132)
+    assert space.by_name["qk_norm"].choices == ("in_qkv", "apart")
+    assert "qk_norm" not in SearchSpace(get_model("llama-1b"), 132).by_name
     choices = space.by_name["tiles.attn_norm_qkv_rope"].choices
-    assert choices and all(t % c.hd == 0 for t in choices)
+    assert any(t % c.hd for t in choices) and c.hd in choices
     rng = random.Random(3)
-    strategies = [Strategy(tiles={"attn_norm_qkv_rope": t}) for t in choices]
+    strategies = [Strategy(tiles={"attn_norm_qkv_rope": t}, qk_norm=where) for t in choices
+                  for where in ("in_qkv", "apart")]
     strategies += [st for _, st in seed_strategies()[:2]]
     strategies.append(space.with_value(space.random(rng), "order", "id"))  # list scheduling of 10k: slow
-    for strategy in strategies:
+    proven = {0, 1, 2 * len(choices) - 2, 2 * len(choices) - 1, *range(2 * len(choices), len(strategies))}
+    for n, strategy in enumerate(strategies):
         sched = lower(spec, 132, strategy)
         resolve(sched)  # the catalogue's argument checks, the whole-head rule among them
-        qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope"]
-        assert all(a["start"] % c.hd == 0 and a["end"] % c.hd == 0 for a in qkv), strategy
-        report = verify(sched, options=Options(interleavings=2))
-        assert report.accepted, (strategy, [f.message[:300] for f in report.findings][:2])
+        ops = {i.op for i in sched.instructions}
+        if strategy.qk_norm == "apart":
+            tile = strategy.tiles["attn_norm_qkv_rope"]
+            qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"]
+            assert "attn_norm_qkv_rope" not in ops and qkv[0] == {"start": 0, "end": min(tile, c.qkv_size)}
+            n_apply = sum(i.op == "qk_norm_apply" for i in sched.instructions)
+            assert n_apply == c.num_hidden_layers * c.num_key_value_heads
+        else:
+            qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope"]
+            assert "qk_norm_apply" not in ops
+            assert all(a["start"] % c.hd == 0 and a["end"] % c.hd == 0 for a in qkv), strategy
+        if n in proven:
+            report = verify(sched, options=Options(interleavings=2))
+            assert report.accepted, (strategy, [f.message[:300] for f in report.findings][:2])
