@@ -38,7 +38,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
                    "--weights is given.")
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
               help="Schedule .json or .json.gz for the megakernel (default: the naive lowering for this GPU's SM "
-                   "count).")
+                   "count), or a schedule set (synth search --ctx-ranges): each ctx runs the member whose range "
+                   "holds its position.")
 @click.option("--ctx", multiple=True, metavar="N[,N...]",
               help="Context length(s) to measure; repeat, comma-separate, or list after --ctx: --ctx 128 1024 4096. "
                    "[default: 1024, or max_seq_len if smaller]")
@@ -139,7 +140,9 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 @click.option("--tokens", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
               help="Tokens to generate (greedy).")
 @click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
-              help="Schedule .json or .json.gz (default: the naive lowering).")
+              help="Schedule .json or .json.gz (default: the naive lowering), or a schedule set (synth search "
+                   "--ctx-ranges): each step runs the member whose range holds its position, switching as the "
+                   "context grows.")
 @click.option("--prompt-token", type=int, default=1, show_default=True, help="The first token fed.")
 @click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
               help="Hugging Face safetensors checkpoint folder (default: the --model folder's, else random "
@@ -201,6 +204,9 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
             _fail(str(exc), 1)
         step = mk.step
         how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
+        if mk.members:
+            how += (f"; a schedule set of {len(mk.members)}, switching members at positions "
+                    f"{', '.join(str(b) for b in mk.bounds[:-1])}")
     else:
         from megasynth.kernels.reference import decode_step, new_kv_cache
 

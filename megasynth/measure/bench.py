@@ -29,6 +29,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from megasynth.ir.schedule_set import ScheduleSet
 from megasynth.lowering.models import BatchError, MaxSeqLenError, ModelSpec, get_model, with_batch
 from megasynth.measure.compile import run_compile
 from megasynth.measure.options import FORMAT, BenchError, BenchOptions
@@ -50,11 +51,12 @@ def read_schedule_text(path: str) -> str:
 
 
 def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tuple[Any, dict[str, Any]]:
-    """The schedule to run (a .json or .json.gz file; default: the naive lowering for the SM count) and a summary
-    for the JSON (its sha256 is of the JSON text, compressed or not)."""
+    """The schedule to run (a .json or .json.gz file; default: the naive lowering for the SM count), or a schedule set
+    (one schedule per context range: each ctx runs the member whose range holds pos = ctx - 1), and a summary for the
+    JSON (a sha256 is of the JSON text, compressed or not)."""
     from megasynth.ir.errors import ScheduleError
-    from megasynth.ir.model import ModelConfig
-    from megasynth.ir.schedule import loads_schedule
+    from megasynth.ir.schedule import parse_schedule
+    from megasynth.ir.schedule_set import is_schedule_set, parse_schedule_set
 
     if path is None:
         from megasynth.lowering.lower import lower
@@ -69,10 +71,33 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
         text = json.dumps(schedule.to_json(), sort_keys=True)
         info: dict[str, Any] = {"path": None,
                                 "source": f"naive lowering (megasynth.lowering.lower.lower, {workers} workers)"}
-    else:
-        text = read_schedule_text(path)
-        schedule = loads_schedule(text, path)
+        return _checked(spec, schedule, text, None, verify, info), info
+    text = read_schedule_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScheduleError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", "$", path) from None
+    if not is_schedule_set(data):
         info = {"path": path, "source": "file"}
+        return _checked(spec, parse_schedule(data, path), text, path, verify, info), info
+    sset = parse_schedule_set(data, path)
+    members = []
+    for (lo, hi), sched, member in zip(sset.ranges(), sset.schedules, sset.files, strict=True):
+        rec: dict[str, Any] = {"positions": [lo, hi], "path": member}
+        _checked(spec, sched, read_schedule_text(member), member, verify, rec)
+        members.append(rec)
+    return sset, {"path": path, "source": "schedule set (the member whose range holds pos = ctx - 1 runs each ctx)",
+                  "sha256": hashlib.sha256(text.encode()).hexdigest(), "members": members}
+
+
+def _checked(spec: ModelSpec, schedule: Any, text: str, path: str | None, verify: bool,
+             info: dict[str, Any]) -> Any:
+    """Check that a schedule decodes `spec` (config, max_seq_len, batch) and, with `verify`, passes the validator's
+    structure, coverage and deadlock phases; record its summary in `info`."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.ir.model import ModelConfig
+
+    if path is not None:
         if schedule.model is None:
             raise ScheduleError("the schedule has no `model`; only catalogue-op schedules can run", "$.model", path)
         if ModelConfig.from_hf(schedule.model.config) != spec.config:
@@ -96,7 +121,7 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
                               "run `validate`)", "findings": [f.message for f in report.findings[:3]]}
         if not report.accepted:
             raise BenchError(f"{path or 'the schedule'}: rejected by the validator: {report.findings[0].message}")
-    return schedule, info
+    return schedule
 
 
 def pytorch_best(variants: dict[str, Any]) -> dict[str, Any] | None:
@@ -170,7 +195,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     copy = measure_copy_bandwidth(opts.device, opts.copy_bytes if opts.device == "cuda" else 1 << 26)
     log(f"copy bandwidth {copy['tbps']:.3f} TB/s; building weights")
     st = new_state(spec, opts)
-    st.schedule = schedule
+    st.schedule = st.schedules = schedule
     between = None
     if opts.flush_l2 and opts.device == "cuda":
         scratch = torch.empty(max(2 * (dev.get("l2_bytes") or 0), 1 << 27), dtype=torch.uint8, device="cuda")
@@ -195,13 +220,17 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     }
     for ctx in opts.ctxs:
         st.ctx = ctx
+        if isinstance(schedule, ScheduleSet):  # the member whose range holds pos = ctx - 1
+            st.schedule = schedule.pick(ctx - 1)
         hist = st.history(opts.seed)
         prefill(st.k, st.v, hist)
         with torch.inference_mode():
             ref = reference_step(st)()
         rec: dict[str, Any] = {"ctx": ctx, "pos": st.pos, "batch": spec.batch,
                                "floor": {"bytes": floor_bytes(spec.config, ctx, spec.batch)},
-                               "schedule_bytes": schedule_bytes(schedule, ctx), "variants": {}}
+                               "schedule_bytes": schedule_bytes(st.schedule, ctx), "variants": {}}
+        if isinstance(schedule, ScheduleSet):
+            rec["schedule_member"] = schedule.index(ctx - 1)
         for name in VARIANTS:
             if name == "torch_compile" or name not in wanted:
                 continue

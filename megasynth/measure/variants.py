@@ -90,7 +90,8 @@ class State:
     v: Any
     token: int
     ctx: int = 0
-    schedule: Any = None
+    schedule: Any = None  # the schedule this ctx runs (a set's member for it)
+    schedules: Any = None  # what was loaded: that schedule, or the schedule set (the megakernel picks by position)
     megakernel: Any = None
     hf: Any = None
     step_weights: StepWeights | None = None
@@ -245,7 +246,8 @@ def _megakernel(st: State) -> Any:
     if st.megakernel is None:
         gpu = _megakernel_api()
         try:
-            st.megakernel = gpu.Megakernel(st.schedule, st.weights, max_seq_len=st.spec.max_seq_len)
+            st.megakernel = gpu.Megakernel(st.schedules or st.schedule, st.weights,
+                                           max_seq_len=st.spec.max_seq_len)
         except DoesNotFit as exc:  # beside this state's own weights and KV cache
             raise Skip(str(exc)) from None
     return st.megakernel

@@ -1,4 +1,5 @@
-"""`validate FILE...`: exit 0 accepted, 1 rejected, 2 malformed or usage error (docs/design.md §3)."""
+"""`validate FILE...`: exit 0 accepted, 1 rejected, 2 malformed or usage error (docs/design.md §3). A schedule-set
+file is validated member by member: each member is a report of its own, named by the set and its range."""
 
 from __future__ import annotations
 
@@ -8,17 +9,19 @@ import sys
 import click
 
 from megasynth.ir.errors import ScheduleError
-from megasynth.ir.schedule import load_schedule, schema
+from megasynth.ir.schedule import schema
+from megasynth.ir.schedule_set import ScheduleSet, load_schedule_or_set
 from megasynth.validator.verify import Options, Report, gc_paused, verify
 
 
 def format_text(report: Report) -> str:
-    lines = [f"{report.file}: {report.verdict.upper()}"]
+    st = report.stats
+    member = f" (set {st['set']}, positions {st['positions'][0]}-{st['positions'][1] - 1})" if "set" in st else ""
+    lines = [f"{report.file}{member}: {report.verdict.upper()}"]
     for f in report.findings:
         lines.append(f"  [{f.category}] {f.message}")
         for extra in f.details.get("text", []):
             lines.append(f"      {extra}")
-    st = report.stats
     parts = [f"{st.get('instructions', 0)} instructions"]
     for key in ("conflicting_pairs", "proven_by_graph", "proven_by_z3", "counterexamples", "unchecked_pairs",
                 "interleavings", "replay_witnesses"):
@@ -30,7 +33,7 @@ def format_text(report: Report) -> str:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("files", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("files", nargs=-1, type=click.Path(dir_okay=False), metavar="FILE...")
 @click.option("--schema", "print_schema", is_flag=True, help="Print the JSON Schema of the format and exit.")
 @click.option("--format", "fmt", type=click.Choice(["text", "json", "sarif"]), default="text", show_default=True)
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write the report here instead of stdout.")
@@ -45,7 +48,8 @@ def format_text(report: Report) -> str:
               help="Validate several files in parallel processes.")
 def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | None, interleavings: int, seed: int,
          pipelined: bool, budget: float, jobs: int) -> None:
-    """Prove megakernel schedules free of races and deadlocks, or show an interleaving that breaks them."""
+    """Prove megakernel schedules free of races and deadlocks, or show an interleaving that breaks them. A schedule
+    set (one schedule per context range) is checked as a set and each member proven."""
     if print_schema:
         click.echo(json.dumps(schema(), indent=2))
         return
@@ -62,7 +66,10 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
     else:
         outcomes = [_verify_file(name, options) for name in files]
     for out in outcomes:
-        (malformed if isinstance(out, ScheduleError) else reports).append(out)
+        if isinstance(out, ScheduleError):
+            malformed.append(out)
+        else:
+            reports.extend(out)
     text = _render(fmt, reports, malformed)
     if output:
         from megasynth.atomic import write_text_atomic
@@ -75,11 +82,20 @@ def main(files: tuple[str, ...], print_schema: bool, fmt: str, output: str | Non
     sys.exit(2 if malformed else (0 if all(r.accepted for r in reports) else 1))
 
 
-def _verify_file(name: str, options: Options) -> Report | ScheduleError:
-    """Validate one file; a malformed one comes back as its `ScheduleError` (picklable, for `--jobs`)."""
+def _verify_file(name: str, options: Options) -> list[Report] | ScheduleError:
+    """Validate one file (a schedule, or every member of a set); a malformed one comes back as its `ScheduleError`
+    (picklable, for `--jobs`)."""
     try:
         with gc_paused():
-            return verify(load_schedule(name), name, options)
+            loaded = load_schedule_or_set(name)
+            if not isinstance(loaded, ScheduleSet):
+                return [verify(loaded, name, options)]
+            reports = []
+            for (lo, hi), sched, member in zip(loaded.ranges(), loaded.schedules, loaded.files, strict=True):
+                report = verify(sched, member, options)
+                report.stats.update(set=name, positions=[lo, hi])
+                reports.append(report)
+            return reports
     except ScheduleError as exc:
         exc.file = exc.file or name
         return exc

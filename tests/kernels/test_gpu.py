@@ -136,6 +136,28 @@ def test_new_schedule_needs_no_recompile():
         assert _compiled_count() == before, "a new schedule triggered a recompile"
 
 
+def test_schedule_set_switches_by_position_without_a_recompile():
+    """A set of two schedules (positions 0-15: 1 attention split on 4 workers; 16-63: 4 splits, K splits, other
+    counters, on 7 workers): decoding 0..40 in one run switches members at 16 and matches the reference at every
+    position; the switch compiles nothing, and going back to a short position picks the first member again."""
+    from megasynth.ir.schedule_set import ScheduleSet
+
+    spec = get_model("tiny")
+    w = _weights(spec.config, seed=6)
+    short = lower(spec, 4, Strategy(attn_splits=1))
+    long = _variant(spec, 7, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}), seed=8)
+    sset = ScheduleSet([16, spec.max_seq_len], [short, long], ["short", "long"])
+    mk = _decode_and_compare(spec, sset, w, range(0, 3), 0)
+    assert mk.packed is mk.members[0]
+    before = _compiled_count()
+    _decode_and_compare(spec, sset, w, range(0, 41), 0, mk=mk)
+    assert mk.packed is mk.members[1] and mk.member_for(15) is mk.members[0]
+    if before is not None:
+        assert _compiled_count() == before, "switching members triggered a recompile"
+    _decode_and_compare(spec, sset, w, range(5, 8), 5, mk=mk)
+    assert mk.packed is mk.members[0]
+
+
 def test_v10_is_the_default_and_v9_stays_selectable(llama):
     """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
     from megasynth.kernels.gpu import KernelConfig

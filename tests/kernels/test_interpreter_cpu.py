@@ -47,6 +47,10 @@ w = {k: v.to(torch.bfloat16) for k, v in random_weights(cfg, seed=3).items()}
 if cfg.tie_word_embeddings:
     w["lm_head"] = w["embed"]
 sched = lower(spec, 1, Strategy(**case["strategy"]))
+if "set" in case:  # a schedule set: one member per range, picked by position
+    from megasynth.ir.schedule_set import ScheduleSet
+    members = [lower(spec, 1, Strategy(**st)) for st in case["set"]["strategies"]]
+    sched = ScheduleSet(case["set"]["bounds"], members, [str(k) for k in range(len(members))])
 mk = Megakernel(sched, w, device="cpu", max_seq_len=spec.max_seq_len,
                 config=KernelConfig(attn_mma=False, **case["kernel"]))
 gen = torch.Generator().manual_seed(5)
@@ -60,7 +64,8 @@ for token, pos in case["steps"]:
     out.append({"rel": float((got - ref).norm() / ref.norm()),
                 "kv": float(max((mk.k_cache.float() - kref.float()).abs().max(),
                                 (mk.v_cache.float() - vref.float()).abs().max())),
-                "counters_ok": mk.counters().tolist() == mk.packed.expected_counters.tolist()})
+                "counters_ok": mk.counters().tolist() == mk.packed.expected_counters.tolist(),
+                "member": next((k for k, m in enumerate(mk.members) if m is mk.packed), None)})
 print(json.dumps(out))
 """
 
@@ -86,6 +91,12 @@ CASES = {
         # not position 0: attention there returns the new v alone, and the interpreter's truncating bf16 cast of a
         # biased v puts the logits ~5.4e-3 off (3.9e-3 with a zero bias); a lost bias is ~0.2 off anywhere
         "steps": [[9, 33], [2, 50]]},
+    "tiny schedule set: 1 attention split below position 16, 3 splits and K splits from 16": {
+        "model": "tiny", "kernel": {}, "strategy": {},
+        "set": {"bounds": [16, 64], "strategies": [
+            {"attn_splits": 1},
+            {"attn_splits": 3, "k_splits": {"o_proj_residual": 2}, "tiles": {"mlp_norm_gate_up": 64}}]},
+        "steps": [[7, 3], [5, 40], [9, 15], [2, 16]], "members": [0, 1, 0, 1]},
 }
 
 
@@ -101,3 +112,5 @@ def test_interpreter_matches_the_reference_on_the_cpu(name: str) -> None:
         assert step["counters_ok"], step  # every instruction ran and signalled
         assert step["rel"] < 5e-3, step  # logits vs the PyTorch reference
         assert step["kv"] < 0.05, step  # this token's K/V landed in the cache (bf16), nothing else moved
+    if "members" in CASES[name]:  # each step ran the member whose range holds its position
+        assert [step["member"] for step in steps] == CASES[name]["members"]

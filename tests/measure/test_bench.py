@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from megasynth.cli import main
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import get_model
+from megasynth.lowering.strategy import Strategy
 from megasynth.measure.bench import add_ratios, pytorch_best, run_bench, split_by_ctx
 from megasynth.measure.compile import run_compile
 from megasynth.measure.options import BenchOptions
@@ -224,6 +225,35 @@ def test_bad_schedule_names_file_and_path(tmp_path) -> None:
     dump_schedule(lower(get_model("tiny-mha"), 4), other)
     result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--schedule", str(other)])
     assert result.exit_code == 2 and "$.model.config" in result.output
+
+
+def test_bench_with_a_schedule_set_runs_each_ctx_on_its_ranges_member(tmp_path) -> None:
+    """`--schedule SET`: ctx 8 (pos 7) runs the member for positions 0-15, ctx 40 the one for 16-63 (another attention
+    split, so its bytes differ); the CPU executor's logits match the reference at both; a bad set is exit 2 with
+    the set file and JSON path."""
+    from megasynth.atomic import write_json_atomic
+    from megasynth.ir.schedule import dump_schedule
+    from megasynth.ir.schedule_set import set_document
+
+    spec = get_model("tiny")
+    files = [tmp_path / "short.json", tmp_path / "long.json"]
+    dump_schedule(lower(spec, 4, Strategy(attn_splits=1)), files[0])
+    dump_schedule(lower(spec, 4, Strategy(attn_splits=4)), files[1])
+    sset = tmp_path / "set.json"
+    write_json_atomic(sset, set_document([16, 64], [str(f) for f in files], sset))
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--reps", "1", "--warmup", "0",
+                                       "--ctx", "8", "40", "--schedule", str(sset), "--json", str(out),
+                                       "--variants", "torch_bf16,cpu_executor"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert [m["positions"] for m in data["schedule"]["members"]] == [[0, 16], [16, 64]]
+    assert [r["schedule_member"] for r in data["results"]] == [0, 1]
+    for r in data["results"]:
+        assert r["variants"]["cpu_executor"]["check"]["rel_l2"] < 1e-4
+    write_json_atomic(sset, {**json.loads(sset.read_text()), "ranges": [{"up_to": 64, "schedule": "nope.json"}]})
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--schedule", str(sset)])
+    assert result.exit_code == 2 and f"{sset}: $.ranges[0].schedule" in result.output
 
 
 @pytest.mark.skipif(CUDA, reason="checks the no-CUDA message")

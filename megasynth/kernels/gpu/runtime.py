@@ -4,7 +4,9 @@ interpreter v10 (kernels/gpu/stream.py, `StreamConfig`) or v9 (kernels/gpu/v9.py
 as a CUDA graph, turns the kernel's error buffer into `WatchdogError` and exports traces.
 
 `Megakernel.step(token, pos)` replays a CUDA graph holding the whole step: counter reset + the kernel (embedding,
-all layers, the LM head). Static queues deadlock unless every program is resident at once, so the grid is checked
+all layers, the LM head). Given a schedule set (one schedule per context range), it packs every member once and each
+step replays the graph of the member whose range holds `pos`: only the tables change, never the kernel or the
+buffers. Static queues deadlock unless every program is resident at once, so the grid is checked
 against the SM count and the compiled kernel's occupancy before the first launch. Before allocating anything, the KV
 cache (sized by max_seq_len), the stacked weights and the workspace are checked against the free GPU memory
 (`megasynth.ir.model.check_fits`; not yet run on a GPU).
@@ -12,6 +14,7 @@ cache (sized by max_seq_len), the stacked weights and the workspace are checked 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ from megasynth.ir.catalogue import FUSED_OPROJ, rope_inv_freq
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.model import ModelConfig, check_fits, gpu_memory_parts
 from megasynth.ir.schedule import Schedule
+from megasynth.ir.schedule_set import ScheduleSet
 from megasynth.kernels.gpu.pack import F_A0, F_OP, OPCODES, TRACE_FIELDS, Packed, pack
 from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, v9_megakernel
 
@@ -85,9 +89,12 @@ def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: to
 class Megakernel:
     """A compiled persistent interpreter for one model config, its weights, KV cache and workspace."""
 
-    def __init__(self, schedule: Schedule, weights: dict[str, torch.Tensor], *, max_seq_len: int | None = None,
-                 trace: bool = False, device: str | torch.device = "cuda", timeout_s: float = 2.0,
-                 config: Any = None) -> None:
+    def __init__(self, schedule: Schedule | ScheduleSet, weights: dict[str, torch.Tensor], *,
+                 max_seq_len: int | None = None, trace: bool = False, device: str | torch.device = "cuda",
+                 timeout_s: float = 2.0, config: Any = None) -> None:
+        chosen = schedule
+        if isinstance(schedule, ScheduleSet):
+            schedule = schedule.schedules[0]  # every member has the same model and KV cache
         if schedule.model is None:
             raise ScheduleError("the GPU interpreter needs a schedule with `model`", "$.model")
         self.cfg = ModelConfig.from_hf(schedule.model.config)
@@ -135,7 +142,9 @@ class Megakernel:
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None
-        self.set_schedule(schedule)
+        self.members: list[Packed] = []  # a schedule set's members, packed; `bounds[k]` ends member k's positions
+        self.bounds: list[int] = []
+        self.set_schedule(chosen)
 
     # -- schedule tables -------------------------------------------------------------------------------------
 
@@ -175,10 +184,30 @@ class Megakernel:
         }
         return p
 
-    def set_schedule(self, schedule: Schedule) -> Packed:
-        """Make `schedule` the one `step` runs (no recompile: only the tables change)."""
-        self.packed = self.pack(schedule)
+    def set_schedule(self, schedule: Schedule | ScheduleSet) -> Packed:
+        """Make `schedule` the one `step` runs, or a set's members the ones it picks from by position (no recompile:
+        only the tables change)."""
+        if isinstance(schedule, ScheduleSet):
+            if schedule.max_seq_len > self.max_seq_len:
+                raise ScheduleError(f"the set covers positions up to {schedule.max_seq_len}, the KV cache "
+                                    f"{self.max_seq_len}", "$.ranges", schedule.file)
+            self.members = [self.pack(s) for s in schedule.schedules]
+            self.bounds = list(schedule.bounds)
+            self.packed = self.members[0]
+        else:
+            self.members, self.bounds = [], []
+            self.packed = self.pack(schedule)
         return self.packed
+
+    def member_for(self, pos: int) -> Packed:
+        """The packed schedule that serves KV position `pos`: a set's member whose range holds it, else the one
+        schedule."""
+        assert self.packed is not None
+        if not self.members:
+            return self.packed
+        if not 0 <= pos < self.bounds[-1]:
+            raise ValueError(f"pos {pos} outside the schedule set's positions [0, {self.bounds[-1]})")
+        return self.members[bisect_right(self.bounds, pos)]
 
     # -- launching ---------------------------------------------------------------------------------------------
 
@@ -230,12 +259,14 @@ class Megakernel:
             raise RuntimeError(f"{p.workers} workers cannot all be resident: {occ}")
 
     def set_position(self, token: int, pos: int) -> None:
-        """Write token and KV position into the device-side runtime inputs (read by the kernel and its graphs)."""
+        """Write token and KV position into the device-side runtime inputs (read by the kernel and its graphs); with
+        a schedule set, make the member whose range holds `pos` the one that runs."""
         c = self.cfg
         if not 0 <= token < c.vocab_size:
             raise ValueError(f"token {token} outside the vocabulary [0, {c.vocab_size})")
         if not 0 <= pos < self.max_seq_len:
             raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq_len})")
+        self.packed = self.member_for(pos)
         if self._rt_host is not None:
             self._rt_host[0], self._rt_host[1] = token, pos
             self.rt.copy_(self._rt_host, non_blocking=True)
@@ -245,12 +276,12 @@ class Megakernel:
     def launch(self, packed: Packed | None = None, token: int | None = None, pos: int | None = None, *,
                reset: bool = True, trace: bool | None = None) -> None:
         """Enqueue one run of `packed` on the current stream (counter reset first unless `reset=False`); no sync."""
+        if token is not None and pos is not None:
+            self.set_position(token, pos)  # (with a schedule set, this picks the member `packed` defaults to)
         p = packed or self.packed
         assert p is not None
         trace = self.trace if trace is None else trace
         self._check_residency(p, trace)
-        if token is not None and pos is not None:
-            self.set_position(token, pos)
         if reset and p.counters > 0:  # (a schedule without counters, e.g. one stage of the ablation, needs none)
             p.device["counters"].zero_()
         fn, args, consts = self._args(p, trace)
@@ -291,12 +322,13 @@ class Megakernel:
     def step(self, token: int, pos: int) -> torch.Tensor:
         """One decode step (CUDA-graph replay); returns a copy of the fp32 logits. Raises `WatchdogError` on a hang."""
         self.set_position(token, pos)
+        p = self.packed
         if self.device.type == "cuda":
-            self.graph().replay()
+            self.graph(p).replay()
         else:
-            self.launch()
+            self.launch(p)
         out = self.logits.clone()
-        self.check()
+        self.check(p)
         return out
 
     def counters(self, packed: Packed | None = None) -> np.ndarray:
@@ -330,10 +362,11 @@ class Megakernel:
         """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""
         from megasynth.trace import from_raw, schedule_sha256
 
+        self.set_position(token, pos)
         p = self.packed
         assert p is not None
         p.device["trace"].zero_()
-        self.launch(p, token, pos, trace=True)
+        self.launch(p, trace=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.check(p)
