@@ -1,15 +1,22 @@
-"""`synth search` (the search loop into runs/) and `synth strategy-schema` (the strategy JSON Schema)."""
+"""`synth search` (the search loop into runs/; with --ctx-ranges one run per context range and their schedule set) and
+`synth strategy-schema` (the strategy JSON Schema)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from megasynth.commands import batch_option, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from megasynth.search.config import SearchConfig
+    from megasynth.search.loop import SearchSummary
 
 
 @click.command("search")
@@ -42,6 +49,11 @@ from megasynth.ir.errors import ScheduleError
 @click.option("--ctx", type=click.IntRange(1, 1 << 20), default=None,
               help="Context length the schedules are timed/estimated at, at most max_seq_len. [default: 1024, or "
                    "max_seq_len if smaller]")
+@click.option("--ctx-ranges", "ctx_ranges", callback=lambda ctx, param, value: _parse_ranges(value), default=None,
+              metavar="UP_TO[,UP_TO...]",
+              help="Search one schedule per context range instead of one (range k: contexts of up to UP_TO[k] "
+              "tokens; the last must be max_seq_len): one run <run>.ctx<UP_TO> each, timed at its UP_TO with the "
+              "other options, then the schedule set <runs-dir>/<run>.set.json. Not with --ctx or --resume.")
 @max_seq_len_option()
 @batch_option("estimated with --cpu (the GPU interpreters run batch 1); the best schedule may differ per batch")
 @click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
@@ -63,7 +75,8 @@ from megasynth.ir.errors import ScheduleError
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
            resume: str | None, run_name: str | None, storage: str | None, lease: float, runs_dir: str,
            interleavings: int,
-           final_interleavings: int, ctx: int | None, max_seq_len: int | None, cost_params: str | None, cpu: bool,
+           final_interleavings: int, ctx: int | None, ctx_ranges: list[int] | None, max_seq_len: int | None,
+           cost_params: str | None, cpu: bool,
            jobs: int | None,
            no_progress: bool,
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
@@ -71,10 +84,20 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
     from megasynth.lowering.costmodel import load_params
     from megasynth.search.config import SearchConfig
-    from megasynth.search.loop import run_search
 
     spec = model_spec(model_name, max_seq_len, batch)
-    if ctx is None:
+    if ctx_ranges is not None:
+        if ctx is not None:
+            raise click.BadParameter("--ctx-ranges and --ctx do not go together: each range is timed at its own "
+                                     "UP_TO", param_hint="--ctx-ranges")
+        if resume:
+            raise click.BadParameter("--ctx-ranges and --resume do not go together: --ctx-ranges starts new runs "
+                                     "(resume a range's run <run>.ctx<UP_TO> alone with --resume)",
+                                     param_hint="--ctx-ranges")
+        if ctx_ranges[-1] != spec.max_seq_len:
+            raise click.BadParameter(f"the last range must end at max_seq_len {spec.max_seq_len} (got "
+                                     f"{ctx_ranges[-1]})", param_hint="--ctx-ranges")
+    elif ctx is None:
         ctx = min(1024, spec.max_seq_len)
     elif ctx > spec.max_seq_len:
         raise click.BadParameter(f"{ctx} exceeds max_seq_len {spec.max_seq_len} of {spec.name} (raise it with "
@@ -89,12 +112,44 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, lease_s=lease, interleavings=interleavings,
-                       final_interleavings=final_interleavings, ctx=ctx, max_seq_len=max_seq_len, sequences=batch,
-                       gpu=False if cpu else None,
+                       final_interleavings=final_interleavings,
+                       ctx=ctx or spec.max_seq_len,  # (--ctx-ranges: each range's own, below)
+                       max_seq_len=max_seq_len, sequences=batch, gpu=False if cpu else None,
                        progress=not no_progress,
                        cost_params=params, jobs=jobs, notice=lambda m: click.echo(m, err=True),
                        llm={"model": llm_model, "max_calls": llm_max_calls, "temperature": llm_temperature,
                             "timeout_s": llm_timeout})
+    if ctx_ranges is None:
+        search_once(cfg)
+    else:
+        search_ranges(cfg, ctx_ranges, model_name, spec.max_seq_len)
+
+
+def _parse_ranges(value: str | None) -> list[int] | None:
+    """`--ctx-ranges`: positive whole numbers, comma-separated, strictly increasing (the last is checked against
+    max_seq_len once the model is known)."""
+    if value is None:
+        return None
+    bounds = []
+    for part in value.split(","):
+        try:
+            n = int(part.strip())
+        except ValueError:
+            raise click.BadParameter(f"{part.strip()!r} is not a whole number (give UP_TO[,UP_TO...], e.g. "
+                                     "4096,32768,131072)", param_hint="--ctx-ranges") from None
+        if n < 1:
+            raise click.BadParameter(f"{n}: a range's UP_TO is at least 1", param_hint="--ctx-ranges")
+        if bounds and n <= bounds[-1]:
+            raise click.BadParameter(f"{n} does not follow {bounds[-1]}: the ranges' UP_TO go in strictly "
+                                     "increasing order", param_hint="--ctx-ranges")
+        bounds.append(n)
+    return bounds
+
+
+def search_once(cfg: SearchConfig) -> SearchSummary:
+    """One search (`synth search` at one --ctx): run it, print its summary; an error in the settings exits 2."""
+    from megasynth.search.loop import run_search
+
     try:
         summary = run_search(cfg)
     except (ValueError, ScheduleError) as exc:
@@ -119,6 +174,38 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
         cost = f", ${u['cost_usd']:.4f}" if u.get("cost_usd") is not None else ""
         click.echo(f"agent {u.get('model')}: {u.get('calls')} calls, {u.get('total_tokens')} tokens{cost}, "
                    f"{u.get('proposals')} proposals ({u.get('accepted')} accepted, {u.get('rejected')} rejected)")
+    return summary
+
+
+def search_ranges(cfg: SearchConfig, bounds: list[int], model: str, max_seq_len: int) -> None:
+    """`--ctx-ranges`: one ordinary search per range, `<run>.ctx<UP_TO>` timed at UP_TO (the range's most expensive
+    context) with `cfg`'s other settings, one after another; then the schedule set `<runs-dir>/<run>.set.json` of
+    their best schedules. A range with no accepted schedule stops there: no set, exit 1."""
+    from megasynth.atomic import write_json_atomic
+    from megasynth.ir.schedule_set import set_document
+    from megasynth.runs.rundir import RunDir, stored
+
+    base = cfg.run or RunDir.new_name(cfg.model, cfg.seed)
+    rows: list[tuple[int, str, float, Path]] = []  # up_to, run name, best ms, best schedule file
+    for up_to in bounds:
+        name = f"{base}.ctx{up_to}"
+        click.echo(f"range up_to {up_to}: run {name}, timed at --ctx {up_to}")
+        summary = search_once(replace(cfg, ctx=up_to, run=name, resume=False))
+        best = stored(Path(summary.run_dir) / "best" / "schedule.json")
+        if summary.best_ms is None or best is None:
+            click.echo(f"error: range up_to {up_to} (run {name}) ended with no accepted schedule; the set is not "
+                       "written", err=True)
+            sys.exit(1)
+        rows.append((up_to, name, summary.best_ms, best))
+    set_file = cfg.runs_dir / f"{base}.set.json"
+    meta: dict[str, Any] = {"model": model, "max_seq_len": max_seq_len, "runs": [r[1] for r in rows]}
+    command = RunDir(cfg.runs_dir / rows[0][1]).info.get("command")
+    if command:
+        meta["command"] = command
+    write_json_atomic(set_file, set_document(bounds, [str(r[3]) for r in rows], set_file, meta))
+    for up_to, name, ms, _ in rows:
+        click.echo(f"up_to {up_to}: {name} best {ms:.4f} ms")
+    click.echo(f"schedule set: {set_file}")
 
 
 @click.command("strategy-schema")
