@@ -116,7 +116,8 @@ def test_cpu_executor_matches_reference(family: str, workers: int, knobs: dict) 
 
 def test_qk_norm_tiles_are_whole_q_and_k_heads() -> None:
     """A pair tile cannot see its head's sum of squares: the catalogue refuses a QKV tile that cuts a q or k head of
-    a QK-norm model (v rows may still be pairs), and the lowering rounds QKV tiles to whole heads."""
+    a QK-norm model (v rows may still be pairs), and with the norm inside QKV the lowering rounds QKV tiles to whole
+    heads."""
     cfg = FAMILIES["qwen3"]
     geo = Geometry(cfg, MAX_SEQ, 1)
     qk_end = cfg.q_size + cfg.kv_size  # 192 with hd 32
@@ -132,8 +133,15 @@ def test_qk_norm_tiles_are_whole_q_and_k_heads() -> None:
     doc = lower(spec, 4, Strategy(tiles={"attn_norm_qkv_rope": 6})).to_json()
     qkv = [ins["args"] for ins in doc["instructions"] if ins["op"] == "attn_norm_qkv_rope"]
     assert qkv and all(a["start"] % cfg.hd == 0 and a["end"] % cfg.hd == 0 for a in qkv)
-    assert all(t % cfg.hd == 0 for t in tile_choices(spec, 132, "attn_norm_qkv_rope"))
-    assert all(t % 128 == 0 for t in tile_choices(MODELS["qwen3-8b"], 132, "attn_norm_qkv_rope"))
+    # the search offers pair tiles too (for the norm applied apart) and the whole-head ones; with the norm inside
+    # QKV the lowering rounds each down to whole heads
+    for model, hd in ((spec, cfg.hd), (MODELS["qwen3-8b"], 128)):
+        choices = tile_choices(model, 132, "attn_norm_qkv_rope")
+        assert hd in choices and any(t % hd for t in choices)
+    for t in tile_choices(spec, 132, "attn_norm_qkv_rope"):
+        rows = [i.args for i in lower(spec, 4, Strategy(tiles={"attn_norm_qkv_rope": t})).instructions
+                if i.op == "attn_norm_qkv_rope"]
+        assert all(a["start"] % cfg.hd == 0 and a["end"] % cfg.hd == 0 for a in rows), t
 
     i = next(k for k, ins in enumerate(doc["instructions"]) if ins["op"] == "attn_norm_qkv_rope")
     doc["instructions"][i]["args"] = {"start": 0, "end": 16}
