@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import click
 
 from megasynth.commands import batch_option, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from megasynth.ir.model import ModelConfig
+    from megasynth.kernels.weights import Weights
+    from megasynth.lowering.models import ModelSpec
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -46,8 +53,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.argument("extra_ctx", nargs=-1, type=int, metavar="")
 @max_seq_len_option()
 @batch_option("every sequence at the same --ctx, each with its own random KV history and token; the table adds "
-              "tokens/s = N / step time. Variants that decode one sequence per step (hf_eager, per_op_graph, "
-              "megakernel) are reported as skipped.")
+              "tokens/s = N / step time. The megakernel runs a batch on interpreter v9; the variants that decode "
+              "one sequence per step (hf_eager, per_op_graph) are reported as skipped.")
 @click.option("--reps", type=click.IntRange(1, 100000), default=100, show_default=True,
               help="Timed repetitions per variant.")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
@@ -133,35 +140,130 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     click.echo(f"wrote {', '.join(written)} ({result['seconds']} s)", err=True)
 
 
-@click.command("generate")
-@click.option("--model", "model_name", default="llama-1b", show_default=True,
-              help="A model name (synth models) or a Hugging Face checkpoint folder, whose weights are used unless "
-                   "--weights is given.")
-@click.option("--tokens", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
-              help="Tokens to generate (greedy).")
-@click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
-              help="Schedule .json or .json.gz (default: the naive lowering), or a schedule set (synth search "
-                   "--ctx-ranges): each step runs the member whose range holds its position, switching as the "
-                   "context grows.")
-@click.option("--prompt-token", type=int, default=1, show_default=True, help="The first token fed.")
-@click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
-              help="Hugging Face safetensors checkpoint folder (default: the --model folder's, else random "
-                   "weights, --seed).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--backend", type=click.Choice(["auto", "megakernel", "reference"]), default="auto",
-              show_default=True, help="auto = the megakernel on CUDA, the PyTorch reference on the CPU.")
-@click.option("--check/--no-check", default=True, show_default=True,
-              help="After the timed loop, replay the tokens through the PyTorch reference and count agreements.")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
-@max_seq_len_option()
-def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: int, weights_dir: str | None,
-             seed: int, backend: str, check: bool, json_file: str | None, max_seq_len: int | None) -> None:
-    """Greedy decode loop (batch 1) on the megakernel; prints the token ids and tokens/s."""
+def _prompt_tokens(values: str, batch: int, vocab_size: int) -> list[int]:
+    """`--prompt-token`'s first tokens, one per sequence: a comma-separated list of 1 or `batch` values (one value v
+    and batch N > 1: sequence b starts from v + b), each inside the vocabulary."""
+    parsed: list[int] = []
+    for part in values.split(","):
+        try:
+            parsed.append(int(part.strip()))
+        except ValueError:
+            raise click.BadParameter(f"{part.strip()!r} is not an integer", param_hint="--prompt-token") from None
+    if len(parsed) == 1:
+        parsed = [parsed[0] + b for b in range(batch)]
+    elif len(parsed) != batch:
+        raise click.BadParameter(f"{len(parsed)} first tokens for --batch {batch}: give one, or {batch} (one per "
+                                 "sequence)", param_hint="--prompt-token")
+    for token in parsed:
+        if not 0 <= token < vocab_size:
+            raise click.BadParameter(f"{token} is outside the vocabulary [0, {vocab_size})",
+                                     param_hint="--prompt-token")
+    return parsed
+
+
+def _pick_backend(backend: str, batch: int, cuda: bool) -> str:
+    """The backend that runs: auto = the megakernel on CUDA (a batch on interpreter v9, said on stderr), else the
+    PyTorch reference (said on stderr); the megakernel without CUDA exits 2."""
+    if backend == "auto":
+        backend = "megakernel" if cuda else "reference"
+        if not cuda:
+            click.echo("notice: no CUDA here: running the CPU PyTorch reference (kernels.reference.decode_batch), "
+                       "not the megakernel", err=True)
+    if backend == "megakernel" and not cuda:
+        _fail("--backend megakernel needs CUDA")
+    if backend == "megakernel" and batch > 1:
+        click.echo(f"notice: --batch {batch} runs on interpreter v9 (interpreter v10 decodes one sequence per step)",
+                   err=True)
+    return backend
+
+
+Step = Callable[[list[int], int], list[int]]  # each sequence's last token and the position -> its next tokens
+
+
+def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weights,
+                     firsts: list[int]) -> tuple[Step, str]:
+    """The megakernel's greedy step over `spec.batch` sequences in lockstep, compiled and warmed up, and how it runs
+    (for the rate line)."""
     import torch
 
     from megasynth.ir.model import DoesNotFit
     from megasynth.measure.bench import load_bench_schedule
     from megasynth.measure.options import BenchError
+
+    try:
+        schedule, _ = load_bench_schedule(spec, schedule_file, verify=True)
+        import megasynth.kernels.gpu as gpu
+
+        mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
+        one = mk.batch == 1
+        mk.step(firsts[0] if one else firsts, 0 if one else [0] * mk.batch)  # compile + warm up; position 0 is
+        # written again, identically, below
+        torch.cuda.synchronize()
+    except (ScheduleError, DoesNotFit) as exc:
+        _fail(str(exc))
+    except (BenchError, RuntimeError) as exc:  # rejected schedule, residency refusal, watchdog timeout
+        _fail(str(exc), 1)
+
+    def step(tokens: list[int], pos: int) -> list[int]:
+        if one:  # .item(): the host needs the token for the next step
+            return [int(mk.step(tokens[0], pos).argmax())]
+        return mk.step(tokens, [pos] * len(tokens)).argmax(-1).tolist()
+
+    how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
+    if mk.members:
+        how += (f"; a schedule set of {len(mk.members)}, switching members at positions "
+                f"{', '.join(str(b) for b in mk.bounds[:-1])}")
+    return step, how
+
+
+def _reference_step(cfg: ModelConfig, weights: Weights, tokens: int, batch: int, device: str) -> tuple[Step, str]:
+    """The PyTorch reference's greedy step over `batch` sequences in lockstep, each with its own KV cache slot."""
+    import torch
+
+    from megasynth.kernels.reference import decode_batch, new_kv_cache
+
+    # positions [0, tokens) are all it writes
+    k, v = new_kv_cache(cfg, tokens, dtype=weights["embed"].dtype, device=device, batch=batch)
+
+    def step(toks: list[int], pos: int) -> list[int]:
+        logits: torch.Tensor = decode_batch(cfg, weights, k, v, toks, [pos] * len(toks))
+        return logits.argmax(-1).tolist()
+
+    return step, "PyTorch reference on the CPU" if device == "cpu" else "PyTorch reference"
+
+
+@click.command("generate")
+@click.option("--model", "model_name", default="llama-1b", show_default=True,
+              help="A model name (synth models) or a Hugging Face checkpoint folder, whose weights are used unless "
+                   "--weights is given.")
+@click.option("--tokens", type=click.IntRange(1, 1 << 20), default=32, show_default=True,
+              help="Tokens to generate (greedy), per sequence.")
+@click.option("--schedule", "schedule_file", type=click.Path(dir_okay=False),
+              help="Schedule .json or .json.gz (default: the naive lowering), or a schedule set (synth search "
+                   "--ctx-ranges): each step runs the member whose range holds its position, switching as the "
+                   "context grows.")
+@click.option("--prompt-token", default="1", show_default=True, metavar="T[,T...]",
+              help="The first token fed: with --batch N, N comma-separated values (one per sequence), or one value "
+                   "T (sequence b starts from T + b).")
+@click.option("--weights", "weights_dir", type=click.Path(file_okay=False),
+              help="Hugging Face safetensors checkpoint folder (default: the --model folder's, else random "
+                   "weights, --seed).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "megakernel", "reference"]), default="auto",
+              show_default=True, help="auto = the megakernel on CUDA (a batch on interpreter v9), else the PyTorch "
+                                      "reference.")
+@click.option("--check/--no-check", default=True, show_default=True,
+              help="After the timed loop, replay the tokens through the PyTorch reference and count agreements.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
+@max_seq_len_option()
+@batch_option("greedy per sequence, all at the same position each step (the megakernel: interpreter v9, since "
+              "v10 decodes one sequence per step).")
+def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: str, weights_dir: str | None,
+             seed: int, backend: str, check: bool, json_file: str | None, max_seq_len: int | None,
+             batch: int) -> None:
+    """Greedy decode loop of 1-16 sequences in lockstep on the megakernel (CUDA) or the PyTorch reference; prints
+    each sequence's token ids and tokens/s (all sequences)."""
+    import torch
 
     spec = model_spec(model_name, max_seq_len)
     cfg = spec.config
@@ -170,14 +272,9 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
         raise click.BadParameter(f"{tokens} exceeds max_seq_len {spec.max_seq_len} of {spec.name} (raise it with "
                                  "--max-seq-len)",
                                  param_hint="--tokens")
+    firsts = _prompt_tokens(prompt_token, batch, cfg.vocab_size)
     cuda = torch.cuda.is_available()
-    if backend == "auto":
-        backend = "megakernel" if cuda else "reference"
-        if not cuda:
-            click.echo("notice: no CUDA here: running the CPU PyTorch reference (kernels.reference.decode_step), "
-                       "not the megakernel", err=True)
-    if backend == "megakernel" and not cuda:
-        _fail("--backend megakernel needs CUDA")
+    backend = _pick_backend(backend, batch, cuda)
     device = "cuda" if cuda and backend == "megakernel" else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     from megasynth.kernels.weights import WeightsError, model_weights
@@ -186,58 +283,39 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
         weights = model_weights(cfg, weights_dir, seed=seed, dtype=dtype, device=device)
     except WeightsError as exc:
         _fail(str(exc))
-    if not 0 <= prompt_token < cfg.vocab_size:
-        raise click.BadParameter(f"{prompt_token} is outside the vocabulary [0, {cfg.vocab_size})",
-                                 param_hint="--prompt-token")
-
     if backend == "megakernel":
-        try:
-            schedule, _ = load_bench_schedule(spec, schedule_file, verify=True)
-            import megasynth.kernels.gpu as gpu
+        from megasynth.lowering.models import with_batch
 
-            mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
-            mk.step(prompt_token, 0)  # compile + warm up; position 0 is written again, identically, below
-            torch.cuda.synchronize()
-        except (ScheduleError, DoesNotFit) as exc:
-            _fail(str(exc))
-        except (BenchError, RuntimeError) as exc:  # rejected schedule, residency refusal, watchdog timeout
-            _fail(str(exc), 1)
-        step = mk.step
-        how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
-        if mk.members:
-            how += (f"; a schedule set of {len(mk.members)}, switching members at positions "
-                    f"{', '.join(str(b) for b in mk.bounds[:-1])}")
+        step, how = _megakernel_step(with_batch(spec, batch), schedule_file, weights, firsts)
     else:
-        from megasynth.kernels.reference import decode_step, new_kv_cache
-
-        k, v = new_kv_cache(cfg, tokens, dtype=dtype, device=device)  # positions [0, tokens) are all it writes
-
-        def step(token: int, pos: int) -> torch.Tensor:
-            return decode_step(cfg, weights, k, v, token, pos)
-
-        how = "PyTorch reference on the CPU" if device == "cpu" else "PyTorch reference"
-    out = [prompt_token]
-    tok = prompt_token
+        step, how = _reference_step(cfg, weights, tokens, batch, device)
+    outs = [[first] for first in firsts]  # each sequence's first token, then its greedy tokens
     t = time.perf_counter()
     try:
         with torch.inference_mode():
             for pos in range(tokens):
-                tok = int(step(tok, pos).argmax())  # .item(): the host needs the token for the next step
-                out.append(tok)
+                for out, tok in zip(outs, step([out[-1] for out in outs], pos), strict=True):
+                    out.append(tok)
         if device == "cuda":
             torch.cuda.synchronize()
     except RuntimeError as exc:  # the megakernel's watchdog names the stuck worker, instruction and counter
-        _fail(f"decode stopped at token {len(out) - 1}: {exc}", 1)
+        _fail(f"decode stopped at token {len(outs[0]) - 1}: {exc}", 1)
     seconds = time.perf_counter() - t
-    rate = tokens / seconds
-    click.echo(" ".join(str(x) for x in out[1:]))
-    click.echo(f"{tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s ({how}, {device}, greedy, batch 1, "
-               f"{'checkpoint ' + weights_dir if weights_dir else f'random weights seed {seed}'})", err=True)
+    rate = batch * tokens / seconds
+    for b, out in enumerate(outs):
+        click.echo(("" if batch == 1 else f"seq {b}: ") + " ".join(str(x) for x in out[1:]))
+    click.echo(f"{batch * tokens} tokens in {seconds:.3f} s: {rate:.1f} tokens/s ({how}, {device}, greedy, "
+               f"batch {batch}, {'checkpoint ' + weights_dir if weights_dir else f'random weights seed {seed}'})",
+               err=True)
     agreement = None
     if check and backend == "megakernel":
         from megasynth.measure.torch_step import greedy_agreement
 
-        agreement = greedy_agreement(cfg, weights, out, len(out), device)
+        each = [greedy_agreement(cfg, weights, out, len(out), device) for out in outs]  # each sequence alone
+        agreement = each[0] if batch == 1 else {"agree": sum(a["agree"] for a in each),
+                                                "steps": sum(a["steps"] for a in each), "margin": each[0]["margin"],
+                                                "clear_mismatches": [m for a in each for m in a["clear_mismatches"]],
+                                                "sequences": each}
         click.echo(f"check against the PyTorch reference (teacher-forced on these tokens): "
                    f"{agreement['agree']}/{agreement['steps']} greedy tokens agree; "
                    f"{len(agreement['clear_mismatches'])} disagree where the reference's top-2 margin > "
@@ -245,10 +323,13 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     if json_file:
         from megasynth.atomic import write_json_atomic
 
+        one = batch == 1  # batch 1 keeps its scalar prompt_token and flat token list
         write_json_atomic(json_file, {"model": spec.name, "backend": how, "device": device,
-                                      "prompt_token": prompt_token, "tokens": out[1:], "seconds": seconds,
-                                      "tokens_per_s": rate, "ms_per_token": 1e3 * seconds / tokens,
-                                      "check": agreement})
+                                      **({} if one else {"batch": batch}),
+                                      "prompt_token": firsts[0] if one else firsts,
+                                      "tokens": outs[0][1:] if one else [out[1:] for out in outs],
+                                      "seconds": seconds, "tokens_per_s": rate,
+                                      "ms_per_token": 1e3 * seconds / (batch * tokens), "check": agreement})
 
 
 if __name__ == "__main__":

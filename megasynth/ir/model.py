@@ -168,19 +168,21 @@ def kv_cache_bytes(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int = 2) -> 
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * max_seq_len * cfg.hd * dtype_bytes
 
 
-def kv_cache_part(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int = 2) -> tuple[str, int]:
-    """The KV cache as a (description, bytes) part of `check_fits`, its product spelled out."""
-    n = kv_cache_bytes(cfg, max_seq_len, dtype_bytes)
+def kv_cache_part(cfg: ModelConfig, max_seq_len: int, dtype_bytes: int = 2, batch: int = 1) -> tuple[str, int]:
+    """The KV cache as a (description, bytes) part of `check_fits`, its product spelled out (one slot per sequence of
+    a batch)."""
+    n = kv_cache_bytes(cfg, max_seq_len, dtype_bytes) * batch
     dtype = _DTYPE_NAMES.get(dtype_bytes, f"{dtype_bytes} bytes")
+    seqs = f" x {batch} sequences" if batch > 1 else ""
     return (f"KV cache for max_seq_len {max_seq_len} ({cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV "
-            f"heads x {cfg.hd} x 2 x {dtype} = {n / _GB:.2f} GB)", n)
+            f"heads x {cfg.hd} x 2 x {dtype}{seqs} = {n / _GB:.2f} GB)", n)
 
 
-def workspace_bytes(cfg: ModelConfig, max_seq_len: int) -> int:
-    """The GPU interpreter's fp32 workspace: activations (x, q, attn, act, logits) and the RoPE cos/sin tables
-    [max_seq_len, head_dim / 2] each."""
+def workspace_bytes(cfg: ModelConfig, max_seq_len: int, batch: int = 1) -> int:
+    """The GPU interpreter's fp32 workspace: activations (x, q, attn, act, logits; per sequence of a batch) and the
+    RoPE cos/sin tables [max_seq_len, head_dim / 2] each."""
     vectors = cfg.hidden_size + 2 * cfg.q_size + cfg.intermediate_size + cfg.vocab_size
-    return 4 * (vectors + 2 * max_seq_len * (cfg.hd // 2))
+    return 4 * (vectors * batch + 2 * max_seq_len * (cfg.hd // 2))
 
 
 def check_fits(parts: list[tuple[str, int]], free: int, where: str = "free GPU memory") -> None:
@@ -193,14 +195,15 @@ def check_fits(parts: list[tuple[str, int]], free: int, where: str = "free GPU m
     raise DoesNotFit(f"{text} = {total / _GB:.2f} GB does not fit in {free / _GB:.2f} GB of {where}")
 
 
-def gpu_memory_parts(cfg: ModelConfig, max_seq_len: int, weights: bool = True) -> list[tuple[str, int]]:
-    """What the GPU interpreter allocates for `cfg` at `max_seq_len`: its bf16 KV cache, its copy of the weights
-    (bf16 matrices; counted whole, an upper bound when the embedding is already on the GPU in bf16 and is shared)
-    and its workspace."""
-    parts = [kv_cache_part(cfg, max_seq_len)]
+def gpu_memory_parts(cfg: ModelConfig, max_seq_len: int, weights: bool = True,
+                     batch: int = 1) -> list[tuple[str, int]]:
+    """What the GPU interpreter allocates for `cfg` at `max_seq_len` (and `batch` sequences): its bf16 KV cache, its
+    copy of the weights (bf16 matrices; counted whole, an upper bound when the embedding is already on the GPU in
+    bf16 and is shared) and its workspace."""
+    parts = [kv_cache_part(cfg, max_seq_len, batch=batch)]
     if weights:
         parts.append(("weights", cfg.weight_bytes(2)))
-    parts.append(("workspace", workspace_bytes(cfg, max_seq_len)))
+    parts.append(("workspace", workspace_bytes(cfg, max_seq_len, batch)))
     return parts
 
 

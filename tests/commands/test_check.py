@@ -178,4 +178,4 @@ def test_check_batch_bad_input(tmp_path: Path) -> None:
     code, out = _check(tmp_path, "--batch", "3", "--prompt", "1,2;3,4")
     assert code == 2 and "--prompt holds 2 prompts; --batch 3 needs 1 or 3" in out
     code, out = _check(tmp_path, "--batch", "2", "--device", "cuda")
-    assert code == 2 and "runs on the CPU executor only so far" in out
+    assert code == 2 and "checked on the CPU executor only so far" in out

@@ -203,5 +203,5 @@ def test_lower_and_search_take_a_batch(tmp_path: Path) -> None:
     from megasynth.search.config import SearchConfig
     from megasynth.search.loop import Search
 
-    with pytest.raises(ValueError, match="decode one sequence per step so far"):
+    with pytest.raises(ValueError, match="decodes one sequence per step so far"):
         Search(SearchConfig(model="tiny", runs_dir=tmp_path, run="g", sequences=2, gpu=True))

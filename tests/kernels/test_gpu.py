@@ -158,6 +158,47 @@ def test_schedule_set_switches_by_position_without_a_recompile():
     assert mk.packed is mk.members[0]
 
 
+@pytest.mark.parametrize("name, batch, workers", [("tiny", 3, 8), ("tiny-qwen3", 3, 8), ("llama-1b", 8, None)])
+def test_batched_decode_on_interpreter_v9(name, batch, workers):
+    """A batched schedule runs on interpreter v9 (Megakernel picks it for a batch): every sequence at its own
+    position, with its own history in its own cache slot, matches the reference decoding it alone; each weight tile
+    is streamed once for the whole batch. Interpreter v10 refuses the batch by name."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.kernels.reference import decode_batch
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    cfg = spec.config
+    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    w = _weights(cfg, seed=9)
+    sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}))
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len)
+    assert not mk.v10 and mk.batch == batch
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    mk.k_cache.copy_(torch.randn(mk.k_cache.shape, generator=gen, device="cuda") * 0.5)
+    mk.v_cache.copy_(torch.randn(mk.v_cache.shape, generator=gen, device="cuda"))
+    top = spec.max_seq_len - 1 if name.startswith("tiny") else 3000
+    for step in range(3):
+        positions = [(top * (b + 1) // batch + 7 * step) % (top + 1) for b in range(batch)]
+        tokens = [(p * 7919 + b * 31 + 11) % cfg.vocab_size for b, p in enumerate(positions)]
+        kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
+        out = mk.step(tokens, positions)
+        ref = decode_batch(cfg, w, kref, vref, tokens, positions)
+        assert out.shape == (batch, cfg.vocab_size) and torch.isfinite(out).all()
+        for b in range(batch):
+            rel = float((out[b] - ref[b]).norm() / ref[b].norm())
+            assert rel <= TOL, f"sequence {b} at pos {positions[b]}: relative L2 error {rel:.3e} > {TOL}"
+            top2 = torch.topk(ref[b], 2).values
+            if float(top2[0] - top2[1]) > MARGIN:
+                assert int(out[b].argmax()) == int(ref[b].argmax()), f"sequence {b}: greedy token differs"
+        assert (mk.counters() == mk.packed.expected_counters).all()
+        assert float((mk.k_cache.float() - kref.float()).abs().max()) < 0.1
+    with pytest.raises(ScheduleError, match="interpreter v10 decodes one sequence per step"):
+        Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig())
+
+
 def test_v10_is_the_default_and_v9_stays_selectable(llama):
     """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
     from megasynth.kernels.gpu import KernelConfig

@@ -284,6 +284,33 @@ def test_generate_on_cpu(tmp_path) -> None:
     assert data["tokens"] == expect
 
 
+def test_generate_batch_on_cpu(tmp_path) -> None:
+    """`--batch N` decodes N sequences in lockstep on the reference: each is what batch 1 gives for its first
+    token; one first token counts up per sequence; a list of the wrong length is refused, and so is the megakernel
+    without CUDA."""
+    def run(*args: str) -> tuple[list[str], list[str]]:
+        result = CliRunner().invoke(main, ["generate", "--model", "tiny", "--tokens", "4", *args])
+        assert result.exit_code == 0, result.output
+        return result.stdout.splitlines(), result.stderr.splitlines()
+
+    alone = {t: run("--prompt-token", str(t), "--backend", "reference")[0] for t in (1, 2, 3)}
+    assert all(len(lines) == 1 for lines in alone.values())
+    out = tmp_path / "gen.json"
+    lines, err = run("--batch", "3", "--prompt-token", "1,2,3", "--json", str(out))
+    assert lines == [f"seq {b}: {alone[t][0]}" for b, t in enumerate((1, 2, 3))]
+    assert any("notice: no CUDA" in line for line in err) or CUDA
+    assert any(line.startswith("12 tokens in") and "batch 3" in line for line in err)
+    data = json.loads(out.read_text())
+    assert data["prompt_token"] == [1, 2, 3] and data["batch"] == 3 and data["check"] is None
+    assert data["tokens"] == [[int(x) for x in alone[t][0].split()] for t in (1, 2, 3)]
+    assert run("--batch", "2", "--prompt-token", "1")[0] == [f"seq {b}: {alone[t][0]}" for b, t in enumerate((1, 2))]
+    if not CUDA:
+        mk = CliRunner().invoke(main, ["generate", "--model", "tiny", "--batch", "2", "--backend", "megakernel"])
+        assert mk.exit_code == 2 and "needs CUDA" in mk.output
+    bad = CliRunner().invoke(main, ["generate", "--model", "tiny", "--batch", "3", "--prompt-token", "1,2"])
+    assert bad.exit_code == 2 and "2 first tokens for --batch 3" in bad.output
+
+
 @pytest.mark.skipif(CUDA, reason="checks the no-CUDA notice")
 def test_generate_auto_without_cuda_says_so() -> None:
     result = CliRunner().invoke(main, ["generate", "--model", "tiny", "--tokens", "2"])

@@ -173,10 +173,11 @@ def test_dry_run_at_batch_3(batch3: tuple[dict, str]) -> None:
         chk = v[name]["check"]
         assert chk["rel_l2_max"] < CHECK_TOL and chk["argmax_match"], (name, chk)
         assert v[name]["tokens_per_s"] == pytest.approx(3 / (v[name]["timing"]["median_ms"] * 1e-3))
-    for name in ("hf_eager", "per_op_graph", "megakernel"):
+    for name in ("hf_eager", "per_op_graph"):
         assert v[name]["status"] == "skipped" and v[name]["reason"] == BATCH_ONE[name], v[name]
         assert "tokens_per_s" not in v[name]
-    assert "batch 1 only" in v["megakernel"]["reason"] and "$.model.batch" in v["megakernel"]["reason"]
+    assert "megakernel" not in BATCH_ONE  # it runs a batch on interpreter v9: skipped here only for want of CUDA
+    assert v["megakernel"]["status"] == "skipped" and v["megakernel"]["reason"] == "no CUDA (dry run)"
     assert "tiny, ctx 8, batch 3" in output and "tok/s" in output and "batch 1 only" in output
     rows, floor, _ = bench_rows(data, 8)
     assert len(rows) == 3 and floor == pytest.approx(rec["floor"]["ms"])
@@ -207,7 +208,7 @@ def test_batched_table_fits_80_columns() -> None:
                        "timing": {**t, "median_ms": 0.01 + i},
                        "check": {"rel_l2": 1.234e-2, "rel_l2_max": 4.5e-2, "argmax_match": i % 2 == 0}}
                 for i, name in enumerate(VARIANTS)}
-    variants["megakernel"] = {"label": "x", "launch": "y", "status": "skipped", "reason": BATCH_ONE["megakernel"]}
+    variants["megakernel"] = {"label": "x", "launch": "y", "status": "skipped", "reason": BATCH_ONE["per_op_graph"]}
     rec = {"ctx": 131072, "pos": 131071, "batch": 16, "floor": {"bytes": {"total": 16_000_000_000}},
            "variants": variants}
     add_ratios(rec, copy_tbps=4.19)

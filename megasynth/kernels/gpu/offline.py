@@ -76,11 +76,11 @@ def _compile(fn: Any, source_cls: Any, consts: dict[str, Any], types: dict[str, 
     return kernel, resources(kernel, time.time() - t)
 
 
-def compile_v9(c: ModelConfig, max_seq_len: int, config: Any) -> tuple[Any, Resources]:
-    """Interpreter v9 (`KernelConfig`) for sm_90."""
+def compile_v9(c: ModelConfig, max_seq_len: int, config: Any, batch: int = 1) -> tuple[Any, Resources]:
+    """Interpreter v9 (`KernelConfig`) for sm_90 (the build for `batch` sequences per step)."""
     from megasynth.kernels.gpu import v9
 
-    consts = v9.kernel_constexprs(c, max_seq_len, config, False)
+    consts = v9.kernel_constexprs(c, max_seq_len, config, False, batch)
     warps = consts.pop("num_warps")
     consts.pop("num_stages")
     return _compile(v9.v9_megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})

@@ -475,3 +475,177 @@ def op_lm_head_flat(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.conste
         if kb == NKB - 1:
             y = tl.sum(acc, 1) * (1.0 / tl.sqrt(ss / H + EPS))
             tl.store(logits_ptr + rows, y, mask=rmask)
+
+
+# -- a batch of sequences (interpreter v9 with BATCH > 1) ------------------------------------------------------------
+# Sequence b's part of an activation buffer starts at b times one sequence's size; its KV cache slot of layer l is
+# slot l * BATCH + b of the [L, B, nKV, S, hd] caches; its token and position are rt[b] and rt[BATCH + b]. Every
+# weight tile is loaded once per instruction and multiplied by every sequence's vector: [BR, BKB] x [BB, BKB] products
+# summed over K, BB = BATCH rounded up to a power of two (the padding columns are masked to zero).
+
+
+@triton.jit
+def _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, NORM: tl.constexpr):
+    """Every sequence's chunk v_b[kk] as [BB, BKB] (times the norm weight when NORM), and each one's sum of squares."""
+    v = tl.load(v_ptr + bs[:, None] * vstride + kk[None, :], mask=bm[:, None] & kmask[None, :], other=0.0,
+                cache_modifier=".cg")
+    ss = tl.sum(v * v, 1)
+    if NORM:
+        v = v * tl.load(nw_ptr + kk, mask=kmask, other=0.0)[None, :]
+    return v, ss
+
+
+@triton.jit
+def dot_rows_batch(w_ptr, ld, rows, rmask, k0, k1, v_ptr, vstride, nw_ptr, NORM: tl.constexpr, H: tl.constexpr,
+                   EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
+                   BB: tl.constexpr):
+    """`dot_rows` for BATCH vectors (sequence b's at v_ptr + b * vstride): fp32 [BR, BB], column b = W[rows, k0:k1] @
+    v_b (times v_b's own rstd with NORM). Each weight tile is loaded once for the whole batch."""
+    bs = tl.arange(0, BB)
+    bm = bs < BATCH
+    ks = tl.arange(0, BKB)
+    acc = tl.zeros((BR, BB), tl.float32)
+    ss = tl.zeros((BB,), tl.float32)
+    wrow = w_ptr + rows[:, None].to(tl.int64) * ld
+    for k in tl.range(k0, k1, BKB, num_stages=NS):
+        kk = k + ks
+        kmask = kk < k1
+        v, sq = _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, NORM)
+        ss += sq
+        w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w[:, None, :] * v[None, :, :], 2)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / H + EPS))[None, :]
+    return acc
+
+
+@triton.jit
+def dot_rows2_batch(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, vstride, nw_ptr, K: tl.constexpr,
+                    EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
+                    BB: tl.constexpr):
+    """`dot_rows2` for BATCH vectors: two row sets against each sequence's rmsnorm(v_b) * nw in one K loop, fp32
+    [BR, BB] each (gate/up, or the two RoPE halves of a head)."""
+    bs = tl.arange(0, BB)
+    bm = bs < BATCH
+    ks = tl.arange(0, BKB)
+    acc1 = tl.zeros((BR, BB), tl.float32)
+    acc2 = tl.zeros((BR, BB), tl.float32)
+    ss = tl.zeros((BB,), tl.float32)
+    w1row = w1_ptr + rows1[:, None].to(tl.int64) * ld
+    w2row = w2_ptr + rows2[:, None].to(tl.int64) * ld
+    for k in tl.range(0, K, BKB, num_stages=NS):
+        kk = k + ks
+        kmask = kk < K
+        v, sq = _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, True)
+        ss += sq
+        m = rmask[:, None] & kmask[None, :]
+        w1 = tl.load(w1row + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        w2 = tl.load(w2row + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        acc1 += tl.sum(w1[:, None, :] * v[None, :, :], 2)
+        acc2 += tl.sum(w2[:, None, :] * v[None, :, :], 2)
+    rstd = (1.0 / tl.sqrt(ss / K + EPS))[None, :]
+    return acc1 * rstd, acc2 * rstd
+
+
+@triton.jit
+def op_embed_batch(embed_ptr, x_ptr, rt_ptr, start, end, H: tl.constexpr, BE: tl.constexpr, BATCH: tl.constexpr):
+    """x_b[start:end] = embed[token_b, start:end] for every sequence b."""
+    for b in range(BATCH):
+        op_embed(embed_ptr, x_ptr + b * H, tl.load(rt_ptr + b), start, end, H, BE)
+
+
+@triton.jit
+def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
+                      layer, start, end, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr,
+                      KVS: tl.constexpr, S: tl.constexpr, EPS: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
+                      QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr):
+    """`op_qkv_rope` for every sequence: one stream of the tile's rows, each sequence normalised, biased, normed per
+    head and rotated at its own position; its q into q_b, its k/v into its cache slot at its position."""
+    HALF: tl.constexpr = HD // 2
+    QKV: tl.constexpr = QS + 2 * KVS
+    nw = norm_ptr + layer * H
+    wl = wqkv_ptr + layer.to(tl.int64) * QKV * H
+    j = tl.arange(0, HALF)
+    bs = tl.arange(0, BB)
+    bm = bs < BATCH
+    m2 = (j[:, None] < HALF) & bm[None, :]
+    pos = tl.load(rt_ptr + BATCH + bs, mask=bm, other=0)
+    cos = tl.load(cos_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)  # [HALF, BB]
+    sin = tl.load(sin_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)
+    for r in range(start, end, HD):
+        y1, y2 = dot_rows2_batch(wl, wl, H, r + j, r + HALF + j, j < HALF, x_ptr, H, nw, H, EPS, HALF, BKB, NS,
+                                 BATCH, BB)
+        if QKV_BIAS:
+            y1 += tl.load(b_ptr + layer * QKV + r + j)[:, None]
+            y2 += tl.load(b_ptr + layer * QKV + r + HALF + j)[:, None]
+        if r < QS + KVS:
+            if QK_NORM:
+                inv = 1.0 / tl.sqrt((tl.sum(y1 * y1, 0) + tl.sum(y2 * y2, 0)) / HD + EPS)  # [BB]
+                nrm = qkn_ptr + layer * (2 * HD) + tl.where(r < QS, 0, HD)
+                y1 = y1 * inv[None, :] * tl.load(nrm + j)[:, None]
+                y2 = y2 * inv[None, :] * tl.load(nrm + HALF + j)[:, None]
+            o1 = y1 * cos - y2 * sin
+            o2 = y2 * cos + y1 * sin
+            if r < QS:
+                qo = q_ptr + bs[None, :] * QS + r + j[:, None]
+                tl.store(qo, o1, mask=m2)
+                tl.store(qo + HALF, o2, mask=m2)
+            else:
+                g = (r - QS) // HD
+                base = (((layer * BATCH + bs) * NKV + g).to(tl.int64) * S + pos) * HD
+                tl.store(kc_ptr + base[None, :] + j[:, None], o1.to(tl.bfloat16), mask=m2)
+                tl.store(kc_ptr + base[None, :] + HALF + j[:, None], o2.to(tl.bfloat16), mask=m2)
+        else:
+            g = (r - QS - KVS) // HD
+            base = (((layer * BATCH + bs) * NKV + g).to(tl.int64) * S + pos) * HD
+            tl.store(vc_ptr + base[None, :] + j[:, None], y1.to(tl.bfloat16), mask=m2)
+            tl.store(vc_ptr + base[None, :] + HALF + j[:, None], y2.to(tl.bfloat16), mask=m2)
+
+
+@triton.jit
+def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.constexpr, K: tl.constexpr,
+                             BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
+                             BB: tl.constexpr):
+    """x_b[start:end] += W[layer][start:end, k0:k1] @ v_b[k0:k1] for every sequence b; fp32 atomics."""
+    wl = w_ptr + layer.to(tl.int64) * R * K
+    rb = tl.arange(0, BR)
+    bs = tl.arange(0, BB)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, BKB, NS, BATCH, BB)
+        tl.atomic_add(x_ptr + bs[None, :] * R + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :],
+                      sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr, IS: tl.constexpr,
+                     EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
+                     BB: tl.constexpr):
+    """act_b[start:end] = silu(w_gate @ h_b) * (w_up @ h_b), h_b = rmsnorm(x_b) * mlp_norm, for every sequence b."""
+    nw = norm_ptr + layer * H
+    off = layer.to(tl.int64) * IS * H
+    rb = tl.arange(0, BR)
+    bs = tl.arange(0, BB)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        g, u = dot_rows2_batch(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, H, nw, H, EPS, BR, BKB, NS,
+                               BATCH, BB)
+        tl.store(act_ptr + bs[None, :] * IS + rows[:, None], g / (1.0 + tl.exp(-g)) * u,
+                 mask=rmask[:, None] & (bs < BATCH)[None, :])
+
+
+@triton.jit
+def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, V: tl.constexpr,
+                     EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
+                     BB: tl.constexpr):
+    """logits_b[start:end] = lm_head[start:end] @ (rmsnorm(x_b) * final_norm) for every sequence b."""
+    rb = tl.arange(0, BR)
+    bs = tl.arange(0, BB)
+    for r in range(start, end, BR):
+        rows = r + rb
+        rmask = rows < end
+        y = dot_rows_batch(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, H, norm_ptr, True, H, EPS, BR,
+                           BKB, NS, BATCH, BB)
+        tl.store(logits_ptr + bs[None, :] * V + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :])

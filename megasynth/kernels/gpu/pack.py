@@ -3,14 +3,14 @@
 The tables are data, not code: a new assignment, order or counter layout is a new set of tables for the same compiled
 kernel. Layout (all int32):
 
-  ins    [N, ROW]   per instruction, in queue order (worker w's queue is rows qoff[w]:qoff[w+1], so a program
-                    reads its next row with no indirection and can load it ahead): opcode, layer, four op arguments in
-                    the catalogue's argument order (`OPS[op].args`), the instruction id, (offset, count) into
-                    `waits` and `sigs`, the first wait (counter, value) and first signal (counter, add) inline (the
-                    common case needs no table access), the instruction's index (ascending-id order), and two L2
-                    warm-up hints (`warm_hints`): rows of this worker's o_proj and gate/up instructions of the same
-                    layer whose weights it may start pulling into L2 before this instruction's waits (-1: none),
-                    and the fifth op argument (attn_reduce_o_proj's `splits`)
+  ins    [N, ROW]   per instruction, in queue order (worker w's queue is rows qoff[w]:qoff[w+1], so a program reads its
+                    next row with no indirection and can load it ahead): opcode, layer, four op arguments in the
+                    catalogue's argument order (`OPS[op].args`, then its optional ones: attention's `seq`), the
+                    instruction id, (offset, count) into `waits` and `sigs`, the first wait (counter, value) and first
+                    signal (counter, add) inline (the common case needs no table access), the instruction's index
+                    (ascending-id order), and two L2 warm-up hints (`warm_hints`): rows of this worker's o_proj and
+                    gate/up instructions of the same layer whose weights it may start pulling into L2 before this
+                    instruction's waits (-1: none), and the fifth op argument (attn_reduce_o_proj's `splits`)
   waits  [NW, 2]    (counter, value) pairs, all waits of each instruction (the first is also inline)
   sigs   [NS, 2]    (counter, add) pairs, likewise
   qoff   [W + 1]    worker offsets into `ins`
@@ -37,6 +37,8 @@ QK_APART_OPS = frozenset({"attn_norm_qkv_rope_sq", "qk_norm_apply"})
 #: (kernels/gpu/v9.py) runs neither QK_APART_OPS op (and Megakernel refuses its other limits: QKV tiles of whole heads,
 #: no attn_reduce_o_proj).
 INTERPRETER_OPS: dict[str, frozenset[str]] = {"v10": frozenset(OPS), "v9": frozenset(OPS) - QK_APART_OPS}
+#: The interpreters that run a batched schedule (`model.batch` > 1): v9, one sequence's attention per instruction.
+BATCH_INTERPRETERS = frozenset({"v9"})
 #: The ops some GPU interpreter executes.
 GPU_OPS = frozenset().union(*INTERPRETER_OPS.values())
 ROW = 19  # fields per instruction row
@@ -92,9 +94,10 @@ def pack_program(prog: Program, interpreter: str = "v10") -> Packed:
     interpreter does not execute (`INTERPRETER_OPS`), cannot run and raise `ScheduleError`, as does a batch."""
     if interpreter not in INTERPRETER_OPS:
         raise ValueError(f"interpreter must be one of {sorted(INTERPRETER_OPS)}, got {interpreter!r}")
-    if prog.geometry is not None and prog.geometry.batch > 1:
-        raise ScheduleError(f"the GPU interpreters decode one sequence per step; this schedule decodes "
-                            f"{prog.geometry.batch} (the CPU executor runs it)", "$.model.batch")
+    if prog.geometry is not None and prog.geometry.batch > 1 and interpreter not in BATCH_INTERPRETERS:
+        raise ScheduleError(f"interpreter {interpreter} decodes one sequence per step; this schedule decodes "
+                            f"{prog.geometry.batch}: interpreter v9 ({_HOW['v9']}) and the CPU executor run batches",
+                            "$.model.batch")
     runs = INTERPRETER_OPS[interpreter]
     n = prog.n
     rows = np.zeros((max(n, 1), ROW), dtype=np.int32)  # by instruction index; reordered into queue order below
@@ -117,8 +120,8 @@ def pack_program(prog: Program, interpreter: str = "v10") -> Packed:
         row[F_OP] = OPCODES[op]
         layer = prog.layer[i]
         row[F_LAYER] = layer if layer is not None else 0
-        for fld, name in zip(ARG_FIELDS, OPS[op].args, strict=False):
-            row[fld] = prog.args[i][name]
+        for fld, name in zip(ARG_FIELDS, [*OPS[op].args, *OPS[op].optional], strict=False):
+            row[fld] = prog.args[i].get(name, 0)  # an optional argument (attention's `seq`) defaults to 0
         if "splits" in prog.args[i]:
             max_splits = max(max_splits, prog.args[i]["splits"])
         row[F_ID] = prog.ids[i]

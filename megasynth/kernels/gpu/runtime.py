@@ -15,6 +15,7 @@ cache (sized by max_seq_len), the stacked weights and the workspace are checked 
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -100,26 +101,30 @@ class Megakernel:
         self.cfg = ModelConfig.from_hf(schedule.model.config)
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len or schedule.model.max_seq_len)
+        #: Sequences per step: each its own KV cache slot, token and position (rt = tokens, then positions), its
+        #: part of every activation buffer, and [B, V] logits. Interpreter v9 runs a batch (pack.BATCH_INTERPRETERS).
+        self.batch = int(schedule.model.batch or 1)
+        b = self.batch
         if self.device.type == "cuda":  # a long context's KV cache can pass the GPU: say so before touching it
-            check_fits(gpu_memory_parts(self.cfg, self.max_seq_len), torch.cuda.mem_get_info(self.device)[0])
+            check_fits(gpu_memory_parts(self.cfg, self.max_seq_len, batch=b), torch.cuda.mem_get_info(self.device)[0])
         self.trace = trace
         self.timeout_ns = int(timeout_s * 1e9)
-        self.kcfg = config or default_config(self.device)
+        self.kcfg = config or (KernelConfig() if b > 1 else default_config(self.device))
         self.v10 = not isinstance(self.kcfg, KernelConfig)  # a megasynth.kernels.gpu.stream.StreamConfig
         c = self.cfg
         # On the CPU (Triton's interpreter, TRITON_INTERPRET=1) programs run one after another: one worker only.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
         self.w = stack_weights(c, weights, self.device)
-        shape = (c.num_hidden_layers, c.num_key_value_heads, self.max_seq_len, c.hd)
+        shape = (c.num_hidden_layers, *((b,) if b > 1 else ()), c.num_key_value_heads, self.max_seq_len, c.hd)
         self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.x = torch.zeros(c.hidden_size, **f32)
-        self.q = torch.zeros(c.q_size, **f32)
-        self.attn = torch.zeros(c.q_size, **f32)
-        self.act = torch.zeros(c.intermediate_size, **f32)
-        self.logits = torch.zeros(c.vocab_size, **f32)
+        self.x = torch.zeros(b * c.hidden_size, **f32)
+        self.q = torch.zeros(b * c.q_size, **f32)
+        self.attn = torch.zeros(b * c.q_size, **f32)
+        self.act = torch.zeros(b * c.intermediate_size, **f32)
+        self.logits = torch.zeros(b * c.vocab_size, **f32)
         # QK-norm applied apart from QKV (v10): per-pair sums of squares of every q and k head, and the new k rows
         # before their per-head scale (the catalogue's `qk_sq` and `k_new`); other models pass `q` as a stand-in the
         # kernel never reads (its build has that code compiled out: QK_NORM)
@@ -131,8 +136,8 @@ class Megakernel:
         angles = np.arange(self.max_seq_len, dtype=np.float64)[:, None] * np.array(rope_inv_freq(c))[None, :]
         self.cos = torch.tensor(np.cos(angles), **f32).contiguous()
         self.sin = torch.tensor(np.sin(angles), **f32).contiguous()
-        self.rt = torch.zeros(2, dtype=torch.int32, device=self.device)
-        self._rt_host = torch.zeros(2, dtype=torch.int32).pin_memory() if self.device.type == "cuda" else None
+        self.rt = torch.zeros(2 * b, dtype=torch.int32, device=self.device)
+        self._rt_host = torch.zeros(2 * b, dtype=torch.int32).pin_memory() if self.device.type == "cuda" else None
         self.smids = torch.zeros(self.num_sms, dtype=torch.int32, device=self.device)
         self.descs: list[Any] = []  # v10: TMA descriptors of the weights and the KV cache (built once: they never move)
         if self.v10:
@@ -177,8 +182,8 @@ class Megakernel:
             "qitems": torch.tensor(p.qitems, **i32),
             "counters": torch.zeros(max(p.counters, 1), **i32),
             "err": torch.zeros(max(p.workers, 1) * ERR_FIELDS, **i32),
-            "opart": torch.zeros(p.max_splits * c.q_size, dtype=torch.float32, device=dev),
-            "lse": torch.zeros(p.max_splits * c.num_attention_heads, dtype=torch.float32, device=dev),
+            "opart": torch.zeros(self.batch * p.max_splits * c.q_size, dtype=torch.float32, device=dev),
+            "lse": torch.zeros(self.batch * p.max_splits * c.num_attention_heads, dtype=torch.float32, device=dev),
             "trace": torch.zeros((max(p.n, 1), TRACE_FIELDS), dtype=torch.int64, device=dev),
             "graph": None,
         }
@@ -199,12 +204,13 @@ class Megakernel:
             self.packed = self.pack(schedule)
         return self.packed
 
-    def member_for(self, pos: int) -> Packed:
-        """The packed schedule that serves KV position `pos`: a set's member whose range holds it, else the one
-        schedule."""
+    def member_for(self, pos: int | Sequence[int]) -> Packed:
+        """The packed schedule that serves KV position `pos` (a batch: its furthest position): a set's member whose
+        range holds it, else the one schedule."""
         assert self.packed is not None
         if not self.members:
             return self.packed
+        pos = pos if isinstance(pos, int) else max(pos)
         if not 0 <= pos < self.bounds[-1]:
             raise ValueError(f"pos {pos} outside the schedule set's positions [0, {self.bounds[-1]})")
         return self.members[bisect_right(self.bounds, pos)]
@@ -230,7 +236,7 @@ class Megakernel:
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], *extra, self.x, self.q, self.k_cache,
                 self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin,
                 self.timeout_ns]
-        return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace)
+        return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace, self.batch)
 
     def _check_residency(self, p: Packed, trace: bool) -> None:
         """Compile (once per trace flag) and refuse a grid whose programs cannot all be resident at once."""
@@ -258,20 +264,28 @@ class Megakernel:
         if occ["ctas_per_sm"] < 1 or p.workers > occ["ctas_per_sm"] * self.num_sms or p.workers > self.num_sms:
             raise RuntimeError(f"{p.workers} workers cannot all be resident: {occ}")
 
-    def set_position(self, token: int, pos: int) -> None:
-        """Write token and KV position into the device-side runtime inputs (read by the kernel and its graphs); with
-        a schedule set, make the member whose range holds `pos` the one that runs."""
+    def set_position(self, token: int | Sequence[int], pos: int | Sequence[int]) -> None:
+        """Write token and KV position into the device-side runtime inputs (read by the kernel and its graphs); a
+        batch gives one of each per sequence. With a schedule set, make the member whose range holds `pos` the one
+        that runs."""
         c = self.cfg
-        if not 0 <= token < c.vocab_size:
-            raise ValueError(f"token {token} outside the vocabulary [0, {c.vocab_size})")
-        if not 0 <= pos < self.max_seq_len:
-            raise ValueError(f"pos {pos} outside the KV cache [0, {self.max_seq_len})")
-        self.packed = self.member_for(pos)
+        tokens = [token] if isinstance(token, int) else [int(t) for t in token]
+        positions = [pos] if isinstance(pos, int) else [int(p) for p in pos]
+        if not len(tokens) == len(positions) == self.batch:
+            raise ValueError(f"{len(tokens)} tokens and {len(positions)} positions for a batch of {self.batch}")
+        for t in tokens:
+            if not 0 <= t < c.vocab_size:
+                raise ValueError(f"token {t} outside the vocabulary [0, {c.vocab_size})")
+        for p in positions:
+            if not 0 <= p < self.max_seq_len:
+                raise ValueError(f"pos {p} outside the KV cache [0, {self.max_seq_len})")
+        self.packed = self.member_for(max(positions))
         if self._rt_host is not None:
-            self._rt_host[0], self._rt_host[1] = token, pos
+            for i, value in enumerate(tokens + positions):
+                self._rt_host[i] = value
             self.rt.copy_(self._rt_host, non_blocking=True)
         else:
-            self.rt.copy_(torch.tensor([token, pos], dtype=torch.int32))
+            self.rt.copy_(torch.tensor(tokens + positions, dtype=torch.int32))
 
     def launch(self, packed: Packed | None = None, token: int | None = None, pos: int | None = None, *,
                reset: bool = True, trace: bool | None = None) -> None:
@@ -319,8 +333,9 @@ class Megakernel:
             p.device["graph"] = g
         return p.device["graph"]
 
-    def step(self, token: int, pos: int) -> torch.Tensor:
-        """One decode step (CUDA-graph replay); returns a copy of the fp32 logits. Raises `WatchdogError` on a hang."""
+    def step(self, token: int | Sequence[int], pos: int | Sequence[int]) -> torch.Tensor:
+        """One decode step (CUDA-graph replay); returns a copy of the fp32 logits ([V], or [B, V] for a batch, which
+        gives a token and a position per sequence). Raises `WatchdogError` on a hang."""
         self.set_position(token, pos)
         p = self.packed
         if self.device.type == "cuda":
@@ -329,7 +344,7 @@ class Megakernel:
             self.launch(p)
         out = self.logits.clone()
         self.check(p)
-        return out
+        return out.view(self.batch, -1) if self.batch > 1 else out
 
     def counters(self, packed: Packed | None = None) -> np.ndarray:
         p = packed or self.packed

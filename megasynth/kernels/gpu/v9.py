@@ -64,7 +64,8 @@ def v9_megakernel(
     BE: tl.constexpr, NS: tl.constexpr, TRACE: tl.constexpr, ROWW: tl.constexpr, PREFETCH: tl.constexpr,
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
     FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
-    WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr,
+    WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
+    VOCAB: tl.constexpr, BKB: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -84,9 +85,10 @@ def v9_megakernel(
         (n_op, n_layer, n_a0, n_a1, n_a2, n_a3, n_iid, n_woff, n_wn, n_soff, n_sn, n_c0, n_v0, n_sc0, n_sa0, n_idx,
          n_warm_o, n_warm_gu) = _load_row(ins_ptr, qi + 1, q1, ROWW)
         if PREFETCH >= 1:  # weights never depend on a wait: start streaming (the head of) them into L2 now
-            ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
-                                     lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
-                                     OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, PF_CAP)
+            if BATCH == 1:  # (a batch's positions are per sequence: no KV prefetch at one pos)
+                ops.prefetch_instruction(op, layer, a0, a1, a2, a3, pos, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr,
+                                         lm_head_ptr, kc_ptr, vc_ptr, H, IS, NH, NKV, HD, S, OP_QKV, OP_PARTIAL,
+                                         OP_OPROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, PF_CAP)
         # L2 warm-up (pack.warm_hints): the first instruction of a layer on this worker starts pulling the weights of
         # its later o_proj (all of it) and gate/up (the first WARM_GU rows) into L2, while the attention chain
         # leaves HBM mostly idle; the hint is a prefetch, so it changes no result.
@@ -143,7 +145,13 @@ def v9_megakernel(
         if ok != 0:
             if TRACE:
                 t_start = ptx.globaltimer()
-            if op == OP_EMBED:
+            if BATCH > 1:  # every sequence of the batch (ops.py's batched ops; attention: one sequence, a3)
+                _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr,
+                            mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr,
+                            x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
+                            sin_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NS,
+                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB)
+            elif op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
                 ops.op_qkv_rope(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr,
@@ -203,6 +211,55 @@ def v9_megakernel(
                      n_sa0, n_idx, n_warm_o, n_warm_gu)
 
 
+@triton.jit
+def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr,
+                wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
+                opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, H: tl.constexpr,
+                IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
+                EPS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr, BR_O: tl.constexpr, BR_GU: tl.constexpr,
+                BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, NS: tl.constexpr,
+                ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr, QKV_BIAS: tl.constexpr,
+                QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr, VOCAB: tl.constexpr,
+                BKB: tl.constexpr):
+    """One instruction of a batched schedule. Weight ops serve every sequence (each tile loaded once); attention
+    serves sequence a3 (`seq`): its q, its cache slot (layer * BATCH + seq of the [L, B, nKV, S, hd] caches), its
+    position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers."""
+    QS: tl.constexpr = NH * HD
+    KVS: tl.constexpr = NKV * HD
+    G: tl.constexpr = NH // NKV
+    if op == OP_EMBED:
+        ops.op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, BATCH)
+    elif op == OP_QKV:
+        ops.op_qkv_rope_batch(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
+                              sin_ptr, rt_ptr, layer, a0, a1, H, NKV, HD, QS, KVS, S, EPS, BKB, NS, QKV_BIAS,
+                              QK_NORM, BATCH, BB)
+    elif op == OP_PARTIAL:
+        pos = tl.load(rt_ptr + BATCH + a3)
+        qb = q_ptr + a3 * QS
+        ob = opart_ptr + a3 * a2 * QS
+        lb = lse_ptr + a3 * a2 * NH
+        if ATTN_MMA:
+            ops.op_attn_partial_mma(qb, kc_ptr, vc_ptr, ob, lb, layer * BATCH + a3, a0, a1, a2, pos, NH, NKV, HD, S,
+                                    G, BT, SCALE, NS_ATTN)
+        else:
+            ops.op_attn_partial(qb, kc_ptr, vc_ptr, ob, lb, layer * BATCH + a3, a0, a1, a2, pos, NH, NKV, HD, S, G,
+                                GP, BT, SCALE)
+    elif op == OP_REDUCE:
+        ops.op_attn_reduce(opart_ptr + a3 * a2 * QS, lse_ptr + a3 * a2 * NH, attn_ptr + a3 * QS, a0, a1, a2, NH, HD,
+                           GP, SP)
+    elif op == OP_OPROJ:
+        ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS, BATCH,
+                                     BB)
+    elif op == OP_GATE_UP:
+        ops.op_gate_up_batch(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS, BR_GU, BKB, NS,
+                             BATCH, BB)
+    elif op == OP_DOWN:
+        ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS, BATCH, BB)
+    elif op == OP_LM_HEAD:
+        ops.op_lm_head_batch(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, VOCAB, EPS, BR_LM, BKB, NS,
+                             BATCH, BB)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -236,10 +293,15 @@ class KernelConfig:
     warm_gu: int = 0  # rows of a worker's gate/up tile warmed into L2 at the start of its layer (0: none)
 
 
-def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool) -> dict[str, Any]:
+def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool,
+                      batch: int = 1) -> dict[str, Any]:
     """The compile-time parameters of interpreter v9 for one model config (launch options included). The QKV K tile
-    shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128)."""
+    shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128). A batch
+    is a compile-time constant: each batch size is its own build (the batch-1 build is the code without it); its
+    K blocks shrink so that a [rows, batch, BKB] product stays at 8k fp32."""
     hp = _pow2(c.hidden_size)
+    bb = _pow2(batch)
+    bkb = max(16, min(k.bk_o, 8192 // (max(16, _pow2(c.hd // 2), k.br_gu, k.br_lm) * bb)))
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
@@ -249,6 +311,6 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
-        WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm,
+        WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size, BKB=bkb,
         num_warps=k.num_warps, num_stages=1)
 
