@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -52,9 +52,13 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
                    "[default: 1024, or max_seq_len if smaller]")
 @click.argument("extra_ctx", nargs=-1, type=int, metavar="")
 @max_seq_len_option()
-@batch_option("every sequence at the same --ctx, each with its own random KV history and token; the table adds "
-              "tokens/s = N / step time. The megakernel runs a batch on interpreter v9; the variants that decode "
-              "one sequence per step (hf_eager, per_op_graph) are reported as skipped.")
+@click.option("--batch", "batch", default="1", show_default=True, metavar="N[,N...]",
+              help="Sequences decoded together per step, 1-16 (one KV cache slot and position each): every sequence "
+                   "at the same --ctx, each with its own random KV history and token; the table adds tokens/s = N / "
+                   "step time. The megakernel runs a batch on interpreter v9; the variants that decode one sequence "
+                   "per step (hf_eager, per_op_graph) are reported as skipped. Several (--batch 1,2,4,8,16): one "
+                   "run each, one JSON each (the --json path with {batch}, else _batch<N> before its suffix), then "
+                   "a table of tokens/s by batch; --schedule then needs {batch} in its path.")
 @click.option("--reps", type=click.IntRange(1, 100000), default=100, show_default=True,
               help="Timed repetitions per variant.")
 @click.option("--warmup", type=click.IntRange(0, 10000), default=10, show_default=True)
@@ -82,7 +86,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...],
-          max_seq_len: int | None, batch: int, reps: int,
+          max_seq_len: int | None, batch: str, reps: int,
           warmup: int, json_file: str, variants: str | None, compile_timeout: float, compile_mode: str,
           flush_l2: bool, seed: int,
           weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
@@ -90,13 +94,12 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     launches and the megakernel, against the bandwidth floor; print a table and write JSON."""
     from rich.console import Console
 
-    from megasynth.atomic import write_json_atomic
-    from megasynth.measure.bench import run_bench, split_by_ctx
-    from megasynth.measure.options import BenchError, BenchOptions
-    from megasynth.measure.render import render
-
+    batches = _batch_values(batch)
+    several = len(batches) > 1
+    if several and schedule_file and "{batch}" not in schedule_file:
+        raise click.BadParameter(f"a schedule decodes one batch size; for --batch {batch} give a path with {{batch}} "
+                                 f"(got {schedule_file})", param_hint="--schedule")
     console = Console(stderr=True)
-    spec = model_spec(model_name, max_seq_len, batch)
     import torch
 
     device = "cuda"
@@ -104,19 +107,66 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         device = "cpu"
     elif not torch.cuda.is_available():
         _fail("CUDA is not available: `synth bench` measures on a GPU; pass --dry-run to exercise it on the CPU")
-    ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
-    # spec.name: a checkpoint folder's absolute path, which the compile child (another cwd) finds too
-    opts = BenchOptions(model=spec.name, max_seq_len=spec.max_seq_len, schedule=schedule_file, ctxs=ctxs, reps=reps,
-                        warmup=warmup, seed=seed, weights_dir=weights_dir or spec.weights_dir, token=token,
-                        device=device,
-                        variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
-                        compile_timeout_s=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
-                        verify=verify, batch=spec.batch)
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")
+    results = []
+    for b in batches:
+        spec = model_spec(model_name, max_seq_len, b)
+        ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
+        sched = schedule_file.replace("{batch}", str(b)) if schedule_file else None
+        path = _batch_path(json_file, b) if several else json_file
+        results.append(_bench_one(spec, sched, ctxs, path, console, reps=reps, warmup=warmup, seed=seed,
+                                  weights_dir=weights_dir, token=token, device=device, variants=variants,
+                                  compile_timeout=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
+                                  verify=verify))
+    if several:
+        from megasynth.measure.render import batch_table
+
+        Console(width=None if sys.stdout.isatty() else 80).print(batch_table(results))
+
+
+def _batch_values(text: str) -> list[int]:
+    """`--batch`'s values: comma-separated whole numbers in 1..16, each once, in the order given."""
+    out: list[int] = []
+    for part in text.split(","):
+        try:
+            n = int(part.strip())
+        except ValueError:
+            raise click.BadParameter(f"{part.strip()!r} is not a whole number", param_hint="--batch") from None
+        if not 1 <= n <= 16:
+            raise click.BadParameter(f"{n} is not in 1..16", param_hint="--batch")
+        out.append(n)
+    return list(dict.fromkeys(out))
+
+
+def _batch_path(json_file: str, batch: int) -> str:
+    """One batch's JSON path: {batch} filled in, else _batch<N> before the suffix (bench.json -> bench_batch8.json)."""
+    if "{batch}" in json_file:
+        return json_file.replace("{batch}", str(batch))
+    stem, dot, suffix = json_file.rpartition(".")
+    return f"{stem}_batch{batch}.{suffix}" if dot and "/" not in suffix else f"{json_file}_batch{batch}"
+
+
+def _bench_one(spec: ModelSpec, schedule_file: str | None, ctxs: list[int], json_file: str, console: Any,
+               **kw: Any) -> dict[str, Any]:
+    """One `synth bench` run (one batch size): measure, write its JSON (one per ctx with {ctx}), print its tables."""
+    import torch
+    from rich.console import Console
+
+    from megasynth.atomic import write_json_atomic
+    from megasynth.measure.bench import run_bench, split_by_ctx
+    from megasynth.measure.options import BenchError, BenchOptions
+    from megasynth.measure.render import render
+
+    variants = kw.pop("variants")
+    # spec.name: a checkpoint folder's absolute path, which the compile child (another cwd) finds too
+    opts = BenchOptions(model=spec.name, max_seq_len=spec.max_seq_len, schedule=schedule_file, ctxs=ctxs,
+                        weights_dir=kw.pop("weights_dir") or spec.weights_dir, batch=spec.batch,
+                        variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
+                        compile_timeout_s=kw.pop("compile_timeout"), **kw)
     threads = torch.get_num_threads()
-    if dry_run:  # tiny CPU ops: one thread avoids OpenMP spin contention (restored after, for in-process callers)
+    if opts.device == "cpu":  # tiny CPU ops: one thread avoids OpenMP spin contention (restored after)
         torch.set_num_threads(1)
     try:
         result = run_bench(opts, log=lambda s: console.print(f"[dim]{s}[/dim]"))
@@ -138,6 +188,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     for item in render(result):
         out.print(item)
     click.echo(f"wrote {', '.join(written)} ({result['seconds']} s)", err=True)
+    return result
 
 
 def _prompt_tokens(values: str, batch: int, vocab_size: int) -> list[int]:

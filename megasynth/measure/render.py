@@ -78,3 +78,46 @@ def render(result: dict[str, Any]) -> list[Any]:
         out.append("\n".join(notes))
     out.append(LEGEND + (BATCH_LEGEND if batched else ""))
     return out
+
+
+def batch_rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (batch, ctx) of several `synth bench` results: the best PyTorch step and the megakernel (median
+    ms and tokens/s), the megakernel's step against its own batch-1 step at that ctx and against the best PyTorch
+    step (None where a variant did not run)."""
+    rows = []
+    one: dict[int, float] = {}  # ctx -> the megakernel's batch-1 step
+    for result in results:
+        for rec in result["results"]:
+            mk = rec["variants"].get("megakernel", {})
+            mk_ms = mk["timing"]["median_ms"] if mk.get("status") == "ok" else None
+            if rec.get("batch", 1) == 1 and mk_ms is not None:
+                one[rec["ctx"]] = mk_ms
+            best = rec.get("pytorch_best") or {}
+            rows.append({"batch": rec.get("batch", 1), "ctx": rec["ctx"], "pytorch": best.get("variant"),
+                         "pytorch_ms": best.get("median_ms"), "megakernel_ms": mk_ms,
+                         "pytorch_tokens_per_s": rec.get("batch", 1) / best["median_ms"] * 1e3 if best else None,
+                         "megakernel_tokens_per_s": mk.get("tokens_per_s") if mk_ms is not None else None,
+                         "vs_pytorch": mk.get("speedup_vs_pytorch_best") if mk_ms is not None else None})
+    for row in rows:
+        base = one.get(row["ctx"])
+        row["vs_batch1"] = row["megakernel_ms"] / base if base and row["megakernel_ms"] is not None else None
+    return rows
+
+
+def batch_table(results: list[dict[str, Any]]) -> Any:
+    """Tokens/s by batch (`synth bench --batch 1,2,...`): a rich table of `batch_rows`."""
+    from rich import box
+    from rich.table import Table
+
+    first = results[0]
+    table = Table(title=f"{first['model']}, {first['device']['name']}: tokens/s by batch (the megakernel's step "
+                        "against its batch-1 step and the best PyTorch step)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("batch", "ctx", "PyTorch ms", "tok/s", "megakernel ms", "tok/s", "x batch 1", "vs PT"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for r in batch_rows(results):
+        table.add_row(str(r["batch"]), str(r["ctx"]), _fmt(r["pytorch_ms"], ".3f"),
+                      _fmt(r["pytorch_tokens_per_s"], ".0f"), _fmt(r["megakernel_ms"], ".3f"),
+                      _fmt(r["megakernel_tokens_per_s"], ".0f"), _fmt(r["vs_batch1"], ".2f", "x"),
+                      _fmt(r["vs_pytorch"], ".2f", "x"))
+    return table

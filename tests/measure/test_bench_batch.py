@@ -245,3 +245,44 @@ def test_compile_worker_at_batch_3() -> None:
     assert rec["status"] == "ok", rec
     assert check_ok(rec["check"]) and rec["check"]["argmax_match"] and rec["check"]["argmax_agree"] == 3
     assert rec["dynamo"] == {"graphs": 1, "graph_breaks": 0} and "3 sequences in one step" in rec["note"]
+
+
+def test_several_batches_one_json_each_and_a_tokens_per_s_table(tmp_path) -> None:
+    """`--batch 1,3`: one run per batch, its JSON at the path with {batch} filled in (or _batch<N> added), then the
+    table of tokens/s by batch; a schedule path without {batch}, a batch outside 1..16 or a non-number exit 2."""
+    out = tmp_path / "b{batch}.json"
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "8", "--reps", "1",
+                                       "--warmup", "0", "--batch", "1,3", "--variants", "torch_bf16",
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    docs = {b: json.loads((tmp_path / f"b{b}.json").read_text()) for b in (1, 3)}
+    assert [docs[b]["batch"] for b in (1, 3)] == [1, 3]
+    assert "tokens/s by batch" in result.output
+    plain = tmp_path / "p.json"
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "8", "--reps", "1",
+                                       "--warmup", "0", "--batch", "2,1,2", "--variants", "torch_bf16",
+                                       "--json", str(plain)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.glob("p_batch*.json")) == ["p_batch1.json", "p_batch2.json"]
+    for args, needle in ((["--batch", "1,2", "--schedule", "s.json"], "give a path with {batch}"),
+                         (["--batch", "1,17"], "17 is not in 1..16"), (["--batch", "x"], "'x' is not a whole")):
+        bad = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", *args])
+        assert bad.exit_code == 2 and needle in bad.output, bad.output
+
+
+def test_batch_rows_compare_each_batch_with_the_batch_1_step() -> None:
+    from megasynth.measure.render import batch_rows
+
+    def result(batch: int, mk_ms: float, pt_ms: float) -> dict:
+        return {"results": [{"ctx": 1024, "batch": batch, "pytorch_best": {"variant": "torch_compile",
+                                                                           "median_ms": pt_ms},
+                             "variants": {"megakernel": {"status": "ok", "timing": {"median_ms": mk_ms},
+                                                         "tokens_per_s": batch / mk_ms * 1e3,
+                                                         "speedup_vs_pytorch_best": pt_ms / mk_ms}}}]}
+
+    rows = batch_rows([result(1, 0.8, 1.1), result(8, 0.9, 1.2)])
+    assert [r["batch"] for r in rows] == [1, 8]
+    assert rows[0]["vs_batch1"] == pytest.approx(1.0) and rows[1]["vs_batch1"] == pytest.approx(0.9 / 0.8)
+    assert rows[1]["megakernel_tokens_per_s"] == pytest.approx(8 / 0.9e-3)
+    assert rows[1]["pytorch_tokens_per_s"] == pytest.approx(8 / 1.2e-3)
+    assert rows[1]["vs_pytorch"] == pytest.approx(1.2 / 0.9)
