@@ -215,12 +215,19 @@ def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     return tuple(sorted(t for t in cands if 1 <= t <= rows))
 
 
+#: KV cache length from which the search offers more attention splits (64, 128).
+LONG_CONTEXT = 16384
+
+
 def attn_split_choices(spec: ModelSpec, workers: int) -> tuple[int, ...]:
     """Flash-decode splits: powers of two and the count that makes one wave of attn_partial instructions (workers //
-    KV heads)."""
+    KV heads); for a long KV cache (max_seq_len >= LONG_CONTEXT) also 64 and 128, since there attention's bytes rival
+    the weights' and the balance between its splits and their merge is the search's to find."""
     c = spec.config
     wave = max(1, workers // c.num_key_value_heads)
-    return tuple(sorted(s for s in {1, 2, 4, 8, 16, 32, wave} if s <= min(64, spec.max_seq_len)))
+    pows = {1, 2, 4, 8, 16, 32} | ({64, 128} if spec.max_seq_len >= LONG_CONTEXT else set())
+    top = 128 if spec.max_seq_len >= LONG_CONTEXT else 64
+    return tuple(sorted(s for s in pows | {wave} if s <= min(top, spec.max_seq_len)))
 
 
 def edge_choices(spec: ModelSpec) -> tuple[str, ...]:

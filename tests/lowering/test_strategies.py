@@ -179,3 +179,15 @@ def test_qk_norm_search_space_offers_both_placements_and_every_tile_lowers_legal
         if n in proven:
             report = verify(sched, options=Options(interleavings=2))
             assert report.accepted, (strategy, [f.message[:300] for f in report.findings][:2])
+
+
+def test_long_contexts_offer_more_attention_splits() -> None:
+    """From max_seq_len 16384 the search space offers 64 and 128 attention splits (attention's bytes rival the
+    weights' there); at the rows' default 4096 it stops at 32, and never offers more splits than positions."""
+    from megasynth.lowering.strategy import LONG_CONTEXT, SearchSpace, attn_split_choices
+
+    assert attn_split_choices(get_model("llama-1b"), 132) == (1, 2, 4, 8, 16, 32)
+    long = get_model("llama-1b", LONG_CONTEXT)
+    assert attn_split_choices(long, 132)[-2:] == (64, 128)
+    assert SearchSpace(long, 132).by_name["attn_splits"].choices[-1] == 128
+    assert max(attn_split_choices(get_model("tiny-mha"), 132)) <= get_model("tiny-mha").max_seq_len
