@@ -285,8 +285,8 @@ def _set(params: CostParams, values: dict[str, float]) -> CostParams:
     glob: dict[str, float] = {}
     for name, v in values.items():
         kind, _, op = name.partition(":")
-        if op:
-            p = ops.setdefault(op, OpParams())
+        if op:  # an op that borrows another's parameters (PARAMS_LIKE) starts from them, not from the default
+            p = ops.setdefault(op, OpParams(params.op(op).eff, params.op(op).overhead_us))
             setattr(p, kind, min(EFF_MAX, v) if kind == "eff" else v)
         else:
             glob[name] = v

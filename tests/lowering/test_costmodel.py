@@ -220,3 +220,16 @@ def test_qkv_cost_counts_the_bias_and_the_qk_norm_weights() -> None:
             a = {"start": start, "end": end}
             got, want = cost(geo, 0, a, 8), cost(llama, 0, a, 8)
             assert got == (want[0] + extra, want[1]), (name, start, end)
+
+
+def test_step_fit_starts_a_borrowing_op_from_the_parameters_it_borrows() -> None:
+    """An op without parameters of its own (PARAMS_LIKE) whose overhead the step fit frees keeps the efficiency it
+    borrowed, not the default's."""
+    from megasynth.lowering.costmodel import PARAMS_LIKE
+    from megasynth.search.calibrate import _get, _set
+
+    for op, like in PARAMS_LIKE.items():
+        p = CostParams(ops={like: OpParams(eff=0.9, overhead_us=3.0)})
+        assert _get(p, f"overhead_us:{op}") == 3.0
+        assert _set(p, {f"overhead_us:{op}": 2.0}).op(op) == OpParams(eff=0.9, overhead_us=2.0)
+        assert p.op(like) == OpParams(eff=0.9, overhead_us=3.0)
