@@ -16,6 +16,20 @@ MAX_SEQ_LEN_HELP = ("Longest context the schedule, its proofs and the KV cache c
                     "model's max_position_embeddings.")
 
 
+def int_list(text: str, option: str, what: str = "an integer") -> list[int]:
+    """A comma-separated list of integers as an option spells it (`--ctx 128,1024`, `--batch 1,2,4`); empty items
+    are skipped, and an item that is no integer is click's bad-parameter error naming the option."""
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not {what}", param_hint=option) from None
+    return out
+
+
 def max_seq_len_option(default: str = "the model row's max_seq_len") -> Callable[[Callable[..., Any]], Any]:
     """`--max-seq-len N` as every command that lowers or runs a model spells it (None when not given); `default`
     says in the help what None means."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from megasynth.commands import batch_option, max_seq_len_option, model_spec
+from megasynth.commands import batch_option, int_list, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -25,16 +25,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
-    out: list[int] = []
-    for item in ctx:
-        for part in item.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            try:
-                out.append(int(part))
-            except ValueError:
-                raise click.BadParameter(f"{part!r} is not an integer", param_hint="--ctx") from None
+    out = [n for item in ctx for n in int_list(item, "--ctx")]
     out.extend(extra)
     return list(dict.fromkeys(out))
 
@@ -128,15 +119,12 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 
 def _batch_values(text: str) -> list[int]:
     """`--batch`'s values: comma-separated whole numbers in 1..16, each once, in the order given."""
-    out: list[int] = []
-    for part in text.split(","):
-        try:
-            n = int(part.strip())
-        except ValueError:
-            raise click.BadParameter(f"{part.strip()!r} is not a whole number", param_hint="--batch") from None
+    out = int_list(text, "--batch", "a whole number")
+    if not out:
+        raise click.BadParameter("give at least one batch size", param_hint="--batch")
+    for n in out:
         if not 1 <= n <= 16:
             raise click.BadParameter(f"{n} is not in 1..16", param_hint="--batch")
-        out.append(n)
     return list(dict.fromkeys(out))
 
 
@@ -194,12 +182,7 @@ def _bench_one(spec: ModelSpec, schedule_file: str | None, ctxs: list[int], json
 def _prompt_tokens(values: str, batch: int, vocab_size: int) -> list[int]:
     """`--prompt-token`'s first tokens, one per sequence: a comma-separated list of 1 or `batch` values (one value v
     and batch N > 1: sequence b starts from v + b), each inside the vocabulary."""
-    parsed: list[int] = []
-    for part in values.split(","):
-        try:
-            parsed.append(int(part.strip()))
-        except ValueError:
-            raise click.BadParameter(f"{part.strip()!r} is not an integer", param_hint="--prompt-token") from None
+    parsed = int_list(values, "--prompt-token")
     if len(parsed) == 1:
         parsed = [parsed[0] + b for b in range(batch)]
     elif len(parsed) != batch:

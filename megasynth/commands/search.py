@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from megasynth.commands import batch_option, max_seq_len_option, model_spec
+from megasynth.commands import batch_option, int_list, max_seq_len_option, model_spec
 from megasynth.ir.errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -130,19 +130,16 @@ def _parse_ranges(value: str | None) -> list[int] | None:
     max_seq_len once the model is known)."""
     if value is None:
         return None
-    bounds = []
-    for part in value.split(","):
-        try:
-            n = int(part.strip())
-        except ValueError:
-            raise click.BadParameter(f"{part.strip()!r} is not a whole number (give UP_TO[,UP_TO...], e.g. "
-                                     "4096,32768,131072)", param_hint="--ctx-ranges") from None
+    bounds: list[int] = []
+    for n in int_list(value, "--ctx-ranges", "a whole number (give UP_TO[,UP_TO...], e.g. 4096,32768,131072)"):
         if n < 1:
             raise click.BadParameter(f"{n}: a range's UP_TO is at least 1", param_hint="--ctx-ranges")
         if bounds and n <= bounds[-1]:
             raise click.BadParameter(f"{n} does not follow {bounds[-1]}: the ranges' UP_TO go in strictly "
                                      "increasing order", param_hint="--ctx-ranges")
         bounds.append(n)
+    if not bounds:
+        raise click.BadParameter("give at least one UP_TO", param_hint="--ctx-ranges")
     return bounds
 
 

@@ -153,28 +153,42 @@ def parse_schedule(data: Any, file: str | None = None) -> Schedule:
         raise ScheduleError(_describe(err), json_path(loc), file) from None
 
 
-def load_schedule(source: str | os.PathLike[str]) -> Schedule:
-    """Load a schedule from a file path (plain JSON, or gzip-compressed as runs keep it); every failure is a one-line
-    `ScheduleError`."""
+def read_file_text(source: str | os.PathLike[str]) -> str:
+    """A file's text (gunzipped when it is .gz, as runs keep schedules); an unreadable file is a one-line
+    `ScheduleError` naming it."""
     from megasynth.atomic import read_text
 
-    name = str(source)
     try:
-        text = read_text(source)
+        return read_text(source)
     except (OSError, UnicodeDecodeError) as exc:
         raise ScheduleError(f"cannot read file: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}",
-                            "$", name) from None
-    return loads_schedule(text, name)
+                            "$", str(source)) from None
 
 
-def loads_schedule(text: str, file: str | None = None) -> Schedule:
+def read_json(source: str | os.PathLike[str]) -> Any:
+    """A JSON file (plain, or gzip-compressed) decoded; an unreadable file or invalid JSON is a one-line
+    `ScheduleError` naming the file."""
+    return decode_json(read_file_text(source), str(source))
+
+
+def decode_json(text: str, file: str | None = None) -> Any:
+    """JSON text decoded; invalid JSON is a one-line `ScheduleError` with its line and column."""
     try:
-        data = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ScheduleError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", "$", file) from None
     except RecursionError:
         raise ScheduleError("invalid JSON: nested too deeply", "$", file) from None
-    return parse_schedule(data, file)
+
+
+def load_schedule(source: str | os.PathLike[str]) -> Schedule:
+    """Load a schedule from a file path (plain JSON, or gzip-compressed as runs keep it); every failure is a one-line
+    `ScheduleError`."""
+    return parse_schedule(read_json(source), str(source))
+
+
+def loads_schedule(text: str, file: str | None = None) -> Schedule:
+    return parse_schedule(decode_json(text, file), file)
 
 
 def dump_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:

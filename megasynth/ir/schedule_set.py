@@ -16,7 +16,6 @@ member file) and the JSON path of the first defect.
 
 from __future__ import annotations
 
-import json
 import os
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
 from megasynth.ir.errors import ScheduleError, json_path
-from megasynth.ir.schedule import MAX_INT, Schedule, _describe, load_schedule, parse_schedule
+from megasynth.ir.schedule import MAX_INT, Schedule, _describe, load_schedule, parse_schedule, read_json
 
 SET_FORMAT = "megakernel-schedule-set/1"
 
@@ -125,29 +124,14 @@ def parse_schedule_set(data: Any, file: str | None = None) -> ScheduleSet:
     return ScheduleSet(bounds, schedules, files, file, doc.meta)
 
 
-def _read_json(source: str | os.PathLike[str]) -> Any:
-    from megasynth.atomic import read_text
-
-    name = str(source)
-    try:
-        return json.loads(read_text(source))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScheduleError(f"cannot read file: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}",
-                            "$", name) from None
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", "$", name) from None
-    except RecursionError:
-        raise ScheduleError("invalid JSON: nested too deeply", "$", name) from None
-
-
 def load_schedule_set(source: str | os.PathLike[str]) -> ScheduleSet:
     """Load a set file and its members; every failure is a one-line `ScheduleError`."""
-    return parse_schedule_set(_read_json(source), str(source))
+    return parse_schedule_set(read_json(source), str(source))
 
 
 def load_schedule_or_set(source: str | os.PathLike[str]) -> Schedule | ScheduleSet:
     """A schedule file or a set file (told apart by `format`), read once."""
-    data = _read_json(source)
+    data = read_json(source)
     return parse_schedule_set(data, str(source)) if is_schedule_set(data) else parse_schedule(data, str(source))
 
 

@@ -38,24 +38,11 @@ from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok, prefi
 from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_state, reference_step, run_variant
 
 
-def read_schedule_text(path: str) -> str:
-    """The schedule file's JSON text; `.json.gz` files are gunzipped."""
-    from megasynth.atomic import read_text
-    from megasynth.ir.errors import ScheduleError
-
-    try:
-        return read_text(path)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScheduleError(f"cannot read file: {exc.__class__.__name__}: {getattr(exc, 'strerror', None) or exc}",
-                            "$", path) from None
-
-
 def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tuple[Any, dict[str, Any]]:
     """The schedule to run (a .json or .json.gz file; default: the naive lowering for the SM count), or a schedule set
     (one schedule per context range: each ctx runs the member whose range holds pos = ctx - 1), and a summary for the
     JSON (a sha256 is of the JSON text, compressed or not)."""
-    from megasynth.ir.errors import ScheduleError
-    from megasynth.ir.schedule import parse_schedule
+    from megasynth.ir.schedule import decode_json, parse_schedule, read_file_text
     from megasynth.ir.schedule_set import is_schedule_set, parse_schedule_set
 
     if path is None:
@@ -72,11 +59,8 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
         info: dict[str, Any] = {"path": None,
                                 "source": f"naive lowering (megasynth.lowering.lower.lower, {workers} workers)"}
         return _checked(spec, schedule, text, None, verify, info), info
-    text = read_schedule_text(path)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ScheduleError(f"invalid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", "$", path) from None
+    text = read_file_text(path)
+    data = decode_json(text, path)
     if not is_schedule_set(data):
         info = {"path": path, "source": "file"}
         return _checked(spec, parse_schedule(data, path), text, path, verify, info), info
@@ -84,7 +68,7 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tupl
     members = []
     for (lo, hi), sched, member in zip(sset.ranges(), sset.schedules, sset.files, strict=True):
         rec: dict[str, Any] = {"positions": [lo, hi], "path": member}
-        _checked(spec, sched, read_schedule_text(member), member, verify, rec)
+        _checked(spec, sched, read_file_text(member), member, verify, rec)
         members.append(rec)
     return sset, {"path": path, "source": "schedule set (the member whose range holds pos = ctx - 1 runs each ctx)",
                   "sha256": hashlib.sha256(text.encode()).hexdigest(), "members": members}
