@@ -244,9 +244,9 @@ def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weight
         return mk.step(tokens, [pos] * len(tokens)).argmax(-1).tolist()
 
     how = "megakernel (Megakernel.step: CUDA graph replay, then the watchdog check syncs)"
-    if mk.members:
+    if mk.schedule_set is not None:
         how += (f"; a schedule set of {len(mk.members)}, switching members at positions "
-                f"{', '.join(str(b) for b in mk.bounds[:-1])}")
+                f"{', '.join(str(b) for b in mk.schedule_set.bounds[:-1])}")
     return step, how
 
 

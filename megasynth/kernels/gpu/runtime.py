@@ -14,7 +14,6 @@ cache (sized by max_seq_len), the stacked weights and the workspace are checked 
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Sequence
 from typing import Any
 
@@ -147,8 +146,8 @@ class Megakernel:
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None
-        self.members: list[Packed] = []  # a schedule set's members, packed; `bounds[k]` ends member k's positions
-        self.bounds: list[int] = []
+        self.members: list[Packed] = []  # a schedule set's members, packed (in `schedule_set`'s order)
+        self.schedule_set: ScheduleSet | None = None
         self.set_schedule(chosen)
 
     # -- schedule tables -------------------------------------------------------------------------------------
@@ -197,10 +196,10 @@ class Megakernel:
                 raise ScheduleError(f"the set covers positions up to {schedule.max_seq_len}, the KV cache "
                                     f"{self.max_seq_len}", "$.ranges", schedule.file)
             self.members = [self.pack(s) for s in schedule.schedules]
-            self.bounds = list(schedule.bounds)
+            self.schedule_set = schedule
             self.packed = self.members[0]
         else:
-            self.members, self.bounds = [], []
+            self.members, self.schedule_set = [], None
             self.packed = self.pack(schedule)
         return self.packed
 
@@ -208,12 +207,9 @@ class Megakernel:
         """The packed schedule that serves KV position `pos` (a batch: its furthest position): a set's member whose
         range holds it, else the one schedule."""
         assert self.packed is not None
-        if not self.members:
+        if self.schedule_set is None:
             return self.packed
-        pos = pos if isinstance(pos, int) else max(pos)
-        if not 0 <= pos < self.bounds[-1]:
-            raise ValueError(f"pos {pos} outside the schedule set's positions [0, {self.bounds[-1]})")
-        return self.members[bisect_right(self.bounds, pos)]
+        return self.members[self.schedule_set.index(pos if isinstance(pos, int) else max(pos))]
 
     # -- launching ---------------------------------------------------------------------------------------------
 
