@@ -260,16 +260,18 @@ class Step:
     ms: float | None
     trace_us: float | None = None
     op_mean_us: dict[str, float] = field(default_factory=dict)
+    always: bool = False  # never held out nor left out of the optimisation (`always_fit` in a measured-steps file)
 
 
 def step_free_params(prior: CostParams, ops: set[str]) -> list[str]:
     """The parameters a step fit frees: hop latency, one SM's peak bandwidth, the ring's consume rate (v10), the
     per-step launch cost, attention's flop rate (when the prior models it), the overhead of every op present, and the
-    efficiency of the three big streams (gate/up, down, LM head)."""
+    efficiency of the four big streams (gate/up, down, LM head, and attention's K/V history at long contexts)."""
     free = [g for g in GLOBAL_FREE if (g != "consume_bw" or prior.ring_bytes > 0)
             and (g != "attn_flop_rate" or prior.attn_flop_rate > 0)]
     free += [f"overhead_us:{op}" for op in sorted(ops) if op != "embed"]
-    free += [f"eff:{op}" for op in ("mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head") if op in ops]
+    free += [f"eff:{op}" for op in ("mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head",
+                                                     "attn_partial") if op in ops]
     return free
 
 
@@ -445,10 +447,10 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return out
 
 
-def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None]]:
-    """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms and an
-    optional trace summary each) as (label, schedule lowered from the recorded strategy, ctx, ms, trace summary or
-    None)."""
+def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None, bool]]:
+    """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms, and
+    optionally max_seq_len (the lowering's; default the model's), a trace summary and `always_fit` each) as (label,
+    schedule lowered from the recorded strategy, ctx, ms, trace summary or None, always_fit)."""
     import json
 
     from megasynth.lowering.lower import lower
@@ -461,8 +463,10 @@ def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dic
     out = []
     for k, e in enumerate(doc["steps"]):
         st = parse_strategy(e["strategy"], str(path), f"$.steps[{k}].strategy")
-        sched = lower(get_model(e["model"]), int(e["workers"]), st)
-        out.append((f"{Path(path).name}:{e['name']}@{e['ctx']}", sched, int(e["ctx"]), float(e["ms"]), e.get("trace")))
+        seq = e.get("max_seq_len")  # a long-context step was lowered (and measured) for contexts up to it
+        sched = lower(get_model(e["model"], int(seq) if seq is not None else None), int(e["workers"]), st)
+        out.append((f"{Path(path).name}:{e['name']}@{e['ctx']}", sched, int(e["ctx"]), float(e["ms"]), e.get("trace"),
+                    bool(e.get("always_fit", False))))
     return out
 
 
@@ -505,11 +509,13 @@ def _add_trace(step: Step, trace: dict[str, Any]) -> None:
 
 
 def file_steps(paths: list[str]) -> list[Step]:
-    """The steps of `megasynth-measured-steps/1` files, with the trace summaries they carry."""
+    """The steps of `megasynth-measured-steps/1` files, with the trace summaries they carry; a step marked
+    `always_fit` (few steps picked for what the runs do not cover, such as long contexts) is never held out nor left
+    out of the optimisation (`Step.always`)."""
     out = []
     for path in paths:
-        for label, schedule, ctx, ms, trace in load_measured(path):
-            st = Step(label, resolve(schedule), ctx, ms)
+        for label, schedule, ctx, ms, trace, always in load_measured(path):
+            st = Step(label, resolve(schedule), ctx, ms, always=always)
             if trace:
                 st.trace_us = trace.get("makespan_us")
                 st.op_mean_us = dict(trace.get("op_mean_us", {}))
@@ -519,23 +525,24 @@ def file_steps(paths: list[str]) -> list[Step]:
 
 def split_held_out(steps: list[Step], fraction: float, seed: int = 0) -> tuple[list[Step], list[Step]]:
     """(fit, held out): about `fraction` of the timed steps, picked by a hash of their label and the seed (the same
-    split every time), never a traced one (its trace is fitted with it)."""
+    split every time), never a traced one (its trace is fitted with it) nor one marked `always`."""
     import hashlib
 
     fit_set, held = [], []
     for st in steps:
         h = int(hashlib.sha256(f"{seed}:{st.label}".encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (held if st.ms is not None and not st.op_mean_us and h < fraction else fit_set).append(st)
+        (held if st.ms is not None and not st.op_mean_us and not st.always and h < fraction else fit_set).append(st)
     return fit_set, held
 
 
 def subsample(steps: list[Step], at_most: int) -> list[Step]:
-    """At most `at_most` steps for the optimisation: every traced one, the rest spread evenly over the measured
-    times (fast and slow schedules both stay represented)."""
+    """At most `at_most` steps for the optimisation: every traced one and every one marked `always`, the rest spread
+    evenly over the measured times (fast and slow schedules both stay represented)."""
     if len(steps) <= at_most:
         return steps
-    traced = [st for st in steps if st.op_mean_us or st.ms is None]
-    rest = sorted((st for st in steps if not (st.op_mean_us or st.ms is None)), key=lambda st: st.ms or 0.0)
+    traced = [st for st in steps if st.op_mean_us or st.ms is None or st.always]
+    rest = sorted((st for st in steps if not (st.op_mean_us or st.ms is None or st.always)),
+                  key=lambda st: st.ms or 0.0)
     k = max(0, at_most - len(traced))
     pick = [rest[round(i * (len(rest) - 1) / max(1, k - 1))] for i in range(k)] if k else []
     return traced + list({id(st): st for st in pick}.values())

@@ -233,3 +233,28 @@ def test_step_fit_starts_a_borrowing_op_from_the_parameters_it_borrows() -> None
         assert _get(p, f"overhead_us:{op}") == 3.0
         assert _set(p, {f"overhead_us:{op}": 2.0}).op(op) == OpParams(eff=0.9, overhead_us=2.0)
         assert p.op(like) == OpParams(eff=0.9, overhead_us=3.0)
+
+
+def test_measured_steps_file_lowers_at_its_max_seq_len_and_keeps_always_fit_steps(tmp_path: Path) -> None:
+    """A `megasynth-measured-steps/1` step is lowered for its `max_seq_len` (a long-context step is costed over its
+    whole ctx, not clamped at the model's default), and one marked `always_fit` is never held out nor subsampled
+    away."""
+    from megasynth.search.calibrate import Step, file_steps, split_held_out, subsample
+
+    seq = TINY.max_seq_len * 4
+    st = Strategy(attn_splits=2).model_dump(mode="json")
+    steps = [{"name": f"s{k}", "model": "tiny", "workers": 8, "ctx": seq, "max_seq_len": seq, "ms": 0.1 + k,
+              "strategy": st, "always_fit": k < 3} for k in range(6)]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"format": "megasynth-measured-steps/1", "steps": steps}))
+    got = file_steps([str(path)])
+    assert all(s.prog.geometry.max_seq_len == seq for s in got)
+    assert [s.always for s in got] == [True] * 3 + [False] * 3
+    p = load_params()
+    short = estimate(lower(TINY, 8, Strategy(attn_splits=2)), seq, p).makespan_ms  # clamped at the default
+    assert estimate(got[0].prog, seq, p).makespan_ms > short
+    others = [Step(f"r{k}", got[3].prog, seq, 0.5 + k) for k in range(40)]
+    fit_set, held = split_held_out(got + others, 0.9)
+    assert all(any(f is s for f in fit_set) for s in got[:3]) and len(held) > 20
+    used = subsample(got + others, 8)
+    assert len(used) <= 8 and all(any(u is s for u in used) for s in got[:3])
