@@ -146,11 +146,15 @@ def parse_schedule(data: Any, file: str | None = None) -> Schedule:
     try:
         return Schedule.model_validate(data)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        # Report the deepest located error first: it names the precise field.
-        err = max(errors, key=lambda e: len(e["loc"]))
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        raise ScheduleError(_describe(err), json_path(loc), file) from None
+        raise located_error(exc, file) from None
+
+
+def located_error(exc: ValidationError, file: str | None) -> ScheduleError:
+    """A pydantic validation failure as one `ScheduleError`: the deepest located error first (it names the precise
+    field), with its JSON path."""
+    err = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+    return ScheduleError(_describe(err), json_path(loc), file)
 
 
 def read_file_text(source: str | os.PathLike[str]) -> str:

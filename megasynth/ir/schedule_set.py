@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
-from megasynth.ir.errors import ScheduleError, json_path
-from megasynth.ir.schedule import MAX_INT, Schedule, _describe, load_schedule, parse_schedule, read_json
+from megasynth.ir.errors import ScheduleError
+from megasynth.ir.schedule import MAX_INT, Schedule, load_schedule, located_error, parse_schedule, read_json
 
 SET_FORMAT = "megakernel-schedule-set/1"
 
@@ -87,8 +87,7 @@ def parse_schedule_set(data: Any, file: str | None = None) -> ScheduleSet:
     try:
         doc = SetFile.model_validate(data)
     except ValidationError as exc:
-        err = max(exc.errors(include_url=False), key=lambda e: len(e["loc"]))
-        raise ScheduleError(_describe(err), json_path(tuple(err["loc"])), file) from None
+        raise located_error(exc, file) from None
     base = Path(file).parent if file else Path.cwd()
     bounds = [r.up_to for r in doc.ranges]
     for k in range(1, len(bounds)):
