@@ -3,8 +3,9 @@
 No GPU needed: one worker walks the whole packed queue (programs run one after another there), so this checks the
 kernel's own logic (row decode and look-ahead, waits and signals, opcode dispatch, every op's indexing, K splits, the
 attention-split reduce; QK-norm and the QKV bias on the tiny Qwen3 and Qwen2 rows) against the PyTorch reference. Two
-limits of Triton's interpreter shape it: `tl.dot` on bf16 multiplies raw bit patterns (so attention runs on the fp32
-path, `attn_mma=False`; the tensor-core path is covered by the GPU tests only), and its bf16 conversion truncates
+limits of Triton's interpreter shape it: `tl.dot` on bf16 multiplies raw bit patterns (so attention and a batch's
+weight products run on the fp32 paths, `attn_mma=False, batch_mma=False`; the tensor-core paths are covered by the
+GPU tests only), and its bf16 conversion truncates
 (errors ~1e-3, tolerance 5e-3). Triton 3.6's interpreter also needs NumPy < 2.4 (it converts one-element arrays to
 Python ints). Each case runs in a subprocess, because `TRITON_INTERPRET` must be set before Triton and
 `megasynth.kernels.gpu.ptx` are imported.
@@ -52,7 +53,7 @@ if "set" in case:  # a schedule set: one member per range, picked by position
     members = [lower(spec, 1, Strategy(**st)) for st in case["set"]["strategies"]]
     sched = ScheduleSet(case["set"]["bounds"], members, [str(k) for k in range(len(members))])
 mk = Megakernel(sched, w, device="cpu", max_seq_len=spec.max_seq_len,
-                config=KernelConfig(attn_mma=False, **case["kernel"]))
+                config=KernelConfig(attn_mma=False, batch_mma=False, **case["kernel"]))
 gen = torch.Generator().manual_seed(5)
 mk.k_cache.normal_(generator=gen)
 mk.v_cache.normal_(generator=gen)
@@ -66,7 +67,8 @@ for token, pos in case["steps"]:
         # and against the batch-1 build on each sequence alone (same data): the batch changes nothing but the
         # order of fp32 sums, while both carry the interpreter's truncating bf16 error against the reference
         one = Megakernel(lower(get_model(case["model"]), 1, Strategy(**case["strategy"])), w, device="cpu",
-                         max_seq_len=spec.max_seq_len, config=KernelConfig(attn_mma=False, **case["kernel"]))
+                         max_seq_len=spec.max_seq_len,
+                         config=KernelConfig(attn_mma=False, batch_mma=False, **case["kernel"]))
         vs_one = 0.0
         for b in range(len(pos)):
             one.k_cache.copy_(kref[:, b])

@@ -480,71 +480,97 @@ def op_lm_head_flat(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.conste
 # -- a batch of sequences (interpreter v9 with BATCH > 1) ------------------------------------------------------------
 # Sequence b's part of an activation buffer starts at b times one sequence's size; its KV cache slot of layer l is
 # slot l * BATCH + b of the [L, B, nKV, S, hd] caches; its token and position are rt[b] and rt[BATCH + b]. Every
-# weight tile is loaded once per instruction and multiplied by every sequence's vector: [BR, BKB] x [BB, BKB] products
-# summed over K, BB = BATCH rounded up to a power of two (the padding columns are masked to zero).
+# weight tile is loaded once per instruction and multiplied by every sequence's vector on the tensor cores: a
+# [BR, BK] bf16 tile times the [BK, BB] block of the sequences' fp32 vectors, each split into two bf16 halves (hi +
+# lo: ~16 mantissa bits, as the fp32 batch-1 path's products), BB = BATCH rounded up to a power of two of at least 16
+# (the padding columns are masked to zero). BKB is the elements of one weight tile: BK = BKB / BR, so a tile of few
+# rows streams long rows; the vectors' block is held to 8k fp32. Tiles of fewer than 16 rows (tiny heads) keep the
+# CUDA-core broadcast product.
 
 
 @triton.jit
-def _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, NORM: tl.constexpr):
-    """Every sequence's chunk v_b[kk] as [BB, BKB] (times the norm weight when NORM), and each one's sum of squares."""
+def _rstd_batch(v_ptr, vstride, bs, bm, H: tl.constexpr, EPS: tl.constexpr):
+    """Every sequence's 1 / rms(v_b) over its H elements, [BB]: one pass before a K loop, so that the loop itself
+    holds no cross-warp reduction."""
+    CH: tl.constexpr = 256
+    ks = tl.arange(0, CH)
+    acc = tl.zeros((bs.shape[0], CH), tl.float32)
+    for k in range(0, H, CH):
+        kk = k + ks
+        v = tl.load(v_ptr + bs[:, None] * vstride + kk[None, :], mask=bm[:, None] & (kk < H)[None, :], other=0.0,
+                    cache_modifier=".cg")
+        acc += v * v
+    return 1.0 / tl.sqrt(tl.sum(acc, 1) / H + EPS)
+
+
+@triton.jit
+def _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, NORM: tl.constexpr):
+    """Every sequence's chunk v_b[kk] as [BB, BK], normalised (times its rstd and the norm weight) when NORM."""
     v = tl.load(v_ptr + bs[:, None] * vstride + kk[None, :], mask=bm[:, None] & kmask[None, :], other=0.0,
                 cache_modifier=".cg")
-    ss = tl.sum(v * v, 1)
     if NORM:
-        v = v * tl.load(nw_ptr + kk, mask=kmask, other=0.0)[None, :]
-    return v, ss
+        v = v * rstd[:, None] * tl.load(nw_ptr + kk, mask=kmask, other=0.0)[None, :]
+    return v
+
+
+@triton.jit
+def _mma_batch(acc, w, v, BR: tl.constexpr, MMA: tl.constexpr):
+    """acc [BR, BB] += w [BR, BK] (bf16) @ v^T, v [BB, BK] fp32: two tensor-core products (v's bf16 hi and lo
+    halves) with MMA; a CUDA-core broadcast product without it and for tiles of fewer than 16 rows."""
+    if MMA and BR >= 16:
+        hi, lo = _split_bf16(v)
+        acc = tl.dot(w, tl.trans(hi), acc)
+        acc = tl.dot(w, tl.trans(lo), acc)
+    else:
+        acc += tl.sum(w.to(tl.float32)[:, None, :] * v[None, :, :], 2)
+    return acc
 
 
 @triton.jit
 def dot_rows_batch(w_ptr, ld, rows, rmask, k0, k1, v_ptr, vstride, nw_ptr, NORM: tl.constexpr, H: tl.constexpr,
                    EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                   BB: tl.constexpr):
+                   BB: tl.constexpr, MMA: tl.constexpr):
     """`dot_rows` for BATCH vectors (sequence b's at v_ptr + b * vstride): fp32 [BR, BB], column b = W[rows, k0:k1] @
     v_b (times v_b's own rstd with NORM). Each weight tile is loaded once for the whole batch."""
+    BK: tl.constexpr = min(BKB // BR, 8192 // BB) if MMA and BR >= 16 else max(16, 8192 // (BR * BB))
     bs = tl.arange(0, BB)
     bm = bs < BATCH
-    ks = tl.arange(0, BKB)
+    ks = tl.arange(0, BK)
     acc = tl.zeros((BR, BB), tl.float32)
-    ss = tl.zeros((BB,), tl.float32)
+    rstd = _rstd_batch(v_ptr, vstride, bs, bm, H, EPS) if NORM else tl.zeros((BB,), tl.float32)
     wrow = w_ptr + rows[:, None].to(tl.int64) * ld
-    for k in tl.range(k0, k1, BKB, num_stages=NS):
+    for k in tl.range(k0, k1, BK, num_stages=NS):
         kk = k + ks
         kmask = kk < k1
-        v, sq = _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, NORM)
-        ss += sq
-        w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w[:, None, :] * v[None, :, :], 2)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(ss / H + EPS))[None, :]
+        v = _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, NORM)
+        w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc = _mma_batch(acc, w, v, BR, MMA)
     return acc
 
 
 @triton.jit
 def dot_rows2_batch(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, vstride, nw_ptr, K: tl.constexpr,
                     EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                    BB: tl.constexpr):
+                    BB: tl.constexpr, MMA: tl.constexpr):
     """`dot_rows2` for BATCH vectors: two row sets against each sequence's rmsnorm(v_b) * nw in one K loop, fp32
     [BR, BB] each (gate/up, or the two RoPE halves of a head)."""
+    BK: tl.constexpr = min(BKB // (2 * BR), 8192 // BB) if MMA and BR >= 16 else max(16, 8192 // (BR * BB))
     bs = tl.arange(0, BB)
     bm = bs < BATCH
-    ks = tl.arange(0, BKB)
+    ks = tl.arange(0, BK)
     acc1 = tl.zeros((BR, BB), tl.float32)
     acc2 = tl.zeros((BR, BB), tl.float32)
-    ss = tl.zeros((BB,), tl.float32)
+    rstd = _rstd_batch(v_ptr, vstride, bs, bm, K, EPS)
     w1row = w1_ptr + rows1[:, None].to(tl.int64) * ld
     w2row = w2_ptr + rows2[:, None].to(tl.int64) * ld
-    for k in tl.range(0, K, BKB, num_stages=NS):
+    for k in tl.range(0, K, BK, num_stages=NS):
         kk = k + ks
         kmask = kk < K
-        v, sq = _vec_batch(v_ptr, vstride, nw_ptr, kk, kmask, bs, bm, True)
-        ss += sq
+        v = _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, True)
         m = rmask[:, None] & kmask[None, :]
-        w1 = tl.load(w1row + kk[None, :], mask=m, other=0.0).to(tl.float32)
-        w2 = tl.load(w2row + kk[None, :], mask=m, other=0.0).to(tl.float32)
-        acc1 += tl.sum(w1[:, None, :] * v[None, :, :], 2)
-        acc2 += tl.sum(w2[:, None, :] * v[None, :, :], 2)
-    rstd = (1.0 / tl.sqrt(ss / K + EPS))[None, :]
-    return acc1 * rstd, acc2 * rstd
+        acc1 = _mma_batch(acc1, tl.load(w1row + kk[None, :], mask=m, other=0.0), v, BR, MMA)
+        acc2 = _mma_batch(acc2, tl.load(w2row + kk[None, :], mask=m, other=0.0), v, BR, MMA)
+    return acc1, acc2
 
 
 @triton.jit
@@ -558,7 +584,8 @@ def op_embed_batch(embed_ptr, x_ptr, rt_ptr, start, end, H: tl.constexpr, BE: tl
 def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
                       layer, start, end, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr,
                       KVS: tl.constexpr, S: tl.constexpr, EPS: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
-                      QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr):
+                      QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
+                      MMA: tl.constexpr):
     """`op_qkv_rope` for every sequence: one stream of the tile's rows, each sequence normalised, biased, normed per
     head and rotated at its own position; its q into q_b, its k/v into its cache slot at its position."""
     HALF: tl.constexpr = HD // 2
@@ -574,7 +601,7 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
     sin = tl.load(sin_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)
     for r in range(start, end, HD):
         y1, y2 = dot_rows2_batch(wl, wl, H, r + j, r + HALF + j, j < HALF, x_ptr, H, nw, H, EPS, HALF, BKB, NS,
-                                 BATCH, BB)
+                                 BATCH, BB, MMA)
         if QKV_BIAS:
             y1 += tl.load(b_ptr + layer * QKV + r + j)[:, None]
             y2 += tl.load(b_ptr + layer * QKV + r + HALF + j)[:, None]
@@ -605,7 +632,7 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
 @triton.jit
 def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.constexpr, K: tl.constexpr,
                              BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                             BB: tl.constexpr):
+                             BB: tl.constexpr, MMA: tl.constexpr):
     """x_b[start:end] += W[layer][start:end, k0:k1] @ v_b[k0:k1] for every sequence b; fp32 atomics."""
     wl = w_ptr + layer.to(tl.int64) * R * K
     rb = tl.arange(0, BR)
@@ -613,7 +640,7 @@ def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: 
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, BKB, NS, BATCH, BB)
+        y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, BKB, NS, BATCH, BB, MMA)
         tl.atomic_add(x_ptr + bs[None, :] * R + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :],
                       sem="relaxed", scope="gpu")
 
@@ -621,7 +648,7 @@ def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: 
 @triton.jit
 def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr, IS: tl.constexpr,
                      EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                     BB: tl.constexpr):
+                     BB: tl.constexpr, MMA: tl.constexpr):
     """act_b[start:end] = silu(w_gate @ h_b) * (w_up @ h_b), h_b = rmsnorm(x_b) * mlp_norm, for every sequence b."""
     nw = norm_ptr + layer * H
     off = layer.to(tl.int64) * IS * H
@@ -631,7 +658,7 @@ def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end
         rows = r + rb
         rmask = rows < end
         g, u = dot_rows2_batch(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, H, nw, H, EPS, BR, BKB, NS,
-                               BATCH, BB)
+                               BATCH, BB, MMA)
         tl.store(act_ptr + bs[None, :] * IS + rows[:, None], g / (1.0 + tl.exp(-g)) * u,
                  mask=rmask[:, None] & (bs < BATCH)[None, :])
 
@@ -639,7 +666,7 @@ def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end
 @triton.jit
 def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, V: tl.constexpr,
                      EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                     BB: tl.constexpr):
+                     BB: tl.constexpr, MMA: tl.constexpr):
     """logits_b[start:end] = lm_head[start:end] @ (rmsnorm(x_b) * final_norm) for every sequence b."""
     rb = tl.arange(0, BR)
     bs = tl.arange(0, BB)
@@ -647,5 +674,5 @@ def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.const
         rows = r + rb
         rmask = rows < end
         y = dot_rows_batch(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, H, norm_ptr, True, H, EPS, BR,
-                           BKB, NS, BATCH, BB)
+                           BKB, NS, BATCH, BB, MMA)
         tl.store(logits_ptr + bs[None, :] * V + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :])

@@ -65,7 +65,7 @@ def v9_megakernel(
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
     FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
     WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
-    VOCAB: tl.constexpr, BKB: tl.constexpr,
+    VOCAB: tl.constexpr, BKB: tl.constexpr, BATCH_MMA: tl.constexpr, NSB: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -149,8 +149,8 @@ def v9_megakernel(
                 _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr,
                             mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr,
                             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                            sin_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NS,
-                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB)
+                            sin_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NSB,
+                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA)
             elif op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
@@ -220,7 +220,7 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
                 BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, NS: tl.constexpr,
                 ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr, QKV_BIAS: tl.constexpr,
                 QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr, VOCAB: tl.constexpr,
-                BKB: tl.constexpr):
+                BKB: tl.constexpr, BATCH_MMA: tl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each tile loaded once); attention
     serves sequence a3 (`seq`): its q, its cache slot (layer * BATCH + seq of the [L, B, nKV, S, hd] caches), its
     position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers."""
@@ -232,7 +232,7 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
     elif op == OP_QKV:
         ops.op_qkv_rope_batch(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
                               sin_ptr, rt_ptr, layer, a0, a1, H, NKV, HD, QS, KVS, S, EPS, BKB, NS, QKV_BIAS,
-                              QK_NORM, BATCH, BB)
+                              QK_NORM, BATCH, BB, BATCH_MMA)
     elif op == OP_PARTIAL:
         pos = tl.load(rt_ptr + BATCH + a3)
         qb = q_ptr + a3 * QS
@@ -249,15 +249,16 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
                            GP, SP)
     elif op == OP_OPROJ:
         ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS, BATCH,
-                                     BB)
+                                     BB, BATCH_MMA)
     elif op == OP_GATE_UP:
         ops.op_gate_up_batch(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS, BR_GU, BKB, NS,
-                             BATCH, BB)
+                             BATCH, BB, BATCH_MMA)
     elif op == OP_DOWN:
-        ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS, BATCH, BB)
+        ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS, BATCH, BB,
+                                     BATCH_MMA)
     elif op == OP_LM_HEAD:
         ops.op_lm_head_batch(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, VOCAB, EPS, BR_LM, BKB, NS,
-                             BATCH, BB)
+                             BATCH, BB, BATCH_MMA)
 
 
 def _pow2(n: int) -> int:
@@ -291,6 +292,10 @@ class KernelConfig:
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     warm_o: bool = False  # L2 warm-up of a worker's o_proj tile at the start of its layer
     warm_gu: int = 0  # rows of a worker's gate/up tile warmed into L2 at the start of its layer (0: none)
+    batch_mma: bool = True  # a batch's weight products on the tensor cores (hi/lo bf16 split of the vectors)
+    batch_tile: int = 4096  # a batch build's weight tile, rows x K elements (16 rows stream K blocks of 256)
+    batch_stages: int = 4  # software-pipelining depth of a batch build's weight loops
+    batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64: a warpgroup MMA)
 
 
 def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool,
@@ -298,10 +303,13 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
     """The compile-time parameters of interpreter v9 for one model config (launch options included). The QKV K tile
     shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128). A batch
     is a compile-time constant: each batch size is its own build (the batch-1 build is the code without it); its
-    K blocks shrink so that a [rows, batch, BKB] product stays at 8k fp32."""
+    weight tiles hold `batch_tile` elements (rows x K; the vectors' block as many fp32) and meet the sequences'
+    vectors on the tensor cores (`batch_mma`), whose products are at least 16 columns wide."""
     hp = _pow2(c.hidden_size)
-    bb = _pow2(batch)
-    bkb = max(16, min(k.bk_o, 8192 // (max(16, _pow2(c.hd // 2), k.br_gu, k.br_lm) * bb)))
+    bb = max(16, _pow2(batch)) if k.batch_mma else _pow2(batch)
+    rows = {}
+    if batch > 1 and k.batch_rows:  # a batch build's row tile of every weight op
+        rows = dict(BR_O=k.batch_rows, BR_GU=k.batch_rows, BR_D=k.batch_rows, BR_LM=k.batch_rows)
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), BLOCK_H=hp,
@@ -311,6 +319,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_LM=k.br_lm, BK_LM=min(k.bk_lm, hp), BT=k.bt, BE=min(k.be, hp), NS=k.num_stages, TRACE=trace,
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
-        WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size, BKB=bkb,
-        num_warps=k.num_warps, num_stages=1)
+        WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size,
+        BKB=k.batch_tile, BATCH_MMA=k.batch_mma, NSB=k.batch_stages,
+        num_warps=k.num_warps, num_stages=1) | rows
 
