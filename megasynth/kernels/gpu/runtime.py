@@ -9,7 +9,7 @@ step replays the graph of the member whose range holds `pos`: only the tables ch
 buffers. Static queues deadlock unless every program is resident at once, so the grid is checked
 against the SM count and the compiled kernel's occupancy before the first launch. Before allocating anything, the KV
 cache (sized by max_seq_len), the stacked weights and the workspace are checked against the free GPU memory
-(`megasynth.ir.model.check_fits`; not yet run on a GPU).
+(`megasynth.ir.model.check_fits`).
 """
 
 from __future__ import annotations
