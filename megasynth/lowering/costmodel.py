@@ -1,7 +1,8 @@
 """Cost model: schedule + context length -> estimated makespan, per-op time, per-SM idle, critical path, and a trace.
 
 Per instruction: a fixed overhead (dispatch, the wait's poll, staging the activation vector, epilogue; for attention,
-plus its flops at `attn_flop_rate`: a long split is arithmetic on one SM's CUDA cores) and its bytes
+plus its flops at `attn_flop_rate`: a long split is arithmetic on one SM's CUDA cores; on v10 that arithmetic
+overlaps the split's K/V stream, so it bounds how fast the stream is consumed instead) and its bytes
 (from the catalogue's `cost`) streamed through a fluid model of device memory: every stream gets
 `min(sm_peak, total_bw / active)` bytes/µs, scaled by its op's achieved efficiency. Counters are simulated exactly
 (monotone adds; a wait holds once the adds that completed reach its value); a wait satisfied by an add from another
@@ -182,7 +183,10 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
             work[i] = nbytes / p.eff
         over[i] = p.overhead_us + params.wait_us * len(prog.waits[i])
         if op == "attn_partial" and params.attn_flop_rate > 0:  # a long split is arithmetic on one SM
-            over[i] += flops / params.attn_flop_rate
+            if ring:  # v10 computes each K/V block as its ring slot lands: arithmetic and stream overlap
+                consume[i] = max(consume[i], flops / params.attn_flop_rate)
+            else:
+                over[i] += flops / params.attn_flop_rate
     # Loader bookkeeping in bytes along each queue: cum[w][k] = loader bytes of the queue before position k.
     cum = []
     for q in prog.queues:

@@ -74,11 +74,12 @@ def test_estimate_of_a_lowered_schedule_is_consistent_and_labelled() -> None:
 
 
 def test_attention_flops_lengthen_long_splits_only() -> None:
-    """With `attn_flop_rate` set, each attn_partial takes its flops / rate longer: a split over the whole context
-    (one split) pays it in full on one SM, many short splits pay a fraction each, and no other op changes."""
+    """Interpreter v9 (no ring): each attn_partial takes its flops / `attn_flop_rate` longer, so a split over the
+    whole context (one split) pays it in full on one SM, many short splits pay a fraction each, and no other op
+    changes."""
     from dataclasses import replace
 
-    base = replace(load_params(), attn_flop_rate=0.0)
+    base = replace(load_params(), attn_flop_rate=0.0, ring_bytes=0.0)
     slow = replace(base, attn_flop_rate=2e3)
     one, many = lower(TINY, 8, Strategy(attn_splits=1)), lower(TINY, 8, Strategy(attn_splits=8))
     d_one = estimate(one, 64, slow).per_op_ms["attn_partial"] - estimate(one, 64, base).per_op_ms["attn_partial"]
@@ -90,6 +91,33 @@ def test_attention_flops_lengthen_long_splits_only() -> None:
         estimate(one, 64, base).per_op_ms["mlp_norm_gate_up"], rel=1e-9)
     assert estimate(one, 64, slow).makespan_ms - estimate(one, 64, base).makespan_ms > \
         estimate(many, 64, slow).makespan_ms - estimate(many, 64, base).makespan_ms
+
+
+def test_attention_flops_overlap_the_kv_stream_on_v10() -> None:
+    """Interpreter v10 computes each K/V block as its ring slot lands: a split's arithmetic bounds how fast its
+    stream is consumed instead of adding to it. Arithmetic faster than the stream changes nothing; slower, the split
+    lasts at least flops / rate but less than that plus its time without arithmetic."""
+    from dataclasses import replace
+
+    from megasynth.ir.catalogue import Geometry
+    from megasynth.lowering.costmodel import instruction_cost
+
+    base = replace(load_params(), attn_flop_rate=0.0)
+    assert base.ring_bytes > 0
+    sched = lower(TINY, 8, Strategy(attn_splits=1))
+    ctx, rate = 64, 2e3
+    fast = estimate(sched, ctx, replace(base, attn_flop_rate=1e12))
+    ref = estimate(sched, ctx, base)
+    assert fast.makespan_ms == pytest.approx(ref.makespan_ms, rel=1e-9)
+    slow = estimate(sched, ctx, replace(base, attn_flop_rate=rate))
+    geo = Geometry(TINY.config, TINY.max_seq_len, 1)
+    parts = [k for k, ins in enumerate(sched.instructions) if ins.op == "attn_partial"]
+    assert parts
+    for k in parts:
+        ins = sched.instructions[k]
+        flops = instruction_cost(geo, ins.op, ins.layer, ins.args, ctx)[1]
+        took, alone = slow.end_us[k] - slow.start_us[k], ref.end_us[k] - ref.start_us[k]
+        assert flops / rate <= took < flops / rate + alone, (k, took, alone, flops / rate)
 
 
 def test_committed_parameters_load_and_say_where_they_come_from() -> None:
