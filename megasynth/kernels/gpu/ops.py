@@ -483,9 +483,9 @@ def op_lm_head_flat(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.conste
 # weight tile is loaded once per instruction and multiplied by every sequence's vector on the tensor cores: a
 # [BR, BK] bf16 tile times the [BK, BB] block of the sequences' fp32 vectors, each split into two bf16 halves (hi +
 # lo: ~16 mantissa bits, as the fp32 batch-1 path's products), BB = BATCH rounded up to a power of two of at least 16
-# (the padding columns are masked to zero). BKB is the elements of one weight tile: BK = BKB / BR, so a tile of few
-# rows streams long rows; the vectors' block is held to 8k fp32. Tiles of fewer than 16 rows (tiny heads) keep the
-# CUDA-core broadcast product.
+# (the padding columns are masked to zero). BKB is the weight elements one K step loads (rows x K, both tiles of a
+# pair): BK = BKB / BR (BKB / 2BR for a pair), so a tile of few rows streams long rows; the vectors' block is held to
+# 8k fp32. Tiles of fewer than 16 rows (tiny heads) keep the CUDA-core broadcast product.
 
 
 @triton.jit
