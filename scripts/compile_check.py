@@ -20,7 +20,6 @@ a tiny QK-norm model with a head_dim of its own:
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import sys
 from pathlib import Path
@@ -30,19 +29,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
+from megasynth.kernels.gpu.runtime import config_with  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.v9 import KernelConfig  # noqa: E402
 from megasynth.lowering.models import get_model  # noqa: E402
 
 
 def parse_variant(text: str, cls: type) -> tuple[str, Any]:
-    """'name=k1=v1,k2=v2' -> (name, cls(k1=v1, k2=v2)); values are Python literals."""
+    """'name=k1=v1,k2=v2' -> (name, cls() with k1=v1, k2=v2): the items of `synth bench --kernel-option`."""
     name, _, body = text.partition("=")
-    kwargs = {}
-    for item in filter(None, body.split(",")):
-        key, _, value = item.partition("=")
-        kwargs[key.strip()] = ast.literal_eval(value.strip())
-    return name, cls(**kwargs)
+    return name, config_with(cls(), [item for item in body.split(",") if item])
 
 
 def main() -> int:
@@ -64,7 +60,11 @@ def main() -> int:
     if args.batch > 1 and args.kernel != "v9":
         ap.error("--batch > 1 builds interpreter v9 (--kernel v9): v10 decodes one sequence per step")
     cls = StreamConfig if args.kernel == "v10" else KernelConfig
-    for vname, cfg in [("default", cls())] + [parse_variant(v, cls) for v in args.variants]:
+    try:
+        variants = [("default", cls())] + [parse_variant(v, cls) for v in args.variants]
+    except ValueError as exc:
+        ap.error(str(exc))
+    for vname, cfg in variants:
         _, res = compile_v10(model, seq, cfg) if args.kernel == "v10" else compile_v9(model, seq, cfg, args.batch)
         print(f"{vname:12s} {res}", flush=True)
     return 0

@@ -74,13 +74,17 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--token", type=int, default=1, show_default=True, help="Token id decoded.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
+@click.option("--kernel-option", "kernel_options", multiple=True, metavar="KEY=VALUE",
+              help="An interpreter setting of the megakernel, repeatable: a field of StreamConfig (v10, batch 1 on "
+                   "Hopper) or KernelConfig (v9), e.g. inflight=4 or mma=true; interpreter=v9 runs v9 at batch 1. "
+                   "Recorded in the JSON's settings.")
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...],
           max_seq_len: int | None, batch: str, reps: int,
           warmup: int, json_file: str, variants: str | None, compile_timeout: float, compile_mode: str,
           flush_l2: bool, seed: int,
-          weights_dir: str | None, token: int, verify: bool, dry_run: bool) -> None:
+          weights_dir: str | None, token: int, verify: bool, kernel_options: tuple[str, ...], dry_run: bool) -> None:
     """Time the decode step: the best plain PyTorch step (bf16 in a CUDA graph, and its torch.compile), per-op
     launches and the megakernel, against the bandwidth floor; print a table and write JSON."""
     from rich.console import Console
@@ -101,6 +105,14 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")
+    if kernel_options:
+        from megasynth.kernels.gpu import kernel_config
+
+        for b in batches:  # every batch's config, before anything runs
+            try:
+                kernel_config(kernel_options, batch=b, device=device)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--kernel-option") from None
     results = []
     for b in batches:
         spec = model_spec(model_name, max_seq_len, b)
@@ -110,7 +122,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         results.append(_bench_one(spec, sched, ctxs, path, console, reps=reps, warmup=warmup, seed=seed,
                                   weights_dir=weights_dir, token=token, device=device, variants=variants,
                                   compile_timeout=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,
-                                  verify=verify))
+                                  verify=verify, kernel_options=list(kernel_options)))
     if several:
         from megasynth.measure.render import batch_table
 

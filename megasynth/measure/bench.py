@@ -198,6 +198,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
                                     "token" if spec.batch > 1 else ""),
                      "check_tolerance": CHECK_TOL, "pytorch_best_tolerance": PYTORCH_TOL,
                      "compile_timeout_s": opts.compile_timeout_s, "compile_mode": opts.compile_mode,
+                     "kernel_options": list(opts.kernel_options),
                      "weights_over_l2": (floor_bytes(spec.config, 1)["weights"] / dev["l2_bytes"]
                                          if dev.get("l2_bytes") else None)},
         "schedule": sched_info, "copy_bandwidth": copy, "results": [],

@@ -38,3 +38,5 @@ class BenchOptions:
     copy_bytes: int = 1 << 30
     verify: bool = True
     batch: int = 1  # sequences per step, all at the same ctx, each with its own KV history and token
+    #: the megakernel's interpreter settings, KEY=VALUE (`megasynth.kernels.gpu.runtime.kernel_config`)
+    kernel_options: list[str] = field(default_factory=list)

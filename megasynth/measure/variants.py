@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megasynth.ir.model import DoesNotFit, ModelConfig, check_fits, kv_cache_part
@@ -94,6 +94,7 @@ class State:
     hf: Any = None
     step_weights: StepWeights | None = None
     token_ids: Any = None  # the batch's tokens as a device tensor [B], made once (a CUDA graph reads it in place)
+    kernel_options: list[str] = field(default_factory=list)  # the megakernel's interpreter settings, KEY=VALUE
 
     @property
     def cfg(self) -> ModelConfig:
@@ -141,7 +142,7 @@ def new_state(spec: ModelSpec, opts: BenchOptions) -> State:
         raise BenchError(str(exc)) from None
     k, v = new_kv_cache(spec.config, spec.max_seq_len, dtype=dtype, device=opts.device,
                         batch=spec.batch if spec.batch > 1 else None)
-    return State(spec, opts.device, weights, k, v, opts.token)
+    return State(spec, opts.device, weights, k, v, opts.token, kernel_options=list(opts.kernel_options))
 
 
 def reference_step(st: State) -> Callable[[], Any]:
@@ -244,8 +245,10 @@ def _megakernel(st: State) -> Any:
     if st.megakernel is None:
         gpu = _megakernel_api()
         try:
+            config = gpu.kernel_config(st.kernel_options, batch=st.batch, device=st.device) if st.kernel_options \
+                else None  # Megakernel's own choice
             st.megakernel = gpu.Megakernel(st.schedules or st.schedule, st.weights,
-                                           max_seq_len=st.spec.max_seq_len)
+                                           max_seq_len=st.spec.max_seq_len, config=config)
         except DoesNotFit as exc:  # beside this state's own weights and KV cache
             raise Skip(str(exc)) from None
     return st.megakernel
@@ -288,6 +291,8 @@ def _v_megakernel(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
                          "occupancy": {str(k): v for k, v in mk.occupancy.items()}}
 
     v9 = " on interpreter v9 (v10 decodes one sequence per step)" if st.batch > 1 else ""
+    if st.kernel_options:
+        v9 += f"; interpreter settings {', '.join(st.kernel_options)}"
     return replay, {"launch": "CUDA graph replay: counter reset + persistent kernel (token/pos set on the device "
                               f"before; Megakernel.step with its host sync is `step_call`){v9}", "_after": after}
 

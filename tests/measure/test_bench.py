@@ -364,7 +364,7 @@ class FakeMegakernel:
     """The interface of megasynth.kernels.gpu.Megakernel on the CPU: instructions run in ascending id order with the
     catalogue's compute; each packed table has its own attention scratch, as on the GPU."""
 
-    def __init__(self, schedule, weights, *, max_seq_len):
+    def __init__(self, schedule, weights, *, max_seq_len, config=None):
         from megasynth.ir.program import resolve
         from megasynth.kernels.reference import new_kv_cache
 

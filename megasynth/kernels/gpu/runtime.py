@@ -14,6 +14,8 @@ cache (sized by max_seq_len), the stacked weights and the workspace are checked 
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +45,55 @@ def default_config(device: torch.device) -> Any:
 
         return StreamConfig()
     return KernelConfig()
+
+
+def config_with(base: Any, items: Sequence[str]) -> Any:
+    """`base` (a `StreamConfig` or `KernelConfig`) with KEY=VALUE items applied, each value read as its field's type
+    (true/false for a switch). ValueError naming the item for an unknown key or a value of the wrong type."""
+    fields = {f.name: f for f in dataclasses.fields(base)}
+    changes: dict[str, Any] = {}
+    for item in items:
+        key, eq, text = (part.strip() for part in item.partition("="))
+        if not eq or not key:
+            raise ValueError(f"{item!r}: expected KEY=VALUE")
+        if key not in fields:
+            raise ValueError(f"{item!r}: {type(base).__name__} has no field {key!r} (it has: {', '.join(fields)})")
+        kind = type(getattr(base, key))
+        try:
+            if kind is bool:
+                if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError(text)
+                value: Any = text.lower() in ("true", "1", "yes", "on")
+            else:
+                value = ast.literal_eval(text)
+                if type(value) is not kind:
+                    raise ValueError(text)
+        except (ValueError, SyntaxError, TypeError):
+            raise ValueError(f"{item!r}: {key} takes {kind.__name__} values, not {text!r}") from None
+        changes[key] = value
+    return dataclasses.replace(base, **changes)
+
+
+def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.device = "cuda") -> Any:
+    """The interpreter config that `Megakernel` would pick for this batch and device (v9 for a batch, v10 on Hopper),
+    or the one `interpreter=v9|v10` names, with the other KEY=VALUE items applied (`config_with`)."""
+    rest = [i for i in items if i.partition("=")[0].strip() != "interpreter"]
+    named = [i.partition("=")[2].strip() for i in items if i.partition("=")[0].strip() == "interpreter"]
+    if len(named) > 1:
+        raise ValueError("interpreter is given more than once")
+    if named and named[0] not in ("v9", "v10"):
+        raise ValueError(f"interpreter={named[0]}: expected v9 or v10")
+    if named == ["v10"] and batch > 1:
+        raise ValueError(f"interpreter=v10 decodes one sequence per step; a batch of {batch} runs on v9")
+    if named == ["v9"] or batch > 1:
+        base: Any = KernelConfig()
+    elif named == ["v10"]:
+        from megasynth.kernels.gpu.stream import StreamConfig
+
+        base = StreamConfig()
+    else:
+        base = default_config(torch.device(device))
+    return config_with(base, rest)
 
 
 def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

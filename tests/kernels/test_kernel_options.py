@@ -1,0 +1,59 @@
+"""Interpreter settings from the command line (`synth bench --kernel-option KEY=VALUE`): parsed against the config
+dataclass, checked before anything runs, recorded in the bench JSON. CPU only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from megasynth.cli import main
+from megasynth.kernels.gpu.runtime import config_with, kernel_config
+from megasynth.kernels.gpu.v9 import KernelConfig
+
+
+def test_config_with_reads_each_value_as_its_fields_type() -> None:
+    cfg = config_with(KernelConfig(), ["num_stages=2", "attn_mma=false", " batch_mma = ON "])
+    assert (cfg.num_stages, cfg.attn_mma, cfg.batch_mma) == (2, False, True)
+    assert config_with(KernelConfig(), []) == KernelConfig()
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("nope=1", "has no field 'nope'"),
+    ("num_stages=two", "num_stages takes int values, not 'two'"),
+    ("num_stages=2.5", "num_stages takes int values"),
+    ("attn_mma=maybe", "attn_mma takes bool values"),
+    ("num_stages", "expected KEY=VALUE"),
+])
+def test_config_with_names_the_bad_item(item: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=needle) as info:
+        config_with(KernelConfig(), [item])
+    assert repr(item) in str(info.value)
+
+
+def test_kernel_config_picks_the_interpreter_megakernel_would() -> None:
+    assert isinstance(kernel_config([], batch=4, device="cpu"), KernelConfig)  # a batch runs on v9
+    assert isinstance(kernel_config([], batch=1, device="cpu"), KernelConfig)  # no Hopper: v9
+    assert kernel_config(["interpreter=v9", "num_warps=4"], batch=1).num_warps == 4
+    with pytest.raises(ValueError, match="decodes one sequence per step"):
+        kernel_config(["interpreter=v10"], batch=2)
+    with pytest.raises(ValueError, match="expected v9 or v10"):
+        kernel_config(["interpreter=v8"])
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    cfg = kernel_config(["interpreter=v10", "inflight=4", "mma=true"], batch=1, device="cpu")
+    assert isinstance(cfg, StreamConfig) and (cfg.inflight, cfg.mma) == (4, True)
+
+
+def test_bench_checks_kernel_options_first_and_records_them(tmp_path) -> None:
+    bad = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--kernel-option", "nope=1"])
+    assert bad.exit_code == 2 and "--kernel-option" in bad.output and "nope" in bad.output, bad.output
+    assert "Traceback" not in bad.output
+    out = tmp_path / "b.json"
+    ok = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "6", "--reps", "1", "--warmup",
+                                   "0", "--variants", "torch_bf16", "--kernel-option", "num_stages=2",
+                                   "--json", str(out)])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(out.read_text())["settings"]["kernel_options"] == ["num_stages=2"]
