@@ -290,11 +290,11 @@ def _v_megakernel(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
         rec["kernel"] = {"workers": mk.packed.workers, "instructions": mk.packed.n,
                          "occupancy": {str(k): v for k, v in mk.occupancy.items()}}
 
-    v9 = " on interpreter v9 (v10 decodes one sequence per step)" if st.batch > 1 else ""
+    how = " on interpreter v9 (v10 decodes one sequence per step)" if st.batch > 1 else ""
     if st.kernel_options:
-        v9 += f"; interpreter settings {', '.join(st.kernel_options)}"
+        how += f"; interpreter settings {', '.join(st.kernel_options)}"
     return replay, {"launch": "CUDA graph replay: counter reset + persistent kernel (token/pos set on the device "
-                              f"before; Megakernel.step with its host sync is `step_call`){v9}", "_after": after}
+                              f"before; Megakernel.step with its host sync is `step_call`){how}", "_after": after}
 
 
 def stage_schedules(schedule: Any, workers: int | None = None) -> list[Any]:

@@ -77,8 +77,14 @@ def config_with(base: Any, items: Sequence[str]) -> Any:
 def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.device = "cuda") -> Any:
     """The interpreter config that `Megakernel` would pick for this batch and device (v9 for a batch, v10 on Hopper),
     or the one `interpreter=v9|v10` names, with the other KEY=VALUE items applied (`config_with`)."""
-    rest = [i for i in items if i.partition("=")[0].strip() != "interpreter"]
-    named = [i.partition("=")[2].strip() for i in items if i.partition("=")[0].strip() == "interpreter"]
+    rest: list[str] = []
+    named: list[str] = []
+    for item in items:
+        key, _, value = item.partition("=")
+        if key.strip() == "interpreter":
+            named.append(value.strip())
+        else:
+            rest.append(item)
     if len(named) > 1:
         raise ValueError("interpreter is given more than once")
     if named and named[0] not in ("v9", "v10"):
