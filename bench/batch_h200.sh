@@ -3,7 +3,8 @@
 # line (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the
 # megakernel (interpreter v9 for a batch, v10 at batch 1; the naive lowering of each batch). Writes
 # <model>_batch<N>.json and batch_h200.log under $OUT, or bench/results/batch when OUT is unset. About 5 minutes
-# per model on an H200 (one device call each).
+# per model on an H200 (one device call each). For llama-1b it then times batch 8 on wide tiles (the lowering of
+# bench/results/batch/llama-1b_batch8_tiles.strategy.json, 64-row tiles in the kernel): llama-1b_batch8_tiles.json.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RESULTS=${OUT:-bench/results/batch}
@@ -18,4 +19,12 @@ for model in "${models[@]}"; do
   python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch 1,2,4,8,16 \
     --variants torch_bf16,torch_compile,megakernel --compile-mode default --compile-timeout 120 \
     --json "$RESULTS/${model}_batch{batch}.json"
+  if [ "$model" = llama-1b ]; then
+    work=$(mktemp -d)
+    python3 -m megasynth.cli lower --model llama-1b --batch 8 \
+      --strategy bench/results/batch/llama-1b_batch8_tiles.strategy.json -o "$work/schedule.json" &&
+    python3 -m megasynth.commands.bench bench --model llama-1b --ctx 1024 --batch 8 --schedule "$work/schedule.json" \
+      --kernel-option batch_rows=64 --variants torch_bf16,megakernel --json "$RESULTS/llama-1b_batch8_tiles.json"
+    rm -rf "$work"
+  fi
 done 2>&1 | tee "$RESULTS/batch_h200.log"

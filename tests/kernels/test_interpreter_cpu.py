@@ -147,3 +147,55 @@ def test_interpreter_matches_the_reference_on_the_cpu(name: str) -> None:
         assert step["kv"] < 0.05, step  # this token's K/V landed in the cache (bf16), nothing else moved
     if "members" in CASES[name]:  # each step ran the member whose range holds its position
         assert [step["member"] for step in steps] == CASES[name]["members"]
+
+
+STAGE_SCRIPT = r"""
+import json
+import torch
+import triton
+import triton.language as tl
+from megasynth.kernels.gpu import ops
+
+@triton.jit
+def stage(vs_ptr, v_ptr, nw_ptr, k0, k1, NORM: tl.constexpr, H: tl.constexpr, BATCH: tl.constexpr,
+          BB: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
+    ops.stage_batch(vs_ptr, v_ptr, H, nw_ptr, k0, k1, NORM, H, 1e-5, BATCH, BB, BK, KS)
+
+torch.manual_seed(0)
+H, BATCH, BB, BK, KS = 96, 3, 8, 32, 160
+v = torch.randn(BATCH, H)
+nw = torch.rand(H) + 0.5
+out = {}
+for norm, (k0, k1) in ((True, (0, H)), (False, (16, 86))):
+    vs = torch.full((2 * BB, KS), 7.0).to(torch.bfloat16)
+    stage[(1,)](vs, v, nw, k0, k1, norm, H, BATCH, BB, BK, KS)
+    want = v * torch.rsqrt(v.pow(2).mean(1, keepdim=True) + 1e-5) * nw if norm else v
+    want = want[:, k0:k1]
+    n = k1 - k0
+    nup = -(-n // BK) * BK
+    f = vs.float()
+    got = f[:BATCH, :n] + f[BB:BB + BATCH, :n]
+    out[str(norm)] = {
+        "rel": float((got - want).norm() / want.norm()),
+        "hi_is_bf16_of_v": float((f[:BATCH, :n] - want).abs().max() / want.abs().max()),
+        "zero_past_k1": float(f[:, n:nup].abs().max()) if nup > n else 0.0,
+        "zero_padding_rows": float(torch.cat([f[BATCH:BB, :nup], f[BB + BATCH:, :nup]]).abs().max()),
+        "untouched_past_block": bool((f[:, nup:] == 7.0).all()),
+    }
+print(json.dumps(out))
+"""
+
+
+def test_a_batch_stages_each_sequence_as_bf16_hi_and_lo_rows_on_the_cpu() -> None:
+    """ops.stage_batch (the tensor-core batch path's operand, built once per instruction): row b of the scratch is
+    sequence b's normalised vector in bf16, row BB + b its remainder, so hi + lo is the fp32 vector; zero past the K
+    range up to the K block and in the padding sequences' rows; nothing written past the block."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", STAGE_SCRIPT], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for norm, r in json.loads(proc.stdout.strip().splitlines()[-1]).items():
+        assert r["rel"] < 1e-4, (norm, r)  # hi + lo: ~16 mantissa bits (the interpreter truncates to bf16)
+        assert 1e-4 < r["hi_is_bf16_of_v"] < 1e-2, (norm, r)  # hi alone carries bf16's error: lo is not empty
+        assert r["zero_past_k1"] == 0.0 and r["zero_padding_rows"] == 0.0, (norm, r)
+        assert r["untouched_past_block"], (norm, r)

@@ -27,7 +27,7 @@ ARG_TYPES = {
     "bqkv_ptr": "*fp32", "qk_norm_ptr": "*fp32",
     "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
     "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",
-    "sin_ptr": "*fp32", "qk_sq_ptr": "*fp32", "k_new_ptr": "*fp32", "timeout_ns": "i64",
+    "sin_ptr": "*fp32", "qk_sq_ptr": "*fp32", "k_new_ptr": "*fp32", "vs_ptr": "*bf16", "timeout_ns": "i64",
 }
 SM90 = GPUTarget("cuda", 90, 32)
 

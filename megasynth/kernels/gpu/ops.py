@@ -480,12 +480,17 @@ def op_lm_head_flat(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.conste
 # -- a batch of sequences (interpreter v9 with BATCH > 1) ------------------------------------------------------------
 # Sequence b's part of an activation buffer starts at b times one sequence's size; its KV cache slot of layer l is
 # slot l * BATCH + b of the [L, B, nKV, S, hd] caches; its token and position are rt[b] and rt[BATCH + b]. Every
-# weight tile is loaded once per instruction and multiplied by every sequence's vector on the tensor cores: a
-# [BR, BK] bf16 tile times the [BK, BB] block of the sequences' fp32 vectors, each split into two bf16 halves (hi +
-# lo: ~16 mantissa bits, as the fp32 batch-1 path's products), BB = BATCH rounded up to a power of two of at least 16
-# (the padding columns are masked to zero). BKB is the weight elements one K step loads (rows x K, both tiles of a
-# pair): BK = BKB / BR (BKB / 2BR for a pair), so a tile of few rows streams long rows; the vectors' block is held to
-# 8k fp32. Tiles of fewer than 16 rows (tiny heads) keep the CUDA-core broadcast product.
+# weight tile is loaded once per instruction and multiplied by every sequence's vector on the tensor cores. The
+# vectors are staged once per instruction (`stage_batch`) into the program's own scratch in global memory (L2-hot,
+# private to the program): a [2 BB, K] bf16 operand whose row b is sequence b's vector (normalised when the op
+# norms) rounded to bf16 and row BB + b the rounding's remainder (hi + lo: ~16 mantissa bits, as the fp32 batch-1
+# path's products), BB = BATCH rounded up to a power of two of at least 8, padding rows zero. The K loop is then a
+# plain pipelined tensor-core product (`dot_staged`, the weight tile as its second operand so that the tile's rows
+# spread over the warps): weight tile and operand block both go straight from global to shared memory, with no
+# arithmetic on the operand inside the loop. BKB is the weight elements one K step loads (rows x K). Staging costs
+# K x batch values per instruction against its K x rows weights, so a batch wants instructions of many rows
+# (docs/perf-notes.md). Without `batch_mma`, and for tiles of fewer than 16 rows (tiny heads), the fp32 CUDA-core
+# broadcast product runs instead, the K block sized to keep [rows, batch, block] at 8k values.
 
 
 @triton.jit
@@ -514,25 +519,75 @@ def _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, NORM: tl.constex
 
 
 @triton.jit
-def _mma_batch(acc, w, v, BR: tl.constexpr, MMA: tl.constexpr):
-    """acc [BR, BB] += w [BR, BK] (bf16) @ v^T, v [BB, BK] fp32: two tensor-core products (v's bf16 hi and lo
-    halves) with MMA; a CUDA-core broadcast product without it and for tiles of fewer than 16 rows."""
-    if MMA and BR >= 16:
+def stage_batch(vs_ptr, v_ptr, vstride, nw_ptr, k0, k1, NORM: tl.constexpr, H: tl.constexpr, EPS: tl.constexpr,
+                BATCH: tl.constexpr, BB: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr):
+    """Row b of vs (KS elements per row) = the bf16 hi, row BB + b the lo, of sequence b's v_b[k0:k1] (times its rstd
+    and the norm weight with NORM); zero past k1 up to the next multiple of BK, and in the padding rows. CTA barriers
+    before (the previous instruction's reads of vs are done) and after (every thread's stores are visible)."""
+    tl.debug_barrier()
+    CH: tl.constexpr = max(16, 4096 // BB)
+    bs = tl.arange(0, BB)
+    bm = bs < BATCH
+    ks = tl.arange(0, CH)
+    rstd = _rstd_batch(v_ptr, vstride, bs, bm, H, EPS) if NORM else tl.zeros((BB,), tl.float32)
+    n = k1 - k0
+    nup = (n + BK - 1) // BK * BK
+    for c in range(0, nup, CH):
+        kk = c + ks
+        km = kk < n
+        v = tl.load(v_ptr + bs[:, None] * vstride + (k0 + kk)[None, :], mask=bm[:, None] & km[None, :], other=0.0,
+                    cache_modifier=".cg")  # [BB, CH]
+        if NORM:
+            v = v * rstd[:, None] * tl.load(nw_ptr + k0 + kk, mask=km, other=0.0)[None, :]
         hi, lo = _split_bf16(v)
-        acc = tl.dot(w, tl.trans(hi), acc)
-        acc = tl.dot(w, tl.trans(lo), acc)
-    else:
-        acc += tl.sum(w.to(tl.float32)[:, None, :] * v[None, :, :], 2)
+        dst = vs_ptr + bs[:, None] * KS + kk[None, :]
+        sm = (kk < nup)[None, :]
+        tl.store(dst, hi, mask=sm)
+        tl.store(dst + BB * KS, lo, mask=sm)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK: tl.constexpr, NS: tl.constexpr):
+    """acc [2 BB, BR] += vs block kb @ W[rows, k0 + kb BK ...]^T over the nfull whole K blocks."""
+    ks = tl.arange(0, BK)
+    for kb in tl.range(0, nfull, num_stages=NS):
+        kk = kb * BK + ks
+        w = tl.load(wrow + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        v = tl.load(vrow + kk[None, :], cache_modifier=".cg")
+        acc = tl.dot(v, tl.trans(w), acc)
     return acc
 
 
 @triton.jit
+def dot_staged(w_ptr, ld, rows, rmask, k0, k1, vs_ptr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
+               BB: tl.constexpr, KS: tl.constexpr):
+    """[BR, BB]: column b = W[rows, k0:k1] @ v_b, v_b staged in vs by `stage_batch` for the same [k0, k1). One
+    tensor-core product per K block with the weight tile as the second operand, so the tile's rows spread over the
+    warps (the staged rows, hi and lo of every sequence, are the product's 2 BB rows); hi and lo summed at the end."""
+    N: tl.constexpr = 2 * BB
+    acc = tl.zeros((N, BR), tl.float32)
+    wrow = w_ptr + rows[:, None].to(tl.int64) * ld
+    vrow = vs_ptr + tl.arange(0, N)[:, None] * KS
+    n = k1 - k0
+    nfull = n // BK
+    if k0 % 8 == 0:  # 16-byte aligned weight rows: vector copies
+        acc = _staged_loop(acc, wrow, rmask, tl.multiple_of(k0, 8), nfull, vrow, BK, NS)
+    else:
+        acc = _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK, NS)
+    if nfull * BK < n:  # the last, partial block (the staged operand is zero past k1)
+        kk = nfull * BK + tl.arange(0, BK)
+        w = tl.load(wrow + (k0 + kk)[None, :], mask=rmask[:, None] & (kk < n)[None, :], other=0.0)
+        acc = tl.dot(tl.load(vrow + kk[None, :], cache_modifier=".cg"), tl.trans(w), acc)
+    return tl.trans(tl.sum(tl.reshape(acc, (2, BB, BR)), 0))
+
+
+@triton.jit
 def dot_rows_batch(w_ptr, ld, rows, rmask, k0, k1, v_ptr, vstride, nw_ptr, NORM: tl.constexpr, H: tl.constexpr,
-                   EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                   BB: tl.constexpr, MMA: tl.constexpr):
-    """`dot_rows` for BATCH vectors (sequence b's at v_ptr + b * vstride): fp32 [BR, BB], column b = W[rows, k0:k1] @
-    v_b (times v_b's own rstd with NORM). Each weight tile is loaded once for the whole batch."""
-    BK: tl.constexpr = min(BKB // BR, 8192 // BB) if MMA and BR >= 16 else max(16, 8192 // (BR * BB))
+                   EPS: tl.constexpr, BR: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr):
+    """`dot_rows` for BATCH vectors (sequence b's at v_ptr + b * vstride) on the CUDA cores: fp32 [BR, BB], column b
+    = W[rows, k0:k1] @ v_b (times v_b's own rstd with NORM). Each weight tile is loaded once for the whole batch."""
+    BK: tl.constexpr = max(16, 8192 // (BR * BB))
     bs = tl.arange(0, BB)
     bm = bs < BATCH
     ks = tl.arange(0, BK)
@@ -544,17 +599,16 @@ def dot_rows_batch(w_ptr, ld, rows, rmask, k0, k1, v_ptr, vstride, nw_ptr, NORM:
         kmask = kk < k1
         v = _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, NORM)
         w = tl.load(wrow + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        acc = _mma_batch(acc, w, v, BR, MMA)
+        acc += tl.sum(w.to(tl.float32)[:, None, :] * v[None, :, :], 2)
     return acc
 
 
 @triton.jit
 def dot_rows2_batch(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, vstride, nw_ptr, K: tl.constexpr,
-                    EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                    BB: tl.constexpr, MMA: tl.constexpr):
-    """`dot_rows2` for BATCH vectors: two row sets against each sequence's rmsnorm(v_b) * nw in one K loop, fp32
-    [BR, BB] each (gate/up, or the two RoPE halves of a head)."""
-    BK: tl.constexpr = min(BKB // (2 * BR), 8192 // BB) if MMA and BR >= 16 else max(16, 8192 // (BR * BB))
+                    EPS: tl.constexpr, BR: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr):
+    """`dot_rows2` for BATCH vectors on the CUDA cores: two row sets against each sequence's rmsnorm(v_b) * nw in one
+    K loop, fp32 [BR, BB] each (gate/up, or the two RoPE halves of a head)."""
+    BK: tl.constexpr = max(16, 8192 // (BR * BB))
     bs = tl.arange(0, BB)
     bm = bs < BATCH
     ks = tl.arange(0, BK)
@@ -568,8 +622,10 @@ def dot_rows2_batch(w1_ptr, w2_ptr, ld, rows1, rows2, rmask, v_ptr, vstride, nw_
         kmask = kk < K
         v = _vec_batch(v_ptr, vstride, nw_ptr, rstd, kk, kmask, bs, bm, True)
         m = rmask[:, None] & kmask[None, :]
-        acc1 = _mma_batch(acc1, tl.load(w1row + kk[None, :], mask=m, other=0.0), v, BR, MMA)
-        acc2 = _mma_batch(acc2, tl.load(w2row + kk[None, :], mask=m, other=0.0), v, BR, MMA)
+        w1 = tl.load(w1row + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        w2 = tl.load(w2row + kk[None, :], mask=m, other=0.0).to(tl.float32)
+        acc1 += tl.sum(w1[:, None, :] * v[None, :, :], 2)
+        acc2 += tl.sum(w2[:, None, :] * v[None, :, :], 2)
     return acc1, acc2
 
 
@@ -582,17 +638,21 @@ def op_embed_batch(embed_ptr, x_ptr, rt_ptr, start, end, H: tl.constexpr, BE: tl
 
 @triton.jit
 def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
-                      layer, start, end, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr,
+                      vs_ptr, layer, start, end, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr,
                       KVS: tl.constexpr, S: tl.constexpr, EPS: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
                       QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
-                      MMA: tl.constexpr):
+                      MMA: tl.constexpr, KS: tl.constexpr):
     """`op_qkv_rope` for every sequence: one stream of the tile's rows, each sequence normalised, biased, normed per
     head and rotated at its own position; its q into q_b, its k/v into its cache slot at its position."""
     HALF: tl.constexpr = HD // 2
     QKV: tl.constexpr = QS + 2 * KVS
+    STAGED: tl.constexpr = MMA and HALF >= 16
+    BK: tl.constexpr = BKB // HALF
     nw = norm_ptr + layer * H
     wl = wqkv_ptr + layer.to(tl.int64) * QKV * H
     j = tl.arange(0, HALF)
+    if STAGED:
+        stage_batch(vs_ptr, x_ptr, H, nw, layer * 0, layer * 0 + H, True, H, EPS, BATCH, BB, BK, KS)
     bs = tl.arange(0, BB)
     bm = bs < BATCH
     m2 = (j[:, None] < HALF) & bm[None, :]
@@ -600,8 +660,12 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
     cos = tl.load(cos_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)  # [HALF, BB]
     sin = tl.load(sin_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)
     for r in range(start, end, HD):
-        y1, y2 = dot_rows2_batch(wl, wl, H, r + j, r + HALF + j, j < HALF, x_ptr, H, nw, H, EPS, HALF, BKB, NS,
-                                 BATCH, BB, MMA)
+        if STAGED:
+            y1 = dot_staged(wl, H, r + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS)
+            y2 = dot_staged(wl, H, r + HALF + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS)
+        else:
+            y1, y2 = dot_rows2_batch(wl, wl, H, r + j, r + HALF + j, j < HALF, x_ptr, H, nw, H, EPS, HALF, NS, BATCH,
+                                     BB)
         if QKV_BIAS:
             y1 += tl.load(b_ptr + layer * QKV + r + j)[:, None]
             y2 += tl.load(b_ptr + layer * QKV + r + HALF + j)[:, None]
@@ -630,49 +694,71 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
 
 
 @triton.jit
-def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, layer, start, end, k0, k1, R: tl.constexpr, K: tl.constexpr,
-                             BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                             BB: tl.constexpr, MMA: tl.constexpr):
+def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, vs_ptr, layer, start, end, k0, k1, R: tl.constexpr,
+                             K: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
+                             BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
     """x_b[start:end] += W[layer][start:end, k0:k1] @ v_b[k0:k1] for every sequence b; fp32 atomics."""
+    STAGED: tl.constexpr = MMA and BR >= 16
+    BK: tl.constexpr = BKB // BR
     wl = w_ptr + layer.to(tl.int64) * R * K
     rb = tl.arange(0, BR)
     bs = tl.arange(0, BB)
+    if STAGED:
+        stage_batch(vs_ptr, v_ptr, K, v_ptr, k0, k1, False, K, 1.0, BATCH, BB, BK, KS)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, BKB, NS, BATCH, BB, MMA)
+        if STAGED:
+            y = dot_staged(wl, K, rows, rmask, k0, k1, vs_ptr, BR, BK, NS, BB, KS)
+        else:
+            y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, NS, BATCH, BB)
         tl.atomic_add(x_ptr + bs[None, :] * R + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :],
                       sem="relaxed", scope="gpu")
 
 
 @triton.jit
-def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, start, end, H: tl.constexpr, IS: tl.constexpr,
-                     EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                     BB: tl.constexpr, MMA: tl.constexpr):
+def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, start, end, H: tl.constexpr,
+                     IS: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
+                     BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
     """act_b[start:end] = silu(w_gate @ h_b) * (w_up @ h_b), h_b = rmsnorm(x_b) * mlp_norm, for every sequence b."""
+    STAGED: tl.constexpr = MMA and BR >= 16
+    BK: tl.constexpr = BKB // BR
     nw = norm_ptr + layer * H
     off = layer.to(tl.int64) * IS * H
     rb = tl.arange(0, BR)
     bs = tl.arange(0, BB)
+    if STAGED:
+        stage_batch(vs_ptr, x_ptr, H, nw, layer * 0, layer * 0 + H, True, H, EPS, BATCH, BB, BK, KS)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        g, u = dot_rows2_batch(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, H, nw, H, EPS, BR, BKB, NS,
-                               BATCH, BB, MMA)
+        if STAGED:
+            g = dot_staged(wg_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
+            u = dot_staged(wu_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
+        else:
+            g, u = dot_rows2_batch(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, H, nw, H, EPS, BR, NS,
+                                   BATCH, BB)
         tl.store(act_ptr + bs[None, :] * IS + rows[:, None], g / (1.0 + tl.exp(-g)) * u,
                  mask=rmask[:, None] & (bs < BATCH)[None, :])
 
 
 @triton.jit
-def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, start, end, H: tl.constexpr, V: tl.constexpr,
+def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, vs_ptr, start, end, H: tl.constexpr, V: tl.constexpr,
                      EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                     BB: tl.constexpr, MMA: tl.constexpr):
+                     BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
     """logits_b[start:end] = lm_head[start:end] @ (rmsnorm(x_b) * final_norm) for every sequence b."""
+    STAGED: tl.constexpr = MMA and BR >= 16
+    BK: tl.constexpr = BKB // BR
     rb = tl.arange(0, BR)
     bs = tl.arange(0, BB)
+    if STAGED:
+        stage_batch(vs_ptr, x_ptr, H, norm_ptr, start * 0, start * 0 + H, True, H, EPS, BATCH, BB, BK, KS)
     for r in range(start, end, BR):
         rows = r + rb
         rmask = rows < end
-        y = dot_rows_batch(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, H, norm_ptr, True, H, EPS, BR,
-                           BKB, NS, BATCH, BB, MMA)
+        if STAGED:
+            y = dot_staged(w_ptr, H, rows, rmask, start * 0, start * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
+        else:
+            y = dot_rows_batch(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, H, norm_ptr, True, H, EPS,
+                               BR, NS, BATCH, BB)
         tl.store(logits_ptr + bs[None, :] * V + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :])

@@ -28,7 +28,7 @@ from megasynth.ir.model import ModelConfig, check_fits, gpu_memory_parts
 from megasynth.ir.schedule import Schedule
 from megasynth.ir.schedule_set import ScheduleSet
 from megasynth.kernels.gpu.pack import F_A0, F_OP, OPCODES, TRACE_FIELDS, Packed, pack
-from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, v9_megakernel
+from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, staging_elements, v9_megakernel
 
 ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
 
@@ -195,6 +195,10 @@ class Megakernel:
         self.rt = torch.zeros(2 * b, dtype=torch.int32, device=self.device)
         self._rt_host = torch.zeros(2 * b, dtype=torch.int32).pin_memory() if self.device.type == "cuda" else None
         self.smids = torch.zeros(self.num_sms, dtype=torch.int32, device=self.device)
+        # a v9 batch build's per-program scratch for the staged operand of its weight ops (ops.stage_batch); other
+        # builds pass a stand-in they never read
+        vsw = 0 if self.v10 else staging_elements(c, self.kcfg, b)
+        self.vs = torch.zeros(self.num_sms * vsw, dtype=torch.bfloat16, device=self.device) if vsw else self.k_cache
         self.descs: list[Any] = []  # v10: TMA descriptors of the weights and the KV cache (built once: they never move)
         if self.v10:
             from megasynth.kernels.gpu.stream import stream_descriptors, stream_geometry
@@ -287,7 +291,7 @@ class Megakernel:
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], *extra, self.x, self.q, self.k_cache,
-                self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin,
+                self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.vs,
                 self.timeout_ns]
         return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace, self.batch)
 

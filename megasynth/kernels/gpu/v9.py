@@ -55,7 +55,7 @@ def v9_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, qitems_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr,
     bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr,
-    cos_ptr, sin_ptr,
+    cos_ptr, sin_ptr, vs_ptr,
     timeout_ns,
     H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
     EPS: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, GP: tl.constexpr,
@@ -65,7 +65,7 @@ def v9_megakernel(
     ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, PF_CAP: tl.constexpr, WB: tl.constexpr,
     FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
     WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
-    VOCAB: tl.constexpr, BKB: tl.constexpr, BATCH_MMA: tl.constexpr, NSB: tl.constexpr,
+    VOCAB: tl.constexpr, BKB: tl.constexpr, BATCH_MMA: tl.constexpr, NSB: tl.constexpr, VSK: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -149,8 +149,9 @@ def v9_megakernel(
                 _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr,
                             mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr,
                             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                            sin_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NSB,
-                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA)
+                            sin_ptr, vs_ptr + pid.to(tl.int64) * (2 * BB * VSK), H, IS, NH, NKV, HD, S, EPS,
+                            SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NSB,
+                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA, VSK)
             elif op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
@@ -214,16 +215,17 @@ def v9_megakernel(
 @triton.jit
 def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr,
                 wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
-                opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, H: tl.constexpr,
+                opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, vs_ptr, H: tl.constexpr,
                 IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
                 EPS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr, BR_O: tl.constexpr, BR_GU: tl.constexpr,
                 BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, NS: tl.constexpr,
                 ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr, QKV_BIAS: tl.constexpr,
                 QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr, VOCAB: tl.constexpr,
-                BKB: tl.constexpr, BATCH_MMA: tl.constexpr):
+                BKB: tl.constexpr, BATCH_MMA: tl.constexpr, VSK: tl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each tile loaded once); attention
     serves sequence a3 (`seq`): its q, its cache slot (layer * BATCH + seq of the [L, B, nKV, S, hd] caches), its
-    position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers."""
+    position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers. vs_ptr is this
+    program's scratch for the staged operand of the weight ops (ops.stage_batch)."""
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
     G: tl.constexpr = NH // NKV
@@ -231,8 +233,8 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
         ops.op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, BATCH)
     elif op == OP_QKV:
         ops.op_qkv_rope_batch(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                              sin_ptr, rt_ptr, layer, a0, a1, H, NKV, HD, QS, KVS, S, EPS, BKB, NS, QKV_BIAS,
-                              QK_NORM, BATCH, BB, BATCH_MMA)
+                              sin_ptr, rt_ptr, vs_ptr, layer, a0, a1, H, NKV, HD, QS, KVS, S, EPS, BKB, NS, QKV_BIAS,
+                              QK_NORM, BATCH, BB, BATCH_MMA, VSK)
     elif op == OP_PARTIAL:
         pos = tl.load(rt_ptr + BATCH + a3)
         qb = q_ptr + a3 * QS
@@ -248,17 +250,17 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
         ops.op_attn_reduce(opart_ptr + a3 * a2 * QS, lse_ptr + a3 * a2 * NH, attn_ptr + a3 * QS, a0, a1, a2, NH, HD,
                            GP, SP)
     elif op == OP_OPROJ:
-        ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS, BATCH,
-                                     BB, BATCH_MMA)
+        ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, vs_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS,
+                                     BATCH, BB, BATCH_MMA, VSK)
     elif op == OP_GATE_UP:
-        ops.op_gate_up_batch(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, layer, a0, a1, H, IS, EPS, BR_GU, BKB, NS,
-                             BATCH, BB, BATCH_MMA)
+        ops.op_gate_up_batch(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, a0, a1, H, IS, EPS, BR_GU,
+                             BKB, NS, BATCH, BB, BATCH_MMA, VSK)
     elif op == OP_DOWN:
-        ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS, BATCH, BB,
-                                     BATCH_MMA)
+        ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, vs_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS,
+                                     BATCH, BB, BATCH_MMA, VSK)
     elif op == OP_LM_HEAD:
-        ops.op_lm_head_batch(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, a0, a1, H, VOCAB, EPS, BR_LM, BKB, NS,
-                             BATCH, BB, BATCH_MMA)
+        ops.op_lm_head_batch(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, vs_ptr, a0, a1, H, VOCAB, EPS, BR_LM,
+                             BKB, NS, BATCH, BB, BATCH_MMA, VSK)
 
 
 def _pow2(n: int) -> int:
@@ -295,7 +297,7 @@ class KernelConfig:
     batch_mma: bool = True  # a batch's weight products on the tensor cores (hi/lo bf16 split of the vectors)
     batch_tile: int = 4096  # a batch build's weight tile, rows x K elements (16 rows stream K blocks of 256)
     batch_stages: int = 4  # software-pipelining depth of a batch build's weight loops
-    batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64: a warpgroup MMA)
+    batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64 pays on wide tiles)
 
 
 def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool,
@@ -303,10 +305,11 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
     """The compile-time parameters of interpreter v9 for one model config (launch options included). The QKV K tile
     shrinks for wide heads so its two [hd/2, BK] accumulators stay at 16k fp32 (no spills at head_dim 128). A batch
     is a compile-time constant: each batch size is its own build (the batch-1 build is the code without it); its
-    weight tiles hold `batch_tile` elements (rows x K; the vectors' block as many fp32) and meet the sequences'
-    vectors on the tensor cores (`batch_mma`), whose products are at least 16 columns wide."""
+    weight tiles hold `batch_tile` elements (rows x K) and meet the sequences' vectors, staged per instruction into
+    2 BB rows of VSK elements of scratch per program (`staging_row`), on the tensor cores (`batch_mma`): hi and lo
+    rows of at least 8 sequences, so a product is at least 16 wide."""
     hp = _pow2(c.hidden_size)
-    bb = max(16, _pow2(batch)) if k.batch_mma else _pow2(batch)
+    bb = max(8, _pow2(batch)) if k.batch_mma else _pow2(batch)
     rows = {}
     if batch > 1 and k.batch_rows:  # a batch build's row tile of every weight op
         rows = dict(BR_O=k.batch_rows, BR_GU=k.batch_rows, BR_D=k.batch_rows, BR_LM=k.batch_rows)
@@ -320,6 +323,20 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         ROWW=ROW, PREFETCH=k.prefetch, ATTN_MMA=k.attn_mma, NS_ATTN=k.ns_attn, PF_CAP=k.pf_cap, WB=16, FLAT=k.flat,
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
         WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size,
-        BKB=k.batch_tile, BATCH_MMA=k.batch_mma, NSB=k.batch_stages,
+        BKB=k.batch_tile, BATCH_MMA=k.batch_mma, NSB=k.batch_stages, VSK=staging_row(c, k),
         num_warps=k.num_warps, num_stages=1) | rows
 
+
+
+def staging_row(c: ModelConfig, k: KernelConfig) -> int:
+    """Elements of one row of a batch build's staged operand (ops.stage_batch): the longest K range of a weight op,
+    rounded up to its K block."""
+    return max(c.hidden_size, c.intermediate_size, c.q_size) + k.batch_tile
+
+
+def staging_elements(c: ModelConfig, k: KernelConfig, batch: int) -> int:
+    """bf16 elements of one program's scratch for a batch build's staged operand: hi and lo rows of every (padded)
+    sequence; 0 without a batch or without `batch_mma`."""
+    if batch <= 1 or not k.batch_mma:
+        return 0
+    return 2 * max(8, _pow2(batch)) * staging_row(c, k)
