@@ -56,7 +56,8 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
 
     seqs = [{"seq": b} for b in range(spec.batch)] if spec.batch > 1 else [{}]  # attention is per sequence
     apart = c.qk_norm and strategy.qk_norm == "apart"  # QK-norm after QKV: its tiles may cut heads into pairs
-    qkv_align = c.hd if c.qk_norm and not apart else 2  # RoPE pairs; QK-norm inside QKV needs whole heads
+    # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch (interpreter v9 computes QKV a head at a time)
+    qkv_align = c.hd if (c.qk_norm and not apart) or spec.batch > 1 else 2
     prev = 0
     for layer in range(c.num_hidden_layers):
         qkv = add("attn_norm_qkv_rope_sq" if apart else "attn_norm_qkv_rope", layer,

@@ -60,7 +60,8 @@ class Strategy(BaseModel):
     tiles: dict[str, Tile] = Field(default_factory=lambda: {
         "embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 16,
         "down_proj_residual": 16, "final_norm_lm_head": 256},
-        description="output rows per instruction, per op (qkv rows are rounded to an even count: RoPE pairs)")
+        description="output rows per instruction, per op (qkv rows are rounded down to an even count, RoPE "
+                    "pairs, or to whole heads for a QK-norm model with the norm inside QKV and for a batch)")
     k_splits: dict[str, Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=lambda: {
         "o_proj_residual": 1, "down_proj_residual": 1},
         description="split of the input (K) dimension of o_proj/down_proj; partial sums are reduce-added into x")
@@ -199,10 +200,13 @@ def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
     are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
     tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
-    whole heads (at least one)."""
+    whole heads (at least one). A batch runs on interpreter v9, which computes QKV a whole head at a time: its QKV
+    tiles are whole heads."""
     c = spec.config
     rows = _rows_of(spec)[op]
-    if op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
+    if op == "attn_norm_qkv_rope" and spec.batch > 1:
+        cands = {c.hd << n for n in range(8)} | set(wave_tiles(rows, workers, align=c.hd, box=c.hd))
+    elif op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
         base = {8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, c.hd, 2 * c.hd}
         cands = base | set(wave_tiles(rows, workers, align=2, box=2 * BOX_ROWS))
         if c.qk_norm:  # the whole-head tiles that QK-norm inside QKV needs
@@ -250,7 +254,8 @@ class SearchSpace:
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
-    data; measured within 1 % on v10, docs/search.md)."""
+    data; measured within 1 % on v10, docs/search.md). A batch runs on interpreter v9, so its space holds what v9
+    runs: whole-head QKV tiles, no folded merge, the QK-norm inside QKV."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
@@ -260,10 +265,11 @@ class SearchSpace:
                   for op in K_SPLIT_OPS]
         knobs.append(Knob("attn_splits", attn_split_choices(spec, workers), True,
                           "flash-decode splits of the KV sequence: attention on more SMs, one more merge"))
-        knobs.append(Knob("fuse_attn_reduce", (False, True), False,
-                          "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
-                          "repeated per o_proj row tile (interpreter v10)"))
-        if spec.config.qk_norm:
+        if spec.batch == 1:
+            knobs.append(Knob("fuse_attn_reduce", (False, True), False,
+                              "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
+                              "repeated per o_proj row tile (interpreter v10)"))
+        if spec.config.qk_norm and spec.batch == 1:
             knobs.append(Knob("qk_norm", ("in_qkv", "apart"), False,
                               "QK-norm inside QKV (whole-head QKV tiles) or apart (QKV tiles of any RoPE pairs, then "
                               "one qk_norm_apply per KV head: more SMs on QKV, one counter hop more)"))

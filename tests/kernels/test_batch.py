@@ -3,6 +3,7 @@ against the reference run sequence by sequence; the proofs see each sequence's a
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import replace
 
@@ -131,3 +132,37 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
     elapsed = time.perf_counter() - t
     assert report.accepted
     assert elapsed <= 15, elapsed
+
+
+def test_a_batch_lowers_and_searches_only_what_interpreter_v9_runs() -> None:
+    """A batch runs on interpreter v9 (v10 decodes one sequence): the lowering rounds QKV tiles to whole heads (v9
+    computes QKV a head at a time; llama-8b's naive 64-row tiles are half heads), the search space offers no folded
+    merge, no QK-norm apart and only whole-head QKV tiles, and a proposal that asks for either anyway is refused
+    when it is built, naming v9 and the instruction, not after the search picked it."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu.pack import check_runs_on_v9, pack
+    from megasynth.lowering.strategy import SearchSpace, tile_choices
+    from megasynth.search.evaluate import build
+    from megasynth.search.proposers.base import Proposal
+
+    big = with_batch(get_model("llama-8b"), 2)
+    check_runs_on_v9(pack(lower(big, 132), "v9"), big.config.hd, "")  # the naive lowering: 64-row tiles rounded
+    with pytest.raises(ScheduleError, match="whole heads"):
+        check_runs_on_v9(pack(lower(get_model("llama-8b"), 132), "v9"), 128, "")  # batch 1 keeps its pair tiles
+    rng = random.Random(3)
+    for name, workers in (("tiny-qwen3", 8), ("tiny", 6)):
+        spec = with_batch(get_model(name), 3)
+        space = SearchSpace(spec, workers)
+        names = {k.name for k in space.knobs}
+        assert "fuse_attn_reduce" not in names and "qk_norm" not in names
+        assert all(t % spec.config.hd == 0 for t in tile_choices(spec, workers, "attn_norm_qkv_rope"))
+        assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
+        for _ in range(6):  # random points and mutations of them all build for v9
+            st = space.mutate(space.random(rng), rng, 2)
+            build(spec, workers, Proposal(st, [], "random", "test"))
+        for bad, where in ((Strategy(fuse_attn_reduce=True), "attn_reduce_o_proj"),
+                           (Strategy(qk_norm="apart"), "qk_norm")):
+            if where == "qk_norm" and not spec.config.qk_norm:
+                continue
+            with pytest.raises(ScheduleError, match=where):
+                build(spec, workers, Proposal(bad, [], "asked for it", "llm"))

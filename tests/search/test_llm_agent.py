@@ -463,3 +463,16 @@ def test_briefing_names_the_model_features() -> None:
     assert "qkv_bias" not in texts["qwen3-0.6b"]
     assert "Model features: qkv_bias" in texts["qwen2.5-0.5b"] and "RMSNorm over each q" not in texts["qwen2.5-0.5b"]
     assert "Model features" not in texts["llama-1b"]
+
+
+def test_briefing_names_the_batch_and_what_it_runs_on() -> None:
+    """At a batch the agent is told the batch, that it runs on interpreter v9 with v9's limits on this model's
+    heads, and that wide instructions pay; at batch 1, one sequence per step."""
+    from megasynth.lowering.models import with_batch
+
+    one = build_briefing(_ctx(), TINY, lower(TINY, 4), seq=64).user
+    spec = with_batch(TINY, 4)
+    four = build_briefing(_ctx(), spec, lower(spec, 4), seq=64).user
+    assert "Batch: one sequence per step." in one and "interpreter v9" not in one
+    assert "Batch: 4 sequences per step" in four and "interpreter v9" in four
+    assert f"multiples of head_dim {TINY.config.hd}" in four and "fuse_attn_reduce false" in four

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from megasynth.ir.catalogue import OPS
+from megasynth.ir.catalogue import FUSED_OPROJ, OPS
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.program import Program, resolve
 from megasynth.ir.schedule import Schedule
@@ -176,3 +176,21 @@ def pack(schedule: Schedule, interpreter: str = "v10") -> Packed:
     packed = pack_program(resolve(schedule), interpreter)
     packed.schedule = schedule
     return packed
+
+
+def check_runs_on_v9(p: Packed, hd: int, advice: str) -> None:
+    """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v9 cannot run the packed
+    schedule `p` (`pack` already refused the ops it lacks): it computes QKV a whole head at a time (tiles of
+    multiples of `hd` rows) and has no attn_reduce folded into o_proj. `advice` ends the message (what to run
+    instead)."""
+    qkv = p.ins[:, F_OP] == OPCODES["attn_norm_qkv_rope"]
+    pairs = qkv & (((p.ins[:, F_A0] % hd) != 0) | ((p.ins[:, F_A0 + 1] % hd) != 0))
+    fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
+    for bad, why, key in (
+            (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {hd}); {{}} is not one", "args"),
+            (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op")):
+        if bad.any():
+            k = int(p.qitems[int(np.argmax(bad))])
+            at = k if p.schedule is None else next(
+                j for j, ins in enumerate(p.schedule.instructions) if ins.id == p.ids[k])
+            raise ScheduleError(f"interpreter v9 {why.format(p.labels[k])}: {advice}", f"$.instructions[{at}].{key}")

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from megasynth.ir.catalogue import FUSED_OPROJ, rope_inv_freq
+from megasynth.ir.catalogue import rope_inv_freq
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.model import ModelConfig, check_fits, gpu_memory_parts
 from megasynth.ir.schedule import Schedule
 from megasynth.ir.schedule_set import ScheduleSet
-from megasynth.kernels.gpu.pack import F_A0, F_OP, OPCODES, TRACE_FIELDS, Packed, pack
+from megasynth.kernels.gpu.pack import TRACE_FIELDS, Packed, check_runs_on_v9, pack
 from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, staging_elements, v9_megakernel
 
 ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
@@ -218,18 +218,9 @@ class Megakernel:
         if schedule.model is None or ModelConfig.from_hf(schedule.model.config) != self.cfg:
             raise ScheduleError("the schedule's model config differs from this Megakernel's", "$.model.config")
         p = pack(schedule, "v10" if self.v10 else "v9")
-        if not self.v10:  # interpreter v9 computes QKV a whole head at a time and has no fused merge + o_proj
-            hd, qkv = OPCODES["attn_norm_qkv_rope"], self.cfg.hd
-            pairs = (p.ins[:, F_OP] == hd) & (((p.ins[:, F_A0] % qkv) != 0) | ((p.ins[:, F_A0 + 1] % qkv) != 0))
-            fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
-            for bad, why, field in (
-                    (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {qkv}); {{}} is not one", "args"),
-                    (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op")):
-                if bad.any():
-                    k = int(p.qitems[int(np.argmax(bad))])
-                    at = next(j for j, ins in enumerate(schedule.instructions) if ins.id == p.ids[k])
-                    raise ScheduleError(f"interpreter v9 {why.format(p.labels[k])}: run it on interpreter v10 "
-                                        "(StreamConfig)", f"$.instructions[{at}].{field}")
+        if not self.v10:
+            check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
+                             "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
                                 "than the machine deadlocks", "$.queues")
