@@ -83,7 +83,8 @@ def compile_v9(c: ModelConfig, max_seq_len: int, config: Any, batch: int = 1) ->
     consts = v9.kernel_constexprs(c, max_seq_len, config, False, batch)
     warps = consts.pop("num_warps")
     consts.pop("num_stages")
-    return _compile(v9.v9_megakernel, ASTSource, consts, ARG_TYPES, warps, {"num_stages": 1})
+    opts = {"num_stages": 1} | ({"maxnreg": consts.pop("maxnreg")} if "maxnreg" in consts else {})
+    return _compile(v9.v9_megakernel, ASTSource, consts, ARG_TYPES, warps, opts)
 
 
 def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False) -> tuple[Any, Resources]:

@@ -298,6 +298,7 @@ class KernelConfig:
     batch_tile: int = 4096  # a batch build's weight tile, rows x K elements (16 rows stream K blocks of 256)
     batch_stages: int = 4  # software-pipelining depth of a batch build's weight loops
     batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64 pays on wide tiles)
+    maxnreg: int = 0  # registers per thread ptxas may use (0: its own choice, which caps batch 2-7 builds at 128)
 
 
 def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool,
@@ -324,7 +325,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
         WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size,
         BKB=k.batch_tile, BATCH_MMA=k.batch_mma, NSB=k.batch_stages, VSK=staging_row(c, k),
-        num_warps=k.num_warps, num_stages=1) | rows
+        num_warps=k.num_warps, num_stages=1) | rows | ({"maxnreg": k.maxnreg} if k.maxnreg else {})
 
 
 
