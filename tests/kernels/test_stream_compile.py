@@ -244,3 +244,18 @@ def test_v10_polls_counters_from_the_first_warp_only() -> None:
     assert polls > 0 and polls == ptx.count("@%p0 ld.acquire.gpu.global.b32")
     assert ptx.count("setp.lt.u32 %p0, %t0, 32; mov.u32") == polls
     assert "@%p0 red.release.gpu.global.add.s32" in ptx
+
+
+def test_v9_batch_builds_compile_without_spills() -> None:
+    """Interpreter v9's batch builds (the staged tensor-core operand) for sm_90: llama-1b at batch 8 and llama-8b at
+    batch 16 without spills; at batch 4, where ptxas alone caps llama-1b's build at 128 registers and spills,
+    `maxnreg=255` reaches the compiler and lifts the cap."""
+    from megasynth.kernels.gpu.offline import compile_v9
+    from megasynth.kernels.gpu.v9 import KernelConfig
+    from megasynth.lowering.models import get_model
+
+    for name, batch in (("llama-1b", 8), ("llama-8b", 16)):
+        _, res = compile_v9(get_model(name).config, 1024, KernelConfig(), batch=batch)
+        assert res.stack == 0, (name, batch, res)
+    _, res = compile_v9(get_model("llama-1b").config, 1024, KernelConfig(maxnreg=255), batch=4)
+    assert res.stack == 0 and res.regs > 128, res
