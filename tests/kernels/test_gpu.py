@@ -158,13 +158,17 @@ def test_schedule_set_switches_by_position_without_a_recompile():
     assert mk.packed is mk.members[0]
 
 
-@pytest.mark.parametrize("name, batch, workers", [("tiny", 3, 8), ("tiny-qwen3", 3, 8), ("llama-1b", 8, None)])
-def test_batched_decode_on_interpreter_v9(name, batch, workers):
+@pytest.mark.parametrize("name, batch, workers, kernel", [
+    ("tiny", 3, 8, {}), ("tiny-qwen3", 3, 8, {}), ("llama-1b", 8, None, {}),
+    ("llama-1b", 8, None, {"batch_rows": 64}),
+    ("llama-1b", 4, None, {"batch_weight_first": True, "batch_rows": 128, "batch_tile": 16384, "maxnreg": 255})])
+def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     """A batched schedule runs on interpreter v9 (Megakernel picks it for a batch): every sequence at its own
     position, with its own history in its own cache slot, matches the reference decoding it alone; each weight tile
-    is streamed once for the whole batch. Interpreter v10 refuses the batch by name."""
+    is streamed once for the whole batch (with the default tiles, 64-row tiles, and the weight tile as the first
+    operand of 128-row warpgroup MMAs). Interpreter v10 refuses the batch by name."""
     from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
     from megasynth.kernels.gpu.stream import StreamConfig
     from megasynth.kernels.reference import decode_batch
     from megasynth.lowering.models import with_batch
@@ -174,7 +178,7 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers):
     sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
     w = _weights(cfg, seed=9)
     sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}))
-    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len)
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=KernelConfig(**kernel) if kernel else None)
     assert not mk.v10 and mk.batch == batch
     gen = torch.Generator(device="cuda").manual_seed(11)
     mk.k_cache.copy_(torch.randn(mk.k_cache.shape, generator=gen, device="cuda") * 0.5)

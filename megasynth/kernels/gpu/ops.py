@@ -548,38 +548,57 @@ def stage_batch(vs_ptr, v_ptr, vstride, nw_ptr, k0, k1, NORM: tl.constexpr, H: t
 
 
 @triton.jit
-def _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK: tl.constexpr, NS: tl.constexpr):
-    """acc [2 BB, BR] += vs block kb @ W[rows, k0 + kb BK ...]^T over the nfull whole K blocks."""
-    ks = tl.arange(0, BK)
-    for kb in tl.range(0, nfull, num_stages=NS):
-        kk = kb * BK + ks
-        w = tl.load(wrow + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
-        v = tl.load(vrow + kk[None, :], cache_modifier=".cg")
+def _staged_mma(acc, w, v, WF: tl.constexpr):
+    """acc += the product of a weight block w [BR, BK] and an operand block v [2 BB, BK]: acc [BR, 2 BB] = w v^T with
+    WF (the weight first: a warpgroup MMA from shared memory at 64 rows and more), else acc [2 BB, BR] = v w^T."""
+    if WF:
+        acc = tl.dot(w, tl.trans(v), acc)
+    else:
         acc = tl.dot(v, tl.trans(w), acc)
     return acc
 
 
 @triton.jit
+def _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK: tl.constexpr, NS: tl.constexpr, WF: tl.constexpr):
+    """`_staged_mma` of W[rows, k0 + kb BK ...] and vs block kb over the nfull whole K blocks."""
+    ks = tl.arange(0, BK)
+    for kb in tl.range(0, nfull, num_stages=NS):
+        kk = kb * BK + ks
+        w = tl.load(wrow + (k0 + kk)[None, :], mask=rmask[:, None], other=0.0)
+        v = tl.load(vrow + kk[None, :], cache_modifier=".cg")
+        acc = _staged_mma(acc, w, v, WF)
+    return acc
+
+
+@triton.jit
 def dot_staged(w_ptr, ld, rows, rmask, k0, k1, vs_ptr, BR: tl.constexpr, BK: tl.constexpr, NS: tl.constexpr,
-               BB: tl.constexpr, KS: tl.constexpr):
+               BB: tl.constexpr, KS: tl.constexpr, WF: tl.constexpr):
     """[BR, BB]: column b = W[rows, k0:k1] @ v_b, v_b staged in vs by `stage_batch` for the same [k0, k1). One
-    tensor-core product per K block with the weight tile as the second operand, so the tile's rows spread over the
-    warps (the staged rows, hi and lo of every sequence, are the product's 2 BB rows); hi and lo summed at the end."""
+    tensor-core product per K block, by default with the weight tile as the second operand, so the tile's rows
+    spread over the warps (the staged rows, hi and lo of every sequence, are the product's 2 BB rows); with WF the
+    weight tile first (`_staged_mma`). hi and lo summed at the end."""
     N: tl.constexpr = 2 * BB
-    acc = tl.zeros((N, BR), tl.float32)
+    if WF:
+        acc = tl.zeros((BR, N), tl.float32)
+    else:
+        acc = tl.zeros((N, BR), tl.float32)
     wrow = w_ptr + rows[:, None].to(tl.int64) * ld
     vrow = vs_ptr + tl.arange(0, N)[:, None] * KS
     n = k1 - k0
     nfull = n // BK
     if k0 % 8 == 0:  # 16-byte aligned weight rows: vector copies
-        acc = _staged_loop(acc, wrow, rmask, tl.multiple_of(k0, 8), nfull, vrow, BK, NS)
+        acc = _staged_loop(acc, wrow, rmask, tl.multiple_of(k0, 8), nfull, vrow, BK, NS, WF)
     else:
-        acc = _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK, NS)
+        acc = _staged_loop(acc, wrow, rmask, k0, nfull, vrow, BK, NS, WF)
     if nfull * BK < n:  # the last, partial block (the staged operand is zero past k1)
         kk = nfull * BK + tl.arange(0, BK)
         w = tl.load(wrow + (k0 + kk)[None, :], mask=rmask[:, None] & (kk < n)[None, :], other=0.0)
-        acc = tl.dot(tl.load(vrow + kk[None, :], cache_modifier=".cg"), tl.trans(w), acc)
-    return tl.trans(tl.sum(tl.reshape(acc, (2, BB, BR)), 0))
+        acc = _staged_mma(acc, w, tl.load(vrow + kk[None, :], cache_modifier=".cg"), WF)
+    if WF:
+        y = tl.sum(tl.reshape(acc, (BR, 2, BB)), 1)
+    else:
+        y = tl.trans(tl.sum(tl.reshape(acc, (2, BB, BR)), 0))
+    return y
 
 
 @triton.jit
@@ -641,7 +660,7 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
                       vs_ptr, layer, start, end, H: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, QS: tl.constexpr,
                       KVS: tl.constexpr, S: tl.constexpr, EPS: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
                       QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
-                      MMA: tl.constexpr, KS: tl.constexpr):
+                      MMA: tl.constexpr, KS: tl.constexpr, WF: tl.constexpr):
     """`op_qkv_rope` for every sequence: one stream of the tile's rows, each sequence normalised, biased, normed per
     head and rotated at its own position; its q into q_b, its k/v into its cache slot at its position."""
     HALF: tl.constexpr = HD // 2
@@ -661,8 +680,8 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
     sin = tl.load(sin_ptr + pos[None, :] * HALF + j[:, None], mask=m2, other=0.0)
     for r in range(start, end, HD):
         if STAGED:
-            y1 = dot_staged(wl, H, r + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS)
-            y2 = dot_staged(wl, H, r + HALF + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS)
+            y1 = dot_staged(wl, H, r + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS, WF)
+            y2 = dot_staged(wl, H, r + HALF + j, j < HALF, layer * 0, layer * 0 + H, vs_ptr, HALF, BK, NS, BB, KS, WF)
         else:
             y1, y2 = dot_rows2_batch(wl, wl, H, r + j, r + HALF + j, j < HALF, x_ptr, H, nw, H, EPS, HALF, NS, BATCH,
                                      BB)
@@ -696,7 +715,8 @@ def op_qkv_rope_batch(x_ptr, norm_ptr, wqkv_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, 
 @triton.jit
 def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, vs_ptr, layer, start, end, k0, k1, R: tl.constexpr,
                              K: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
-                             BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
+                             BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr,
+                             WF: tl.constexpr):
     """x_b[start:end] += W[layer][start:end, k0:k1] @ v_b[k0:k1] for every sequence b; fp32 atomics."""
     STAGED: tl.constexpr = MMA and BR >= 16
     BK: tl.constexpr = BKB // BR
@@ -709,7 +729,7 @@ def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, vs_ptr, layer, start, end, k0,
         rows = r + rb
         rmask = rows < end
         if STAGED:
-            y = dot_staged(wl, K, rows, rmask, k0, k1, vs_ptr, BR, BK, NS, BB, KS)
+            y = dot_staged(wl, K, rows, rmask, k0, k1, vs_ptr, BR, BK, NS, BB, KS, WF)
         else:
             y = dot_rows_batch(wl, K, rows, rmask, k0, k1, v_ptr, K, v_ptr, False, K, 1.0, BR, NS, BATCH, BB)
         tl.atomic_add(x_ptr + bs[None, :] * R + rows[:, None], y, mask=rmask[:, None] & (bs < BATCH)[None, :],
@@ -719,7 +739,7 @@ def op_matvec_residual_batch(w_ptr, v_ptr, x_ptr, vs_ptr, layer, start, end, k0,
 @triton.jit
 def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, start, end, H: tl.constexpr,
                      IS: tl.constexpr, EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr,
-                     BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
+                     BATCH: tl.constexpr, BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr, WF: tl.constexpr):
     """act_b[start:end] = silu(w_gate @ h_b) * (w_up @ h_b), h_b = rmsnorm(x_b) * mlp_norm, for every sequence b."""
     STAGED: tl.constexpr = MMA and BR >= 16
     BK: tl.constexpr = BKB // BR
@@ -733,8 +753,8 @@ def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, st
         rows = r + rb
         rmask = rows < end
         if STAGED:
-            g = dot_staged(wg_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
-            u = dot_staged(wu_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
+            g = dot_staged(wg_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS, WF)
+            u = dot_staged(wu_ptr + off, H, rows, rmask, layer * 0, layer * 0 + H, vs_ptr, BR, BK, NS, BB, KS, WF)
         else:
             g, u = dot_rows2_batch(wg_ptr + off, wu_ptr + off, H, rows, rows, rmask, x_ptr, H, nw, H, EPS, BR, NS,
                                    BATCH, BB)
@@ -745,7 +765,7 @@ def op_gate_up_batch(x_ptr, norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, st
 @triton.jit
 def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, vs_ptr, start, end, H: tl.constexpr, V: tl.constexpr,
                      EPS: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, NS: tl.constexpr, BATCH: tl.constexpr,
-                     BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr):
+                     BB: tl.constexpr, MMA: tl.constexpr, KS: tl.constexpr, WF: tl.constexpr):
     """logits_b[start:end] = lm_head[start:end] @ (rmsnorm(x_b) * final_norm) for every sequence b."""
     STAGED: tl.constexpr = MMA and BR >= 16
     BK: tl.constexpr = BKB // BR
@@ -757,7 +777,7 @@ def op_lm_head_batch(x_ptr, norm_ptr, w_ptr, logits_ptr, vs_ptr, start, end, H: 
         rows = r + rb
         rmask = rows < end
         if STAGED:
-            y = dot_staged(w_ptr, H, rows, rmask, start * 0, start * 0 + H, vs_ptr, BR, BK, NS, BB, KS)
+            y = dot_staged(w_ptr, H, rows, rmask, start * 0, start * 0 + H, vs_ptr, BR, BK, NS, BB, KS, WF)
         else:
             y = dot_rows_batch(w_ptr, H, rows, rmask, start * 0, start * 0 + H, x_ptr, H, norm_ptr, True, H, EPS,
                                BR, NS, BATCH, BB)

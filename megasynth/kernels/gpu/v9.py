@@ -66,6 +66,7 @@ def v9_megakernel(
     FLAT: tl.constexpr, BR_GU2: tl.constexpr, BK_GU2: tl.constexpr, SP: tl.constexpr, WARM_O: tl.constexpr,
     WARM_GU: tl.constexpr, QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
     VOCAB: tl.constexpr, BKB: tl.constexpr, BATCH_MMA: tl.constexpr, NSB: tl.constexpr, VSK: tl.constexpr,
+    BATCH_WF: tl.constexpr,
 ):
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
@@ -151,7 +152,7 @@ def v9_megakernel(
                             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                             sin_ptr, vs_ptr + pid.to(tl.int64) * (2 * BB * VSK), H, IS, NH, NKV, HD, S, EPS,
                             SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NSB,
-                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA, VSK)
+                            ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA, VSK, BATCH_WF)
             elif op == OP_EMBED:
                 ops.op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE)
             elif op == OP_QKV:
@@ -221,7 +222,7 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
                 BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, NS: tl.constexpr,
                 ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr, QKV_BIAS: tl.constexpr,
                 QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr, VOCAB: tl.constexpr,
-                BKB: tl.constexpr, BATCH_MMA: tl.constexpr, VSK: tl.constexpr):
+                BKB: tl.constexpr, BATCH_MMA: tl.constexpr, VSK: tl.constexpr, BATCH_WF: tl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each tile loaded once); attention
     serves sequence a3 (`seq`): its q, its cache slot (layer * BATCH + seq of the [L, B, nKV, S, hd] caches), its
     position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers. vs_ptr is this
@@ -234,7 +235,7 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
     elif op == OP_QKV:
         ops.op_qkv_rope_batch(x_ptr, attn_norm_ptr, wqkv_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
                               sin_ptr, rt_ptr, vs_ptr, layer, a0, a1, H, NKV, HD, QS, KVS, S, EPS, BKB, NS, QKV_BIAS,
-                              QK_NORM, BATCH, BB, BATCH_MMA, VSK)
+                              QK_NORM, BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
     elif op == OP_PARTIAL:
         pos = tl.load(rt_ptr + BATCH + a3)
         qb = q_ptr + a3 * QS
@@ -251,16 +252,16 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
                            GP, SP)
     elif op == OP_OPROJ:
         ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, vs_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS,
-                                     BATCH, BB, BATCH_MMA, VSK)
+                                     BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
     elif op == OP_GATE_UP:
         ops.op_gate_up_batch(x_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, act_ptr, vs_ptr, layer, a0, a1, H, IS, EPS, BR_GU,
-                             BKB, NS, BATCH, BB, BATCH_MMA, VSK)
+                             BKB, NS, BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
     elif op == OP_DOWN:
         ops.op_matvec_residual_batch(wd_ptr, act_ptr, x_ptr, vs_ptr, layer, a0, a1, a2, a3, H, IS, BR_D, BKB, NS,
-                                     BATCH, BB, BATCH_MMA, VSK)
+                                     BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
     elif op == OP_LM_HEAD:
         ops.op_lm_head_batch(x_ptr, final_norm_ptr, lm_head_ptr, logits_ptr, vs_ptr, a0, a1, H, VOCAB, EPS, BR_LM,
-                             BKB, NS, BATCH, BB, BATCH_MMA, VSK)
+                             BKB, NS, BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
 
 
 def _pow2(n: int) -> int:
@@ -299,6 +300,7 @@ class KernelConfig:
     batch_stages: int = 4  # software-pipelining depth of a batch build's weight loops
     batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64 pays on wide tiles)
     maxnreg: int = 0  # registers per thread ptxas may use (0: its own choice, which caps batch 2-7 builds at 128)
+    batch_weight_first: bool = False  # a batch's weight tile as the product's first operand (ops._staged_mma)
 
 
 def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: bool,
@@ -325,6 +327,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         BR_GU2=k.br_gu2, BK_GU2=min(k.bk_gu2, hp), SP=max(1, k.reduce_splits), WARM_O=k.warm_o,
         WARM_GU=k.warm_gu, QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, BATCH=batch, BB=bb, VOCAB=c.vocab_size,
         BKB=k.batch_tile, BATCH_MMA=k.batch_mma, NSB=k.batch_stages, VSK=staging_row(c, k),
+        BATCH_WF=k.batch_weight_first,
         num_warps=k.num_warps, num_stages=1) | rows | ({"maxnreg": k.maxnreg} if k.maxnreg else {})
 
 
