@@ -299,7 +299,7 @@ class KernelConfig:
     batch_tile: int = 4096  # a batch build's weight tile, rows x K elements (16 rows stream K blocks of 256)
     batch_stages: int = 4  # software-pipelining depth of a batch build's weight loops
     batch_rows: int = 0  # a batch build's row tile of every weight op (0: br_o .. br_lm; 64 pays on wide tiles)
-    maxnreg: int = 0  # registers per thread ptxas may use (0: its own choice, which caps batch 2-7 builds at 128)
+    maxnreg: int = 0  # registers per thread ptxas may use (0: its own; it caps llama-1b's batch 2-7 builds at 128)
     batch_weight_first: bool = False  # a batch's weight tile as the product's first operand (ops._staged_mma)
 
 
@@ -312,7 +312,7 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
     2 BB rows of VSK elements of scratch per program (`staging_row`), on the tensor cores (`batch_mma`): hi and lo
     rows of at least 8 sequences, so a product is at least 16 wide."""
     hp = _pow2(c.hidden_size)
-    bb = max(8, _pow2(batch)) if k.batch_mma else _pow2(batch)
+    bb = batch_lanes(k, batch)
     rows = {}
     if batch > 1 and k.batch_rows:  # a batch build's row tile of every weight op
         rows = dict(BR_O=k.batch_rows, BR_GU=k.batch_rows, BR_D=k.batch_rows, BR_LM=k.batch_rows)
@@ -331,6 +331,11 @@ def kernel_constexprs(c: ModelConfig, max_seq_len: int, k: KernelConfig, trace: 
         num_warps=k.num_warps, num_stages=1) | rows | ({"maxnreg": k.maxnreg} if k.maxnreg else {})
 
 
+def batch_lanes(k: KernelConfig, batch: int) -> int:
+    """BB, the sequences a batch build computes for: the batch rounded up to a power of two, at least 8 on the
+    tensor cores (hi and lo rows of 8 sequences make the 16 a product needs)."""
+    return max(8, _pow2(batch)) if k.batch_mma else _pow2(batch)
+
 
 def staging_row(c: ModelConfig, k: KernelConfig) -> int:
     """Elements of one row of a batch build's staged operand (ops.stage_batch): the longest K range of a weight op,
@@ -343,4 +348,4 @@ def staging_elements(c: ModelConfig, k: KernelConfig, batch: int) -> int:
     sequence; 0 without a batch or without `batch_mma`."""
     if batch <= 1 or not k.batch_mma:
         return 0
-    return 2 * max(8, _pow2(batch)) * staging_row(c, k)
+    return 2 * batch_lanes(k, batch) * staging_row(c, k)
