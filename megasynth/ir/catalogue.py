@@ -39,6 +39,10 @@ multiples of head_dim; v rows may still be cut into RoPE pairs); the footprints 
 Or the norm is applied apart (`attn_norm_qkv_rope_sq`, tiles of any RoPE pairs, then `qk_norm_apply` per KV head): a
 per-head scale commutes with RoPE but the per-element norm weight does not, so QKV applies the weight before the
 rotation and records each pair's sum of squares; the apply op scales the group's q heads and writes the new k row.
+Or attention applies it (`attn_partial` with `qk_norm` 1): each split scales its group's q heads from their sums of
+squares as it loads them, and takes the row at pos from `k_new`, scaled, instead of the cache; `qk_norm_apply`
+with `k_only` 1 then only writes the new k row into the cache, after the layer's attention (its footprint orders it
+after every split's read of the cache), off the chain from QKV to attention.
 """
 
 from __future__ import annotations
@@ -261,11 +265,17 @@ def _check_qkv_sq(geo: Geometry, layer: int, args: dict[str, int]) -> None:
     _interval(args, "start", "end", geo.cfg.qkv_size, 2)
 
 
+def _check_flag(args: dict[str, int], name: str) -> None:
+    if args.get(name, 0) not in (0, 1):
+        raise ArgError(f"args.{name} = {args[name]} must be 0 or 1")
+
+
 def _check_kv_head(geo: Geometry, layer: int, args: dict[str, int]) -> None:
     if not geo.cfg.qk_norm:
         raise ArgError("qk_norm_apply is for models with qk_norm; this config has none")
     if not 0 <= args["kv_head"] < geo.cfg.num_key_value_heads:
         raise ArgError(f"args.kv_head = {args['kv_head']} must be in [0, {geo.cfg.num_key_value_heads})")
+    _check_flag(args, "k_only")
 
 
 def _check_seq(geo: Geometry, args: dict[str, int]) -> None:
@@ -282,6 +292,10 @@ def _check_partial(geo: Geometry, layer: int, args: dict[str, int]) -> None:
         raise ArgError(f"args.splits = {args['splits']} must be in [1, max_seq_len]")
     if not 0 <= args["split"] < args["splits"]:
         raise ArgError(f"args.split = {args['split']} must be in [0, splits={args['splits']})")
+    _check_flag(args, "qk_norm")
+    if args.get("qk_norm", 0) and not c.qk_norm:
+        raise ArgError("args.qk_norm = 1 is for models with qk_norm (RMSNorm over each q and k head); this config "
+                       "has none")
 
 
 def _check_splits(geo: Geometry, args: dict[str, int]) -> None:
@@ -343,13 +357,14 @@ def _fp_qkv_sq(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
 
 
 def _fp_qk_apply(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
-    """The group's q heads are scaled in place; the new k row goes from `k_new` into the cache (any position: the
-    footprint is the KV head's whole range, as QKV's)."""
+    """The group's q heads are scaled in place (unless `k_only`); the new k row goes from `k_new` into the cache (any
+    position: the footprint is the KV head's whole range, as QKV's)."""
     c = geo.cfg
     g, half, nh = a["kv_head"], c.hd // 2, c.num_attention_heads
     h0, h1 = g * c.group_size, (g + 1) * c.group_size
-    return [("read", "qk_sq", h0 * half, h1 * half), ("read", "qk_sq", (nh + g) * half, (nh + g + 1) * half),
-            ("read", "q", h0 * c.hd, h1 * c.hd), ("write", "q", h0 * c.hd, h1 * c.hd),
+    q: list[Access] = [("read", "qk_sq", h0 * half, h1 * half), ("read", "q", h0 * c.hd, h1 * c.hd),
+                       ("write", "q", h0 * c.hd, h1 * c.hd)] if not a.get("k_only", 0) else []
+    return [*q, ("read", "qk_sq", (nh + g) * half, (nh + g + 1) * half),
             ("read", "k_new", g * c.hd, (g + 1) * c.hd), ("write", "k_cache", *geo.kv_head_range(layer, g, g + 1))]
 
 
@@ -359,8 +374,14 @@ def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     h0, h1 = g * c.group_size, (g + 1) * c.group_size
     nh = c.num_attention_heads
     kv = geo.kv_head_range(layer, g, g + 1)
+    half = c.hd // 2
+    # with qk_norm 1: the group's and its k head's sums of squares, and the new k row, unnormalised
+    norm: list[Access] = [("read", "qk_sq", h0 * half, h1 * half), ("read", "qk_sq", (nh + g) * half,
+                                                                   (nh + g + 1) * half),
+                          ("read", "k_new", g * c.hd, (g + 1) * c.hd)] if a.get("qk_norm", 0) else []
     return [
         ("read", "q", h0 * c.hd, h1 * c.hd),
+        *norm,
         ("read", "k_cache", *kv),
         ("read", "v_cache", *kv),
         ("write", "attn_o_part", (split * nh + h0) * c.hd, (split * nh + h1) * c.hd),
@@ -476,10 +497,12 @@ def _cost_qkv(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[i
 
 
 def _cost_qk_apply(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tuple[int, int]:
-    """Sums of squares and q heads read, q heads written (fp32), the k row read (fp32) and written (cache dtype)."""
+    """Sums of squares and q heads read, q heads written (fp32), the k row read (fp32) and written (cache dtype);
+    with `k_only` the k head's part only."""
     c = geo.cfg
-    heads = c.group_size + 1
-    one = heads * c.hd // 2 * ACT_BYTES + 2 * c.group_size * c.hd * ACT_BYTES + c.hd * (ACT_BYTES + W_BYTES)
+    qh = 0 if a.get("k_only", 0) else c.group_size
+    heads = qh + 1
+    one = heads * c.hd // 2 * ACT_BYTES + 2 * qh * c.hd * ACT_BYTES + c.hd * (ACT_BYTES + W_BYTES)
     return geo.batch * one, geo.batch * 3 * heads * c.hd
 
 
@@ -488,6 +511,8 @@ def _cost_partial(geo: Geometry, layer: int, a: dict[str, int], seq: int) -> tup
     n = (a["split"] + 1) * seq // a["splits"] - a["split"] * seq // a["splits"]
     kv_bytes = 2 * n * c.hd * W_BYTES
     io = (c.group_size * c.hd * 2 + c.group_size) * ACT_BYTES
+    if a.get("qk_norm", 0):  # the sums of squares of the group and its k head, and the new k row
+        io += ((c.group_size + 1) * c.hd // 2 + c.hd) * ACT_BYTES
     return kv_bytes + io, 4 * n * c.hd * c.group_size
 
 
@@ -615,14 +640,25 @@ def _c_qkv_sq(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
         dst[half + j0:half + j1] = y2
 
 
+def _head_scale(ws, geo: Geometry, head: int) -> Any:
+    """rsqrt(mean square + eps) of one q or k head (k head g is head nH + g), from its pairs' sums of squares."""
+    c = geo.cfg
+    return (ws["qk_sq"].view(-1, c.hd // 2)[head].sum() / c.hd + c.rms_norm_eps).rsqrt()
+
+
+def _new_k(ws, geo: Geometry, g: int) -> Any:
+    """KV head g's new k row, normalised (from `k_new`)."""
+    c = geo.cfg
+    return ws["k_new"][g * c.hd:(g + 1) * c.hd] * _head_scale(ws, geo, c.num_attention_heads + g)
+
+
 def _c_qk_apply(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
     c = geo.cfg
-    g, half, nh, eps = a["kv_head"], c.hd // 2, c.num_attention_heads, c.rms_norm_eps
-    sq = ws["qk_sq"].view(-1, half)
-    for h in range(g * c.group_size, (g + 1) * c.group_size):
-        ws["q"][h * c.hd:(h + 1) * c.hd] *= (sq[h].sum() / c.hd + eps).rsqrt()
-    k = ws["k_new"][g * c.hd:(g + 1) * c.hd] * (sq[nh + g].sum() / c.hd + eps).rsqrt()
-    ws["k_cache"][layer, g, rt["pos"]] = k
+    g = a["kv_head"]
+    if not a.get("k_only", 0):
+        for h in range(g * c.group_size, (g + 1) * c.group_size):
+            ws["q"][h * c.hd:(h + 1) * c.hd] *= _head_scale(ws, geo, h)
+    ws["k_cache"][layer, g, rt["pos"]] = _new_k(ws, geo, g)
 
 
 def _c_partial(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
@@ -638,6 +674,12 @@ def _c_partial(ws, w, rt, geo: Geometry, layer: int, a: dict[str, int]) -> None:
         return
     q = ws["q"].view(nh, c.hd)[h0:h1]
     k = ws["k_cache"][layer, g, lo:hi].float()
+    if a.get("qk_norm", 0):  # q and the row at pos arrive unnormalised; the row at pos is not in the cache yet
+        q = q.clone()
+        for i in range(h1 - h0):
+            q[i] *= _head_scale(ws, geo, h0 + i)
+        if lo <= rt["pos"] < hi:
+            k[rt["pos"] - lo] = _new_k(ws, geo, g).to(ws["k_cache"].dtype).float()
     v = ws["v_cache"][layer, g, lo:hi].float()
     scores = (q @ k.T) * (1.0 / math.sqrt(c.hd))
     m = scores.max(dim=-1, keepdim=True).values
@@ -719,7 +761,10 @@ OPS: dict[str, OpSpec] = {
                True, {"kv_head": "KV head (its group of query heads)", "split": "split index",
                       "splits": "number of splits of the sequence"},
                _check_partial, _fp_partial, _tile_partial, _cost_partial, _c_partial,
-               {"seq": "sequence of the batch whose attention it computes (default 0)"}),
+               {"seq": "sequence of the batch whose attention it computes (default 0)",
+                "qk_norm": "1: apply the QK-norm here (a qk_norm model whose QKV is attn_norm_qkv_rope_sq): scale "
+                           "the group's q heads from their sums of squares and take the row at pos from `k_new`, "
+                           "scaled; that layer's qk_norm_apply then has k_only 1 (default 0)"}),
         OpSpec("attn_reduce", "merge the splits of query heads [start,end) by log-sum-exp into `attn`", True,
                {"start": "first query head, a multiple of the GQA group", "end": "end query head",
                 "splits": "number of splits to merge (must match attn_partial)"},
@@ -762,7 +807,9 @@ OPS: dict[str, OpSpec] = {
                "QK-norm of one KV head's group: its q heads times rsqrt(mean square + eps) in place, and its new k "
                "row, so scaled, from `k_new` into the cache at pos", True,
                {"kv_head": "KV head (its group of query heads)"},
-               _check_kv_head, _fp_qk_apply, _tile_qk_apply, _cost_qk_apply, _c_qk_apply),
+               _check_kv_head, _fp_qk_apply, _tile_qk_apply, _cost_qk_apply, _c_qk_apply,
+               {"k_only": "1: write only the k row (attention applies the norm itself: attn_partial's qk_norm 1); "
+                          "default 0"}),
     ]
 }
 

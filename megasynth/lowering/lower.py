@@ -55,17 +55,21 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
                 for k0, k1 in kt]
 
     seqs = [{"seq": b} for b in range(spec.batch)] if spec.batch > 1 else [{}]  # attention is per sequence
-    apart = c.qk_norm and strategy.qk_norm == "apart"  # QK-norm after QKV: its tiles may cut heads into pairs
+    # where the QK-norm is applied: after QKV (its tiles may then cut heads into pairs), before attention (apart) or
+    # by attention itself (in_attention, the k row's cache write after the layer's attention)
+    qk_mode = strategy.qk_norm if c.qk_norm else "in_qkv"
+    apart = qk_mode != "in_qkv"
     # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch (interpreter v9 computes QKV a head at a time)
     qkv_align = c.hd if (c.qk_norm and not apart) or spec.batch > 1 else 2
+    in_attn = {"qk_norm": 1} if qk_mode == "in_attention" else {}
     prev = 0
     for layer in range(c.num_hidden_layers):
         qkv = add("attn_norm_qkv_rope_sq" if apart else "attn_norm_qkv_rope", layer,
                   [{"start": s, "end": e} for s, e in
                    _tiles(c.qkv_size, t.get("attn_norm_qkv_rope", c.hd), qkv_align)], [prev])
-        if apart:
+        if qk_mode == "apart":
             qkv = add("qk_norm_apply", layer, [{"kv_head": g} for g in range(c.num_key_value_heads)], [qkv])
-        part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits, **seq}
+        part = add("attn_partial", layer, [{"kv_head": g, "split": s, "splits": splits, **seq, **in_attn}
                                            for seq in seqs for g in range(c.num_key_value_heads)
                                            for s in range(splits)], [qkv])
         if strategy.fuse_attn_reduce:  # o_proj merges the splits of its K range's heads itself
@@ -76,6 +80,8 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
                                               "splits": splits, **seq} for seq in seqs
                                              for g in range(c.num_key_value_heads)], [part])
             oproj = add("o_proj_residual", layer, rows_k("o_proj_residual", c.hidden_size, c.q_size), [red])
+        if in_attn:  # the new k rows into the cache, once every split has read the cache: off the chain
+            add("qk_norm_apply", layer, [{"kv_head": g, "k_only": 1} for g in range(c.num_key_value_heads)], [part])
         gate = add("mlp_norm_gate_up", layer, [{"start": s, "end": e} for s, e in
                                                _tiles(c.intermediate_size, t.get("mlp_norm_gate_up", 16))], [oproj])
         prev = add("down_proj_residual", layer, rows_k("down_proj_residual", c.hidden_size, c.intermediate_size),

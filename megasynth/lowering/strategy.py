@@ -70,11 +70,14 @@ class Strategy(BaseModel):
         "fold attn_reduce into o_proj: each o_proj instruction merges the attention splits of its K range's heads "
         "itself (op attn_reduce_o_proj; K-split tiles are rounded to whole heads). One counter hop less per layer, "
         "the merge repeated by every o_proj row tile. Interpreter v10 only"))
-    qk_norm: Literal["in_qkv", "apart"] = Field("in_qkv", description=(
+    qk_norm: Literal["in_qkv", "apart", "in_attention"] = Field("in_qkv", description=(
         "for a QK-norm model (Qwen3): 'in_qkv' normalises inside QKV, whose tiles then hold whole q and k heads; "
         "'apart' lets QKV tiles cut heads into RoPE pairs (op attn_norm_qkv_rope_sq) and scales each KV head's group "
-        "in one qk_norm_apply instruction before attention: more QKV tiles, one counter hop more. 'apart' runs on "
-        "the CPU executor and interpreter v10 (v9 refuses it). Ignored for other models"))
+        "in one qk_norm_apply instruction before attention: more QKV tiles, one counter hop more; 'in_attention' "
+        "takes the same QKV tiles and lets attention normalise its q heads and the new k row itself (attn_partial "
+        "qk_norm 1), with qk_norm_apply (k_only 1) writing the k row into the cache after the layer's attention: no "
+        "hop more. 'apart' and 'in_attention' run on the CPU executor and interpreter v10 (v9 refuses them). Ignored "
+        "for other models"))
     edges: dict[str, Granularity] = Field(default_factory=dict, description=(
         "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
     default_granularity: Granularity = "all"
@@ -270,9 +273,10 @@ class SearchSpace:
                               "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
                               "repeated per o_proj row tile (interpreter v10)"))
         if spec.config.qk_norm and spec.batch == 1:
-            knobs.append(Knob("qk_norm", ("in_qkv", "apart"), False,
-                              "QK-norm inside QKV (whole-head QKV tiles) or apart (QKV tiles of any RoPE pairs, then "
-                              "one qk_norm_apply per KV head: more SMs on QKV, one counter hop more)"))
+            knobs.append(Knob("qk_norm", ("in_qkv", "apart", "in_attention"), False,
+                              "QK-norm inside QKV (whole-head QKV tiles), apart (QKV tiles of any RoPE pairs, then "
+                              "one qk_norm_apply per KV head: more SMs on QKV, one counter hop more) or in attention "
+                              "(the same QKV tiles; attention normalises q and the new k row, no hop more)"))
         knobs += [Knob(f"edges.{e}", edge_choices(spec), True,
                        "which producers a consumer waits for: all of the stage, its KV head's, a chunk's, its tile's")
                   for e in FINE_EDGES]

@@ -174,7 +174,10 @@ def _features(c: ModelConfig) -> list[str]:
                      f"{qk_end} (the end of the k rows) are multiples of head_dim {c.hd}; v rows may still be cut "
                      f"into RoPE pairs; a tile that cuts a q or k head is rejected. With 'apart', "
                      f"attn_norm_qkv_rope_sq takes tiles of any RoPE pairs and one qk_norm_apply per KV head scales "
-                     f"its q heads and writes its k row before attention (more SMs on QKV, one counter hop more)")
+                     f"its q heads and writes its k row before attention (more SMs on QKV, one counter hop more). "
+                     f"With 'in_attention', the same QKV tiles, and attention normalises its q heads and the new k "
+                     f"row itself (attn_partial qk_norm 1); qk_norm_apply (k_only 1) writes the k row into the cache "
+                     f"after the layer's attention, off the chain (no hop more)")
     return ["Model features: " + "; ".join(parts) + "."] if parts else []
 
 

@@ -1,4 +1,5 @@
-"""Coverage of catalogue ops: every logical output of every layer is produced exactly once (no gap, no duplicate)."""
+"""Coverage of catalogue ops: every logical output of every layer is produced exactly once (no gap, no duplicate),
+and a QK-norm model's q heads are normalised exactly once."""
 
 from __future__ import annotations
 
@@ -53,6 +54,38 @@ def _partition_findings(key: tuple, domain: tuple, tiles: list[tuple[tuple, int]
     return out
 
 
+def _qk_norm_findings(prog: Program, qk_apart: set[int]) -> list[Finding]:
+    """Each q head of a QK-norm model is normalised exactly once: where QKV left it unnormalised
+    (attn_norm_qkv_rope_sq), either by its group's qk_norm_apply (without `k_only`) or by every attention split of the
+    group (attn_partial `qk_norm` 1), never both and never neither; elsewhere attention must not normalise it again."""
+    apply_q = {(prog.layer[i], prog.args[i]["kv_head"]): (1 - prog.args[i].get("k_only", 0), i)
+               for i in range(prog.n) if prog.op[i] == "qk_norm_apply"}
+    out: list[Finding] = []
+    seen: set[tuple] = set()
+    for i in range(prog.n):
+        if prog.op[i] != "attn_partial":
+            continue
+        layer, g, flag = prog.layer[i], prog.args[i]["kv_head"], prog.args[i].get("qk_norm", 0)
+        if (layer, g) in seen:
+            continue
+        if layer not in qk_apart:
+            if flag:
+                seen.add((layer, g))
+                out.append(Finding("coverage", f"{prog.label(i)} normalises q and the new k row (qk_norm 1), but "
+                                   f"layer {layer}'s QKV is attn_norm_qkv_rope, which already did", [prog.ids[i]],
+                                   prog.path(i)))
+            continue
+        if (layer, g) not in apply_q:  # the missing qk_norm_apply is a coverage finding of its own
+            continue
+        q, j = apply_q[(layer, g)]
+        if q + flag != 1:
+            seen.add((layer, g))
+            out.append(Finding("coverage", f"{prog.label(i)} has qk_norm {flag} and {prog.label(j)} has k_only "
+                               f"{1 - q}: the q heads of kv_head {g} would be normalised {'twice' if q else 'never'}",
+                               [prog.ids[i], prog.ids[j]], prog.path(i)))
+    return out
+
+
 def check_coverage(prog: Program) -> list[Finding]:
     """Findings for missing or duplicated outputs, and split counts that attn_reduce and attn_partial disagree on."""
     geo = prog.geometry
@@ -80,6 +113,8 @@ def check_coverage(prog: Program) -> list[Finding]:
             findings.append(Finding("coverage", f"{_key_name(key)}: no instruction produces it", []))
     for key, ts in tiles.items():
         findings.extend(_partition_findings(key, domains[key], ts, prog))
+    if geo.cfg.qk_norm:
+        findings.extend(_qk_norm_findings(prog, qk_apart))
     # attn_reduce (or o_proj with the merge folded in) must merge exactly the splits attn_partial produced for its
     # heads.
     group, hd = geo.cfg.group_size, geo.cfg.hd

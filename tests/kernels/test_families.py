@@ -93,6 +93,9 @@ CASES = [
     ("qwen3", 4, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 2}),
     ("qwen3", 5, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 40}, "default_granularity": "head",
                   "fuse_attn_reduce": True, "attn_splits": 3, "assignment": "critical_path"}),
+    ("qwen3", 4, {"qk_norm": "in_attention", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 3}),
+    ("qwen3", 5, {"qk_norm": "in_attention", "tiles": {"attn_norm_qkv_rope": 40}, "default_granularity": "head",
+                  "fuse_attn_reduce": True, "attn_splits": 2, "assignment": "critical_path"}),
 ]
 
 
@@ -148,6 +151,75 @@ def test_qk_norm_tiles_are_whole_q_and_k_heads() -> None:
     with pytest.raises(ScheduleError, match="cuts a q or k head") as info:
         resolve(parse_schedule(doc))
     assert info.value.path == f"$.instructions[{i}]"
+
+
+def test_qk_norm_in_attention_is_off_the_chain_and_its_orders_matter() -> None:
+    """With the QK-norm in attention, attention waits on QKV directly, every split normalises its q heads and the
+    new k row, and a qk_norm_apply with k_only writes the row into the cache after the layer's attention. The
+    proofs see each order: the cache write must follow every split's read of the cache (a dropped wait is a race) and
+    the next layer's QKV must follow the write (it overwrites k_new); a q normalised twice or never is a finding;
+    interpreter v9 refuses the attention that normalises."""
+    from megasynth.kernels.gpu.pack import check_runs_on_v9, pack
+
+    cfg = FAMILIES["qwen3"]
+    spec = ModelSpec("qwen3", "qwen3", cfg, MAX_SEQ)
+    doc = lower(spec, 4, Strategy(qk_norm="in_attention", attn_splits=2,
+                                  tiles={"attn_norm_qkv_rope": 12})).to_json()
+    assert verify(parse_schedule(doc)).accepted
+    by_id = {ins["id"]: ins for ins in doc["instructions"]}
+    stores = [ins for ins in doc["instructions"] if ins["op"] == "qk_norm_apply"]
+    assert len(stores) == cfg.num_hidden_layers * cfg.num_key_value_heads
+    assert all(ins["args"]["k_only"] == 1 for ins in stores)
+    assert all(ins["args"]["qk_norm"] == 1 for ins in doc["instructions"] if ins["op"] == "attn_partial")
+    # attention waits on no qk_norm_apply: the apply is off the chain
+    signals_of = {s["counter"]: by_id[i]["op"] for i in by_id for s in by_id[i]["signals"]}
+    assert not any(signals_of.get(w["counter"]) == "qk_norm_apply" for ins in doc["instructions"]
+                   if ins["op"] == "attn_partial" for w in ins["waits"])
+
+    def without_waits(op: str, layer: int, on: str) -> dict:
+        cut = {s["counter"] for ins in doc["instructions"] if ins["op"] == on for s in ins["signals"]}
+        return {**doc, "instructions": [
+            {**ins, "waits": [w for w in ins["waits"] if w["counter"] not in cut]}
+            if ins["op"] == op and ins["layer"] == layer else ins for ins in doc["instructions"]]}
+
+    # the first cache write of layer 0, without its wait and first in its queue (later in the queue, program order
+    # behind an attention merge of the layer would order it all the same)
+    store = next(ins["id"] for ins in stores if ins["layer"] == 0)
+    early = without_waits("qk_norm_apply", 0, "attn_partial")
+    early["queues"] = [[store, *[i for i in q if i != store]] if store in q else q for q in doc["queues"]]
+    report = verify(parse_schedule(early))
+    assert any(f.category == "race" and "k_cache[" in f.message for f in report.findings), \
+        [f.message for f in report.findings][:3]
+    # and last in its queue, with the next layer's QKV no longer waiting for it
+    late = without_waits("attn_norm_qkv_rope_sq", 1, "qk_norm_apply")
+    late["queues"] = [[*[i for i in q if i != store], store] if store in q else q for q in doc["queues"]]
+    report = verify(parse_schedule(late))
+    assert any(f.category == "race" and ("k_new[" in f.message or "qk_sq[" in f.message) for f in report.findings), \
+        [f.message for f in report.findings][:3]
+
+    twice = {**doc, "instructions": [{**ins, "args": {"kv_head": ins["args"]["kv_head"]}}
+                                     if ins["op"] == "qk_norm_apply" else ins for ins in doc["instructions"]]}
+    findings = verify(parse_schedule(twice)).findings
+    assert any(f.category == "coverage" and "normalised twice" in f.message for f in findings)
+    never = {**doc, "instructions": [{**ins, "args": {**ins["args"], "qk_norm": 0}} if ins["op"] == "attn_partial"
+                                     and ins["layer"] == 1 else ins for ins in doc["instructions"]]}
+    findings = verify(parse_schedule(never)).findings
+    assert any(f.category == "coverage" and "normalised never" in f.message for f in findings)
+    plain = lower(spec, 4, Strategy(tiles={"attn_norm_qkv_rope": 32})).to_json()
+    again = {**plain, "instructions": [{**ins, "args": {**ins["args"], "qk_norm": 1}} if ins["op"] == "attn_partial"
+                                       else ins for ins in plain["instructions"]]}
+    assert any("already did" in f.message for f in verify(parse_schedule(again)).findings)
+
+    with pytest.raises(ScheduleError, match="'attn_norm_qkv_rope_sq' has no GPU implementation"):
+        pack(parse_schedule(doc), "v9")
+    packed = pack(parse_schedule(again), "v9")
+    with pytest.raises(ScheduleError, match="applies no QK-norm inside attention"):
+        check_runs_on_v9(packed, cfg.hd, "use the CPU executor")
+    with pytest.raises(ArgError, match="qk_norm = 1 is for models with qk_norm"):
+        check_instruction(Geometry(FAMILIES["llama"], MAX_SEQ, 1), "attn_partial", 0,
+                          {"kv_head": 0, "split": 0, "splits": 1, "qk_norm": 1})
+    with pytest.raises(ArgError, match="k_only = 2 must be 0 or 1"):
+        check_instruction(Geometry(cfg, MAX_SEQ, 1), "qk_norm_apply", 0, {"kv_head": 0, "k_only": 2})
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])

@@ -138,11 +138,12 @@ def test_cpu_executor_reproduces_the_reference(model: str, workers: int, strateg
     del torch
 
 
-def test_qk_norm_search_space_offers_both_placements_and_every_tile_lowers_legally() -> None:
-    """On qwen3-0.6b (QK-norm, head_dim 128) the search space offers the norm inside QKV and apart, and QKV pair
-    tiles. Every offered tile lowers, inside QKV, to whole q and k heads (the lowering rounds it down) and, apart, to
-    the sq op with the tile as offered plus one qk_norm_apply per KV head; the hand seeds and a random point of the
-    space lower too. The validator accepts the smallest and largest tile each way, the seeds and the random point."""
+def test_qk_norm_search_space_offers_every_placement_and_every_tile_lowers_legally() -> None:
+    """On qwen3-0.6b (QK-norm, head_dim 128) the search space offers the norm inside QKV, apart and in attention, and
+    QKV pair tiles. Every offered tile lowers, inside QKV, to whole q and k heads (the lowering rounds it down) and,
+    apart or in attention, to the sq op with the tile as offered plus one qk_norm_apply per KV head (k_only in
+    attention's case); the hand seeds and a random point of the space lower too. The validator accepts the smallest
+    and largest tile each way, the seeds and the random point."""
     import random
 
     from megasynth.ir.program import resolve
@@ -152,26 +153,28 @@ def test_qk_norm_search_space_offers_both_placements_and_every_tile_lowers_legal
     spec = get_model("qwen3-0.6b")
     c = spec.config
     space = SearchSpace(spec, 132)
-    assert space.by_name["qk_norm"].choices == ("in_qkv", "apart")
+    assert space.by_name["qk_norm"].choices == ("in_qkv", "apart", "in_attention")
     assert "qk_norm" not in SearchSpace(get_model("llama-1b"), 132).by_name
     choices = space.by_name["tiles.attn_norm_qkv_rope"].choices
     assert any(t % c.hd for t in choices) and c.hd in choices
     rng = random.Random(3)
-    strategies = [Strategy(tiles={"attn_norm_qkv_rope": t}, qk_norm=where) for t in choices
-                  for where in ("in_qkv", "apart")]
+    wheres = ("in_qkv", "apart", "in_attention")
+    strategies = [Strategy(tiles={"attn_norm_qkv_rope": t}, qk_norm=where) for t in choices for where in wheres]
     strategies += [st for _, st in seed_strategies()[:2]]
     strategies.append(space.with_value(space.random(rng), "order", "id"))  # list scheduling of 10k: slow
-    proven = {0, 1, 2 * len(choices) - 2, 2 * len(choices) - 1, *range(2 * len(choices), len(strategies))}
+    n = len(wheres)
+    proven = {*range(n), *range(n * len(choices) - n, len(strategies))}
     for n, strategy in enumerate(strategies):
         sched = lower(spec, 132, strategy)
         resolve(sched)  # the catalogue's argument checks, the whole-head rule among them
         ops = {i.op for i in sched.instructions}
-        if strategy.qk_norm == "apart":
+        if strategy.qk_norm != "in_qkv":
             tile = strategy.tiles["attn_norm_qkv_rope"]
             qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"]
             assert "attn_norm_qkv_rope" not in ops and qkv[0] == {"start": 0, "end": min(tile, c.qkv_size)}
-            n_apply = sum(i.op == "qk_norm_apply" for i in sched.instructions)
-            assert n_apply == c.num_hidden_layers * c.num_key_value_heads
+            applies = [i.args for i in sched.instructions if i.op == "qk_norm_apply"]
+            assert len(applies) == c.num_hidden_layers * c.num_key_value_heads
+            assert all(a.get("k_only", 0) == (strategy.qk_norm == "in_attention") for a in applies)
         else:
             qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope"]
             assert "qk_norm_apply" not in ops

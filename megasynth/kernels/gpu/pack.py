@@ -181,14 +181,17 @@ def pack(schedule: Schedule, interpreter: str = "v10") -> Packed:
 def check_runs_on_v9(p: Packed, hd: int, advice: str) -> None:
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v9 cannot run the packed
     schedule `p` (`pack` already refused the ops it lacks): it computes QKV a whole head at a time (tiles of
-    multiples of `hd` rows) and has no attn_reduce folded into o_proj. `advice` ends the message (what to run
-    instead)."""
+    multiples of `hd` rows), has no attn_reduce folded into o_proj and no QK-norm inside attention. `advice` ends the
+    message (what to run instead)."""
     qkv = p.ins[:, F_OP] == OPCODES["attn_norm_qkv_rope"]
     pairs = qkv & (((p.ins[:, F_A0] % hd) != 0) | ((p.ins[:, F_A0 + 1] % hd) != 0))
     fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
+    qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
     for bad, why, key in (
             (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {hd}); {{}} is not one", "args"),
-            (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op")):
+            (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op"),
+            (qk_in_attention, "applies no QK-norm inside attention (attn_partial qk_norm 1), which {} asks for",
+             "args")):
         if bad.any():
             k = int(p.qitems[int(np.argmax(bad))])
             at = k if p.schedule is None else next(
