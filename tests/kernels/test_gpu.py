@@ -447,6 +447,44 @@ def test_tiny_qwen3_qk_norm_apart():
         Megakernel(cut, w, max_seq_len=spec.max_seq_len, config=KernelConfig())
 
 
+def test_tiny_qwen3_qk_norm_in_attention():
+    """QK-norm applied by attention on v10 (attn_partial qk_norm 1, then qk_norm_apply k_only after the layer's
+    attention): 12-pair QKV tiles, 3 splits, from position 0 (the new row alone) and past half the cache; per-instruction
+    counters with the fused attn_reduce_o_proj; attention loading its K/V itself instead of from the ring; the
+    tensor-core consumer. Each step's cache row at pos is checked too (`_decode_and_compare`), so the k row written
+    after attention is the one attention used."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec = _tiny_qwen("qwen3")
+    c = spec.config
+    w = _weights(c, seed=9)
+    hist = spec.max_seq_len // 2
+    strat = Strategy(qk_norm="in_attention", attn_splits=3, tiles={"attn_norm_qkv_rope": 24})
+    sched = lower(spec, 8, strat)
+    assert _cuts_heads(sched, c.hd)
+    mk = _decode_and_compare(spec, sched, w, range(0, 3), 0)
+    _decode_and_compare(spec, sched, w, range(hist, hist + 4), hist, mk=mk)
+    assert mk.v10 and "qk_norm_apply" in mk.packed.ops
+    fine = Strategy(qk_norm="in_attention", attn_splits=2, fuse_attn_reduce=True, k_splits={"o_proj_residual": 2},
+                    tiles={"attn_norm_qkv_rope": 10, "o_proj_residual": 16}, default_granularity="tile")
+    _decode_and_compare(spec, _variant(spec, 7, fine, seed=4), w, range(hist, hist + 3), hist, mk=mk)
+    _decode_and_compare(spec, sched, w, range(hist, hist + 3), hist, config=StreamConfig(kv_ring=False))
+    _decode_and_compare(spec, sched, w, range(hist, hist + 3), hist, config=StreamConfig(mma=True))
+
+
+def test_qwen3_full_size_qk_norm_in_attention():
+    """Qwen3-0.6B's published shape with the QK-norm in attention, past position 1000: the searched shape (16-pair
+    QKV tiles on every SM, 16 attention splits, the fused attn_reduce_o_proj)."""
+    spec = get_model("qwen3-0.6b")
+    w = _weights(spec.config, seed=0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(qk_norm="in_attention", tiles={"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64,
+                                                    "down_proj_residual": 32},
+                     attn_splits=16, fuse_attn_reduce=True, k_splits={"down_proj_residual": 2},
+                     edges={"attn_partial->attn_reduce_o_proj": "head"})
+    _decode_and_compare(spec, lower(spec, sms, strat), w, range(1500, 1506), 1500)
+
+
 def test_qwen3_full_size_qk_norm_apart():
     """Qwen3-0.6B's published shape with the QK-norm apart, past position 1000: the searched shape's 16-pair QKV
     tiles (a head is 4 of them) on every SM, per-head edges from the apply into attention, 16 attention splits and

@@ -532,20 +532,21 @@ def _qk_norm_rope(h1, h2, gcol, qkn_ptr, q_ptr, kc_ptr, cos_ptr, sin_ptr, layer,
 
 
 @gluon.jit
-def _op_qk_apply(q_ptr, sq_ptr, knew_ptr, kc_ptr, layer, g, pos, NH: gl.constexpr, NKV: gl.constexpr,
+def _op_qk_apply(q_ptr, sq_ptr, knew_ptr, kc_ptr, layer, g, k_only, pos, NH: gl.constexpr, NKV: gl.constexpr,
                  HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
                  num_warps: gl.constexpr):
     """qk_norm_apply of KV head g: its G query heads times rsqrt(mean square + eps) in place, and its new k row
     (`k_new`, weighted and roped by attn_norm_qkv_rope_sq) so scaled into the cache at pos, bf16. The means come from
     each head's per-pair sums of squares in `qk_sq` (hd / 2 values, read as the first half of an [.., hd] row so that
     the head's values and its sums share one layout). No weights: every load is one L2 round trip, all in flight at
-    once, and the data was written by other workers before this instruction's waits (hence `.cg`)."""
+    once, and the data was written by other workers before this instruction's waits (hence `.cg`). With `k_only`
+    (attention normalised its q heads itself) only the k row."""
     HALF: gl.constexpr = HD // 2
     L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
     h0 = g * G
     hs = h0 + gl.arange(0, GP, layout=gl.SliceLayout(1, L2))
     d = gl.expand_dims(gl.arange(0, HD, layout=gl.SliceLayout(0, L2)), 0)  # [1, HD]
-    hm = gl.expand_dims(hs < h0 + G, 1)
+    hm = gl.expand_dims(hs < h0 + G, 1) & (k_only == 0)
     qoffs = gl.expand_dims(hs, 1) * HD + d
     sq = gl.load(sq_ptr + gl.expand_dims(hs, 1) * HALF + d, mask=hm & (d < HALF), other=0.0, cache_modifier=".cg")
     q = gl.load(q_ptr + qoffs, mask=hm, other=0.0, cache_modifier=".cg")
@@ -661,11 +662,12 @@ def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
 
 
 @gluon.jit
-def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split, splits, pos, t, ring, ready, empty,
-                     scratch,
+def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits, pos, qkn,
+                     t, ring, ready, empty, scratch,
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
-                     GP: gl.constexpr, SCALE: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
-                     KV_RING: gl.constexpr, num_warps: gl.constexpr):
+                     GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                     NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
+                     num_warps: gl.constexpr):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
     On the CUDA cores, fp32. Each of the BT position lanes of a block (BT = 32 / lanes along the head dim, times
@@ -673,7 +675,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     reduction but the dot product's, and the lanes are merged once at the end. With KV_RING the loader has already
     streamed the split's K/V history into the ring (BTK positions per slot: positions before pos are never written
     during a step), so only q and the current position's row come from L2 after the wait; otherwise K/V are loaded
-    here, the next block's before the current one is computed."""
+    here, the next block's before the current one is computed.
+
+    With `qkn` (a QK_NORM build's attn_partial with qk_norm 1) q arrives unnormalised: each head is scaled by
+    rsqrt(mean square + eps) from its pairs' sums of squares as it is loaded, and the row at pos is the new k row
+    from `k_new`, so scaled and rounded as the cache will hold it (qk_norm_apply writes it there after the layer's
+    attention), instead of the cache's."""
     LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
     BT: gl.constexpr = (32 // LD) * num_warps
     L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
@@ -689,22 +696,39 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
     qmask = gl.expand_dims(gq < G, 1)
     qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
     q = gl.load(q_ptr + qoffs, mask=qmask, other=0.0, cache_modifier=".cg") * SCALE
-    q3 = gl.expand_dims(q, 1)
     tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
     dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
     ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
     base = (layer * NKV + g).to(gl.int64) * S * HD
+    cur = (pos >= lo) & (pos < hi)
+    if QK_NORM:
+        HALF: gl.constexpr = HD // 2
+        nq = qkn != 0
+        sqq = gl.load(sq_ptr + gl.expand_dims(h0 + gq, 1) * HALF + gl.expand_dims(dq, 0),
+                      mask=qmask & gl.expand_dims(dq < HALF, 0) & nq, other=0.0, cache_modifier=".cg")
+        q = q * gl.expand_dims(gl.where(nq, 1.0 / gl.sqrt(gl.sum(sqq, axis=1) / HD + EPS), 1.0), 1)
+        ksq = gl.load(sq_ptr + (NH + g) * HALF + dk, mask=(dk < HALF) & cur & nq, other=0.0, cache_modifier=".cg")
+        knew = gl.load(knew_ptr + g * HD + dk, mask=(dk < HD) & cur & nq, other=0.0, cache_modifier=".cg")
+        new_k = (knew * (1.0 / gl.sqrt(gl.sum(ksq, axis=0) / HD + EPS))).to(gl.bfloat16).to(gl.float32)
+        new_k = gl.expand_dims(new_k, 0)  # [1, HD]
+        from_cache = cur & (qkn == 0)
+    else:
+        nq = False
+        from_cache = cur
+    q3 = gl.expand_dims(q, 1)
     m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
     l_i = gl.zeros([GP, BT], gl.float32, LS)
     acc = gl.zeros([GP, BT, HD], gl.float32, L3)
     if KV_RING:
         kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
         # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
-        cur = (pos >= lo) & (pos < hi)
-        cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
+        cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & from_cache, other=0.0,
+                        cache_modifier=".cg")
         cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
         cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
         cur_v = gl.expand_dims(cur_v.to(gl.float32), 0)
+        if QK_NORM:
+            cur_k = gl.where(nq, new_k, cur_k)
         for b0 in range(lo, hi, BTK):
             s = t % NS
             mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -734,6 +758,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, g, split,
         for t0 in range(lo, hi, BT):
             k = kn.to(gl.float32)
             v = vn.to(gl.float32)
+            if QK_NORM:  # the row at pos is not in the cache yet
+                k = gl.where(gl.expand_dims(t0 + tk == pos, 1) & nq, new_k, k)
             km = gl.expand_dims(t0 + BT + tk < hi, 1)
             kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
             vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
@@ -958,8 +984,9 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                         kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
                         EPS, QKV_BIAS, QK_NORM, False, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_PARTIAL:
-            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, layer, a0, a1, a2, pos, t, ring, ready,
-                                 empty, vstage, NH, NKV, HD, S, G, GP, SCALE, NS, SB, BTK, KV_RING, num_warps)
+            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
+                                 pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
+                                 NS, SB, BTK, KV_RING, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
@@ -983,7 +1010,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                         kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
                         EPS, QKV_BIAS, False, True, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif QK_NORM and op == OP_QK_APPLY:
-            _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, pos, NH, NKV, HD, S, EPS, G, GP, num_warps)
+            _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, a1, pos, NH, NKV, HD, S, EPS, G, GP,
+                         num_warps)
         gl.thread_barrier()
         if TRACE:
             gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
