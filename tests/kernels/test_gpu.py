@@ -449,10 +449,10 @@ def test_tiny_qwen3_qk_norm_apart():
 
 def test_tiny_qwen3_qk_norm_in_attention():
     """QK-norm applied by attention on v10 (attn_partial qk_norm 1, then qk_norm_apply k_only after the layer's
-    attention): 12-pair QKV tiles, 3 splits, from position 0 (the new row alone) and past half the cache; per-instruction
-    counters with the fused attn_reduce_o_proj; attention loading its K/V itself instead of from the ring; the
-    tensor-core consumer. Each step's cache row at pos is checked too (`_decode_and_compare`), so the k row written
-    after attention is the one attention used."""
+    attention): 12-pair QKV tiles, 3 splits, from position 0 (the new row alone) and past half the cache;
+    per-instruction counters with the fused attn_reduce_o_proj; attention loading its K/V itself instead of from the
+    ring; the tensor-core consumer. Each step's cache row at pos is checked too (`_decode_and_compare`), so the k row
+    written after attention is the one attention used."""
     from megasynth.kernels.gpu.stream import StreamConfig
 
     spec = _tiny_qwen("qwen3")
