@@ -3,6 +3,9 @@
     compute-sanitizer --tool memcheck python scripts/sanitize_tiny.py [--kernel v10|v9] [--mma]
     compute-sanitizer --tool racecheck python scripts/sanitize_tiny.py
 
+racecheck's reports at interpreter v10's `def` and `gl.warp_specialize` lines come from Triton's warp-specialization
+switch loop (docs/racecheck-warp-specialize.md; `scripts/racecheck_ws_minimal.py` reproduces them without v10).
+
 Plain launches (no CUDA graph) with a long watchdog, since the sanitizer slows the kernel by orders of magnitude; each
 step is also checked against the PyTorch reference, so a clean report comes from a run that computed the right thing.
 """
