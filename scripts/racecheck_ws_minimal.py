@@ -104,6 +104,17 @@ def _tma_worker(desc, ring, ready, empty):
 
 
 @gluon.jit
+def _slot_barriers():
+    """Each ring slot's `ready` (filled) and `empty` (consumed) mbarriers, initialised."""
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return ready, empty
+
+
+@gluon.jit
 def plain_kernel(out_ptr, flag_ptr, n, num_warps: gl.constexpr):
     gl.warp_specialize([(_plain_default, (out_ptr, n, num_warps)), (_plain_worker, (flag_ptr, n))], [1], [32])
 
@@ -123,11 +134,7 @@ def barrier_kernel(out_ptr, flag_ptr, n, num_warps: gl.constexpr):
 @gluon.jit
 def ring_kernel(out_ptr, flag_ptr, n, num_warps: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.int32, [NS, N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _slot_barriers()
     gl.warp_specialize([(_ring_default, (out_ptr, ring, ready, empty, num_warps)),
                         (_ring_worker, (ring, ready, empty, n))], [1], [32])
 
@@ -135,11 +142,7 @@ def ring_kernel(out_ptr, flag_ptr, n, num_warps: gl.constexpr):
 @gluon.jit
 def tma_kernel(out_ptr, desc, num_warps: gl.constexpr):
     ring = gl.allocate_shared_memory(gl.int32, [NS, 1, N], desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    ready, empty = _slot_barriers()
     gl.warp_specialize([(_tma_default, (out_ptr, ring, ready, empty, num_warps)),
                         (_tma_worker, (desc, ring, ready, empty))], [1], [32])
 
