@@ -356,16 +356,24 @@ def _fp_qkv_sq(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     return out
 
 
+def _fp_norm_inputs(c: ModelConfig, g: int) -> list[Access]:
+    """What normalising KV head g's group reads: the sums of squares of its q heads and of its k head, and its new k
+    row (unnormalised)."""
+    half, nh = c.hd // 2, c.num_attention_heads
+    h0, h1 = g * c.group_size, (g + 1) * c.group_size
+    return [("read", "qk_sq", h0 * half, h1 * half), ("read", "qk_sq", (nh + g) * half, (nh + g + 1) * half),
+            ("read", "k_new", g * c.hd, (g + 1) * c.hd)]
+
+
 def _fp_qk_apply(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     """The group's q heads are scaled in place (unless `k_only`); the new k row goes from `k_new` into the cache (any
     position: the footprint is the KV head's whole range, as QKV's)."""
     c = geo.cfg
-    g, half, nh = a["kv_head"], c.hd // 2, c.num_attention_heads
+    g = a["kv_head"]
     h0, h1 = g * c.group_size, (g + 1) * c.group_size
-    q: list[Access] = [("read", "qk_sq", h0 * half, h1 * half), ("read", "q", h0 * c.hd, h1 * c.hd),
-                       ("write", "q", h0 * c.hd, h1 * c.hd)] if not a.get("k_only", 0) else []
-    return [*q, ("read", "qk_sq", (nh + g) * half, (nh + g + 1) * half),
-            ("read", "k_new", g * c.hd, (g + 1) * c.hd), ("write", "k_cache", *geo.kv_head_range(layer, g, g + 1))]
+    q: list[Access] = [] if a.get("k_only", 0) else [("read", "q", h0 * c.hd, h1 * c.hd),
+                                                     ("write", "q", h0 * c.hd, h1 * c.hd)]
+    return [*_fp_norm_inputs(c, g), *q, ("write", "k_cache", *geo.kv_head_range(layer, g, g + 1))]
 
 
 def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
@@ -374,14 +382,9 @@ def _fp_partial(geo: Geometry, layer: int, a: dict[str, int]) -> list[Access]:
     h0, h1 = g * c.group_size, (g + 1) * c.group_size
     nh = c.num_attention_heads
     kv = geo.kv_head_range(layer, g, g + 1)
-    half = c.hd // 2
-    # with qk_norm 1: the group's and its k head's sums of squares, and the new k row, unnormalised
-    norm: list[Access] = [("read", "qk_sq", h0 * half, h1 * half), ("read", "qk_sq", (nh + g) * half,
-                                                                   (nh + g + 1) * half),
-                          ("read", "k_new", g * c.hd, (g + 1) * c.hd)] if a.get("qk_norm", 0) else []
     return [
         ("read", "q", h0 * c.hd, h1 * c.hd),
-        *norm,
+        *(_fp_norm_inputs(c, g) if a.get("qk_norm", 0) else []),
         ("read", "k_cache", *kv),
         ("read", "v_cache", *kv),
         ("write", "attn_o_part", (split * nh + h0) * c.hd, (split * nh + h1) * c.hd),
