@@ -30,6 +30,7 @@ CASES = [
                      "assignment": "critical_path"}),
     ("qwen2", 4, 3, {"qk_norm": "apart", "k_splits": {"down_proj_residual": 2}}),
     ("qwen3", 3, 4, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 2}),
+    ("qwen3", 2, 4, {"qk_norm": "in_attention", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 3}),
 ]
 
 
