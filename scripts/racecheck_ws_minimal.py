@@ -68,10 +68,8 @@ def _named_default(out_ptr, n, BAR: gl.constexpr, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _ring_default(out_ptr, ring, ready, empty, num_warps: gl.constexpr):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    offs = gl.arange(0, N, layout=lay)
-    acc = gl.zeros([N], gl.int32, lay)
+def _consume(ring, ready, empty, acc, lay: gl.constexpr):
+    """The default partition's side of the ring (v10's protocol): wait for each slot, add it to `acc`, hand it back."""
     for t in range(STEPS):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -79,6 +77,14 @@ def _ring_default(out_ptr, ring, ready, empty, num_warps: gl.constexpr):
         fence_async_shared()
         gl.thread_barrier()
         mbarrier.arrive(empty.index(s))
+    return acc
+
+
+@gluon.jit
+def _ring_default(out_ptr, ring, ready, empty, num_warps: gl.constexpr):
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    offs = gl.arange(0, N, layout=lay)
+    acc = _consume(ring, ready, empty, gl.zeros([N], gl.int32, lay), lay)
     gl.store(out_ptr + gl.program_id(0) * N + offs, acc)
 
 
@@ -151,14 +157,7 @@ def tma_kernel(out_ptr, desc, num_warps: gl.constexpr):
 def _tma_default(out_ptr, ring, ready, empty, num_warps: gl.constexpr):
     lay: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
     offs = gl.arange(0, N, layout=gl.SliceLayout(0, lay))
-    acc = gl.zeros([1, N], gl.int32, lay)
-    for t in range(STEPS):
-        s = t % NS
-        mbarrier.wait(ready.index(s), (t // NS) & 1)
-        acc += ring.index(s).load(lay)
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index(s))
+    acc = _consume(ring, ready, empty, gl.zeros([1, N], gl.int32, lay), lay)
     gl.store(out_ptr + gl.program_id(0) * N + gl.expand_dims(offs, 0), acc)
 
 
