@@ -158,8 +158,16 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
             ek = extra_k[has_prev[extra_r]]
             pk, pr = np.concatenate([pk, ek]), np.concatenate([pr, prev[extra_r][has_prev[extra_r]]])
         local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
+        # runs of the same classes recur across segments (a batch's K-split readers of every element of their range):
+        # their group is built once
+        by_classes: dict[bytes, int] = {}
         for r in sorted_unique(pr).tolist():
-            ks = klass[run_start[r]:run_end[r]].tolist()
+            run = klass[run_start[r]:run_end[r]]
+            known = by_classes.get(run.tobytes())
+            if known is not None:
+                local[r] = known
+                continue
+            ks = run.tolist()
             if len(ks) == 1:  # one class: its rows are distinct instructions in ascending order already
                 members = arr[row_start[ks[0]]:row_start[ks[0] + 1], 0]
             else:
@@ -170,7 +178,7 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
                 g = content[k] = len(out.groups)
                 out.groups.append(members)
                 out.group_buffer.append(buf)
-            local[r] = g
+            local[r] = by_classes[run.tobytes()] = g
         if not len(pk):
             continue
         ng = max(len(out.groups), 1)
