@@ -192,3 +192,31 @@ def test_layer_chain_of_a_gzipped_trace(tmp_path) -> None:
     assert chain["hops_us"] == pytest.approx(1.0)
     assert "period 6.0 us = b 3.0, a 2.0, hops and waits 1.0" in format_layer_chain(chain)
     assert layer_chain([{"op": "a", "layer": 0, "ts": 0.0, "dur": 1.0}]) is None
+
+
+def test_v10_batch_refuses_the_folded_merge_by_json_path() -> None:
+    """A batch's schedule packs for v10 (attention per sequence); one that folds attn_reduce into o_proj is refused
+    with the first such instruction's JSON path."""
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model("tiny"), 3)
+    P.check_runs_batched_on_v10(P.pack(lower(spec, 6, Strategy(attn_splits=2)), "v10"))
+    fused = lower(spec, 6, Strategy(attn_splits=2, fuse_attn_reduce=True))
+    with pytest.raises(ScheduleError, match="no batched attn_reduce_o_proj yet") as info:
+        P.check_runs_batched_on_v10(P.pack(fused, "v10"))
+    at = next(i for i, ins in enumerate(fused.instructions) if ins.op == "attn_reduce_o_proj")
+    assert info.value.path == f"$.instructions[{at}].op"
+
+
+def test_tensor_core_path_needs_k_ranges_on_64_column_boxes() -> None:
+    """v10's batch-1 tensor-core path streams K in 64-column boxes from a range's start: tiny-qwen2's o_proj split
+    in two at K 96 is refused, naming the instruction; llama-1b's K splits (multiples of 512) pass."""
+    qwen2 = lower(get_model("tiny-qwen2"), 6, Strategy(k_splits={"o_proj_residual": 2}))
+    with pytest.raises(ScheduleError, match="multiples of 64") as info:
+        P.check_mma_k_starts(P.pack(qwen2, "v10"))
+    at = next(i for i, ins in enumerate(qwen2.instructions)
+              if ins.op == "o_proj_residual" and ins.args["k_start"] % 64)
+    assert info.value.path == f"$.instructions[{at}].args"
+    P.check_mma_k_starts(P.pack(lower(get_model("llama-1b"), 132, Strategy(k_splits={"o_proj_residual": 4,
+                                                                                        "down_proj_residual": 4})),
+                                "v10"))

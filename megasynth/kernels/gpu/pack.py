@@ -37,8 +37,9 @@ QK_APART_OPS = frozenset({"attn_norm_qkv_rope_sq", "qk_norm_apply"})
 #: (kernels/gpu/v9.py) runs neither QK_APART_OPS op (and Megakernel refuses its other limits: QKV tiles of whole heads,
 #: no attn_reduce_o_proj).
 INTERPRETER_OPS: dict[str, frozenset[str]] = {"v10": frozenset(OPS), "v9": frozenset(OPS) - QK_APART_OPS}
-#: The interpreters that run a batched schedule (`model.batch` > 1): v9, one sequence's attention per instruction.
-BATCH_INTERPRETERS = frozenset({"v9"})
+#: The interpreters that run a batched schedule (`model.batch` > 1), one sequence's attention per instruction: v9, and
+#: v10 within its batch limits (`check_runs_batched_on_v10`, `stream.batch_limits`).
+BATCH_INTERPRETERS = frozenset({"v9", "v10"})
 #: The ops some GPU interpreter executes.
 GPU_OPS = frozenset().union(*INTERPRETER_OPS.values())
 ROW = 19  # fields per instruction row
@@ -187,13 +188,39 @@ def check_runs_on_v9(p: Packed, hd: int, advice: str) -> None:
     pairs = qkv & (((p.ins[:, F_A0] % hd) != 0) | ((p.ins[:, F_A0 + 1] % hd) != 0))
     fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
     qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
-    for bad, why, key in (
-            (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {hd}); {{}} is not one", "args"),
-            (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op"),
-            (qk_in_attention, "applies no QK-norm inside attention (attn_partial qk_norm 1), which {} asks for",
-             "args")):
+    _refuse(p, "v9", advice, (
+        (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {hd}); {{}} is not one", "args"),
+        (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op"),
+        (qk_in_attention, "applies no QK-norm inside attention (attn_partial qk_norm 1), which {} asks for", "args")))
+
+
+def check_runs_batched_on_v10(p: Packed) -> None:
+    """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
+    batched schedule `p`: attn_reduce is not folded into o_proj for a batch yet."""
+    fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
+    _refuse(p, "v10", "", (
+        (fused, f"has no batched {FUSED_OPROJ} yet, which {{}} is: lower the batch with fuse_attn_reduce off",
+         "op"),))
+
+
+def check_mma_k_starts(p: Packed) -> None:
+    """Raise ScheduleError where interpreter v10's tensor-core path (`StreamConfig.mma`, batch 1) cannot run `p`: it
+    streams a K range in TMA boxes of 64 columns from its start, so o_proj and down K ranges (and the folded merge's)
+    must start at multiples of 64. (A batch build rounds the start down itself and stages zeros below it.)"""
+    ops = [OPCODES["o_proj_residual"], OPCODES["down_proj_residual"], OPCODES[FUSED_OPROJ]]
+    bad = np.isin(p.ins[:, F_OP], ops) & (p.ins[:, F_A0 + 2] % 64 != 0)
+    _refuse(p, "v10", "", ((bad, "multiplies on the tensor cores (mma) from K offsets that are multiples of 64; {} "
+                                 "starts elsewhere: split K at multiples of 64, or run with mma off", "args"),))
+
+
+def _refuse(p: Packed, interpreter: str, advice: str, checks: tuple[tuple[np.ndarray, str, str], ...]) -> None:
+    """ScheduleError for the first check whose mask (over queue rows) holds for some row: its message (formatted with
+    the label of the first such instruction, in instruction order) and that instruction's JSON path."""
+    for bad, why, key in checks:
         if bad.any():
-            k = int(p.qitems[int(np.argmax(bad))])
+            k = int(p.qitems[bad].min())
             at = k if p.schedule is None else next(
                 j for j, ins in enumerate(p.schedule.instructions) if ins.id == p.ids[k])
-            raise ScheduleError(f"interpreter v9 {why.format(p.labels[k])}: {advice}", f"$.instructions[{at}].{key}")
+            tail = f": {advice}" if advice else ""
+            raise ScheduleError(f"interpreter {interpreter} {why.format(p.labels[k])}{tail}",
+                                f"$.instructions[{at}].{key}")
