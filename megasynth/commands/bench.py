@@ -46,7 +46,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--batch", "batch", default="1", show_default=True, metavar="N[,N...]",
               help="Sequences decoded together per step, 1-16 (one KV cache slot and position each): every sequence "
                    "at the same --ctx, each with its own random KV history and token; the table adds tokens/s = N / "
-                   "step time. The megakernel runs a batch on interpreter v9; the variants that decode one sequence "
+                   "step time. The variants that decode one sequence "
                    "per step (hf_eager, per_op_graph) are reported as skipped. Several (--batch 1,2,4,8,16): one "
                    "run each, one JSON each (the --json path with {batch}, else _batch<N> before its suffix), then "
                    "a table of tokens/s by batch; --schedule then needs {batch} in its path.")
@@ -75,8 +75,8 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
 @click.option("--kernel-option", "kernel_options", multiple=True, metavar="KEY=VALUE",
-              help="An interpreter setting of the megakernel, repeatable: a field of StreamConfig (v10, batch 1 on "
-                   "Hopper) or KernelConfig (v9), e.g. inflight=4 or mma=true; interpreter=v9 runs v9 at batch 1. "
+              help="An interpreter setting of the megakernel, repeatable: a field of StreamConfig (v10, on Hopper) "
+                   "or KernelConfig (v9), e.g. inflight=4 or batch_hilo=true; interpreter=v9 runs v9 on Hopper. "
                    "Recorded in the JSON's settings.")
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
@@ -110,7 +110,8 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
 
         for b in batches:  # every batch's config, before anything runs
             try:
-                kernel_config(kernel_options, batch=b, device=device)
+                kernel_config(kernel_options, batch=b, device=device,
+                              cfg=model_spec(model_name, max_seq_len, b).config)
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint="--kernel-option") from None
     results = []
@@ -208,8 +209,8 @@ def _prompt_tokens(values: str, batch: int, vocab_size: int) -> list[int]:
 
 
 def _pick_backend(backend: str, batch: int, cuda: bool) -> str:
-    """The backend that runs: auto = the megakernel on CUDA (a batch on interpreter v9, said on stderr), else the
-    PyTorch reference (said on stderr); the megakernel without CUDA exits 2."""
+    """The backend that runs: auto = the megakernel on CUDA, else the PyTorch reference (said on stderr); the
+    megakernel without CUDA exits 2."""
     if backend == "auto":
         backend = "megakernel" if cuda else "reference"
         if not cuda:
@@ -217,9 +218,6 @@ def _pick_backend(backend: str, batch: int, cuda: bool) -> str:
                        "not the megakernel", err=True)
     if backend == "megakernel" and not cuda:
         _fail("--backend megakernel needs CUDA")
-    if backend == "megakernel" and batch > 1:
-        click.echo(f"notice: --batch {batch} runs on interpreter v9 (interpreter v10 decodes one sequence per step)",
-                   err=True)
     return backend
 
 
@@ -296,14 +294,12 @@ def _reference_step(cfg: ModelConfig, weights: Weights, tokens: int, batch: int,
                    "weights, --seed).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--backend", type=click.Choice(["auto", "megakernel", "reference"]), default="auto",
-              show_default=True, help="auto = the megakernel on CUDA (a batch on interpreter v9), else the PyTorch "
-                                      "reference.")
+              show_default=True, help="auto = the megakernel on CUDA, else the PyTorch reference.")
 @click.option("--check/--no-check", default=True, show_default=True,
               help="After the timed loop, replay the tokens through the PyTorch reference and count agreements.")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
 @max_seq_len_option()
-@batch_option("greedy per sequence, all at the same position each step (the megakernel: interpreter v9, since "
-              "v10 decodes one sequence per step).")
+@batch_option("greedy per sequence, all at the same position each step.")
 def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: str, weights_dir: str | None,
              seed: int, backend: str, check: bool, json_file: str | None, max_seq_len: int | None,
              batch: int) -> None:

@@ -163,8 +163,8 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     from megasynth.lowering.strategy import Strategy
 
     if batch > 1 and device == "cuda":
-        _fail("--batch > 1 is checked on the CPU executor only so far (pass --device cpu); on the GPU, interpreter "
-              "v9's batches are checked by the GPU tests")
+        _fail("--batch > 1 is checked on the CPU executor only so far (pass --device cpu); on the GPU, the "
+              "interpreters' batches are checked by the GPU tests")
     try:
         device = "cpu" if batch > 1 else pick_device(device, _cuda_available())
     except ValueError as exc:

@@ -158,10 +158,10 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
     if summary.best_ms is not None:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
-        if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not v9's times
-            click.echo(f"note: a batch runs on interpreter v9 and the cost model is fitted on v10 at batch 1: the "
-                       f"estimate ranks schedules but is not the step's time (llama-1b at batches 2-16 measured "
-                       f"2.2-2.9x its estimate); time it: synth bench --batch {cfg.sequences} --schedule "
+        if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not its times
+            click.echo(f"note: the cost model is fitted at batch 1 and does not price a batch's wider products: the "
+                       f"estimate ranks schedules but is not the step's time (interpreter v9 measured 2.2-2.9x it); "
+                       f"time it: synth bench --batch {cfg.sequences} --schedule "
                        f"{summary.run_dir}/best/schedule.json.gz")
     if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
         seeds = summary.best_by_proposer.get("seeds")

@@ -18,7 +18,7 @@ The PyTorch variants compete for "best PyTorch", the line the megakernel's ratio
 At a batch of B sequences (all at the same ctx, each with its own KV history and token), the reference is
 `decode_batch` (each sequence alone); torch_eager and torch_graph run it, torch_bf16 and torch_compile compute the B
 sequences in one step (`bf16_decode_batch`), cpu_executor runs the batched schedule, the megakernel runs it on
-interpreter v9. The variants in `BATCH_ONE` are reported as skipped, with the reason.
+interpreter v10 (v9 for the QK-norm models). The variants in `BATCH_ONE` are reported as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ GPU_ONLY = {"torch_graph", "torch_compile", "per_op_graph", "megakernel"}
 #: reference and HF eager are 3-15x slower than the bf16 step and add minutes on llama-8b)
 DEFAULT_GPU = ("torch_bf16", "torch_compile", "per_op_graph", "megakernel")
 DEFAULT_CPU = ("torch_eager", "torch_bf16", "torch_compile", "megakernel", "cpu_executor")
-#: variants that decode one sequence per step only -> why (reported as `skipped` at a batch > 1); the megakernel
-#: runs a batch on interpreter v9 (interpreter v10 decodes one sequence per step)
+#: variants that decode one sequence per step only -> why (reported as `skipped` at a batch > 1)
 BATCH_ONE = {
     "hf_eager": "batch 1 only: the HF baseline decodes one sequence (its pre-filled DynamicCache holds one history)",
     "per_op_graph": "batch 1 only: the per-op ablation launches the batch-1 interpreter build",
@@ -245,8 +244,8 @@ def _megakernel(st: State) -> Any:
     if st.megakernel is None:
         gpu = _megakernel_api()
         try:
-            config = gpu.kernel_config(st.kernel_options, batch=st.batch, device=st.device) if st.kernel_options \
-                else None  # Megakernel's own choice
+            config = gpu.kernel_config(st.kernel_options, batch=st.batch, device=st.device, cfg=st.spec.config) \
+                if st.kernel_options else None  # Megakernel's own choice
             st.megakernel = gpu.Megakernel(st.schedules or st.schedule, st.weights,
                                            max_seq_len=st.spec.max_seq_len, config=config)
         except DoesNotFit as exc:  # beside this state's own weights and KV cache
@@ -290,7 +289,7 @@ def _v_megakernel(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
         rec["kernel"] = {"workers": mk.packed.workers, "instructions": mk.packed.n,
                          "occupancy": {str(k): v for k, v in mk.occupancy.items()}}
 
-    how = " on interpreter v9 (v10 decodes one sequence per step)" if st.batch > 1 else ""
+    how = f" on interpreter {'v10' if mk.v10 else 'v9'}" if st.batch > 1 else ""
     if st.kernel_options:
         how += f"; interpreter settings {', '.join(st.kernel_options)}"
     return replay, {"launch": "CUDA graph replay: counter reset + persistent kernel (token/pos set on the device "

@@ -129,9 +129,9 @@ def build(spec: ModelSpec, workers: int, proposal: Proposal) -> Schedule:
     ValueError for a proposal that does not build)."""
     schedule = lower(spec, workers, proposal.strategy, proposal.proposer or "naive")
     schedule = apply_patches(schedule, proposal.patches)
-    if spec.batch > 1:  # a batch runs on interpreter v9: refuse here what it cannot run, not after the search
-        check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "a batch runs on interpreter v9 (whole-head QKV "
-                         "tiles, fuse_attn_reduce false, qk_norm in_qkv)")
+    if spec.batch > 1:  # a batch runs on v10 (v9 for the QK-norm): refuse what v9 cannot run, not after the search
+        check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "a batch's schedule runs on both GPU interpreters "
+                         "(whole-head QKV tiles, fuse_attn_reduce false, qk_norm in_qkv)")
     schedule.meta.update({"proposer": proposal.proposer or "naive", "parent": proposal.parent,
                           "rationale": proposal.rationale})
     return schedule

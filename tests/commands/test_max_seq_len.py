@@ -189,7 +189,7 @@ def test_lower_and_search_take_a_batch(tmp_path: Path) -> None:
     base = ["search", "--model", "tiny", "--workers", "6", "--runs-dir", str(tmp_path), "--cpu", "--no-progress",
             "--interleavings", "5", "--final-interleavings", "5", "--jobs", "1", "--run", "b"]
     code, text = _invoke(*base, "--batch", "2", "--budget", "3", "--proposer", "heuristic")
-    assert "note: a batch runs on interpreter v9" in text and "synth bench --batch 2 --schedule" in text
+    assert "note: the cost model is fitted at batch 1" in text and "synth bench --batch 2 --schedule" in text
     assert code == 0, text
     run = RunDir(tmp_path / "b")
     assert run.info["batch"] == 2 and run.accepted()

@@ -25,6 +25,9 @@ from megasynth.lowering.models import get_model  # noqa: E402
 from megasynth.lowering.strategy import Strategy  # noqa: E402
 
 TOL = 2e-2  # relative L2 error of the logits
+#: ... where a batch's weight products take bf16 activations (interpreter v10's default at a batch, as the bf16
+#: PyTorch step does; that step is at 2.5-2.9e-2 against the fp32 reference on llama-1b)
+TOL_BF16 = 5e-2
 MARGIN = 0.05  # the greedy token must match where the reference's top-2 margin exceeds this
 
 
@@ -158,32 +161,16 @@ def test_schedule_set_switches_by_position_without_a_recompile():
     assert mk.packed is mk.members[0]
 
 
-@pytest.mark.parametrize("name, batch, workers, kernel", [
-    ("tiny", 3, 8, {}), ("tiny-qwen3", 3, 8, {}), ("llama-1b", 8, None, {}),
-    ("llama-1b", 8, None, {"batch_rows": 64}),
-    ("llama-1b", 4, None, {"batch_weight_first": True, "batch_rows": 128, "batch_tile": 16384, "maxnreg": 255})])
-def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
-    """A batched schedule runs on interpreter v9 (Megakernel picks it for a batch): every sequence at its own
-    position, with its own history in its own cache slot, matches the reference decoding it alone; each weight tile
-    is streamed once for the whole batch (with the default tiles, 64-row tiles, and the weight tile as the first
-    operand of 128-row warpgroup MMAs). Interpreter v10 refuses the batch by name."""
-    from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu import KernelConfig, Megakernel
-    from megasynth.kernels.gpu.stream import StreamConfig
+def _batched_steps(mk, spec, w, batch: int, top: int, tol: float = TOL) -> None:
+    """Three steps of a batch, every sequence at its own position (spread over [0, top]) with its own random history
+    in its own cache slot, each matching the reference decoding it alone; the counters end where the schedule says
+    and the caches change only at the written rows."""
     from megasynth.kernels.reference import decode_batch
-    from megasynth.lowering.models import with_batch
 
-    spec = with_batch(get_model(name), batch)
     cfg = spec.config
-    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
-    w = _weights(cfg, seed=9)
-    sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}))
-    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=KernelConfig(**kernel) if kernel else None)
-    assert not mk.v10 and mk.batch == batch
     gen = torch.Generator(device="cuda").manual_seed(11)
     mk.k_cache.copy_(torch.randn(mk.k_cache.shape, generator=gen, device="cuda") * 0.5)
     mk.v_cache.copy_(torch.randn(mk.v_cache.shape, generator=gen, device="cuda"))
-    top = spec.max_seq_len - 1 if name.startswith("tiny") else 3000
     for step in range(3):
         positions = [(top * (b + 1) // batch + 7 * step) % (top + 1) for b in range(batch)]
         tokens = [(p * 7919 + b * 31 + 11) % cfg.vocab_size for b, p in enumerate(positions)]
@@ -193,14 +180,64 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
         assert out.shape == (batch, cfg.vocab_size) and torch.isfinite(out).all()
         for b in range(batch):
             rel = float((out[b] - ref[b]).norm() / ref[b].norm())
-            assert rel <= TOL, f"sequence {b} at pos {positions[b]}: relative L2 error {rel:.3e} > {TOL}"
+            assert rel <= tol, f"sequence {b} at pos {positions[b]}: relative L2 error {rel:.3e} > {tol}"
             top2 = torch.topk(ref[b], 2).values
-            if float(top2[0] - top2[1]) > MARGIN:
+            if float(top2[0] - top2[1]) > MARGIN * tol / TOL:
                 assert int(out[b].argmax()) == int(ref[b].argmax()), f"sequence {b}: greedy token differs"
         assert (mk.counters() == mk.packed.expected_counters).all()
-        assert float((mk.k_cache.float() - kref.float()).abs().max()) < 0.1
-    with pytest.raises(ScheduleError, match="interpreter v10 decodes one sequence per step"):
-        Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig())
+        assert float((mk.k_cache.float() - kref.float()).abs().max()) < 0.1 * tol / TOL
+
+
+@pytest.mark.parametrize("name, batch, workers, kernel", [
+    ("tiny", 3, 8, {}), ("tiny-qwen3", 3, 8, {}), ("llama-1b", 8, None, {}),
+    ("llama-1b", 8, None, {"batch_rows": 64}),
+    ("llama-1b", 4, None, {"batch_weight_first": True, "batch_rows": 128, "batch_tile": 16384, "maxnreg": 255})])
+def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
+    """A batched schedule runs on interpreter v9 (KernelConfig): every sequence at its own position, with its own
+    history in its own cache slot, matches the reference decoding it alone; each weight tile is streamed once for the
+    whole batch (with the default tiles, 64-row tiles, and the weight tile as the first operand of 128-row warpgroup
+    MMAs)."""
+    from megasynth.kernels.gpu import KernelConfig, Megakernel
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    w = _weights(spec.config, seed=9)
+    sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}))
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=KernelConfig(**kernel))
+    assert not mk.v10 and mk.batch == batch
+    _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000)
+
+
+@pytest.mark.parametrize("name, batch, workers, splits, hilo", [
+    ("tiny", 3, 8, 4, False), ("tiny-qwen2", 3, 8, 2, False), ("tiny-gqa4", 8, 16, 3, False),
+    ("llama-1b", 8, None, 2, False), ("llama-1b", 3, None, 4, True), ("llama-1b", 16, None, 1, False)])
+def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, hilo):
+    """A batch runs on interpreter v10 by default on Hopper: one wgmma per ring slot multiplies the weight tile with
+    every sequence's staged vector (bf16, or hi/lo pairs with batch_hilo), each sequence's attention streams its own
+    history, and K spans longer than the staged window (tiny-qwen2's down) or starting off a 64-column box (its
+    o_proj K split at 96) go in windows; every sequence matches the reference decoding it alone (QKV bias
+    included). A model with the QK-norm falls back to v9; the fused attn_reduce_o_proj is refused by name."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    w = _weights(spec.config, seed=9)
+    sched = lower(spec, sms, Strategy(attn_splits=splits, k_splits={"o_proj_residual": 2}))
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(batch_hilo=True) if hilo else None)
+    assert mk.v10 and mk.batch == batch
+    _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000,
+                   TOL if hilo else TOL_BF16)
+    if name == "tiny":
+        fused = lower(spec, sms, Strategy(attn_splits=splits, fuse_attn_reduce=True))
+        with pytest.raises(ScheduleError, match="no batched attn_reduce_o_proj"):
+            mk.set_schedule(fused)
+        qk = with_batch(get_model("tiny-qwen3"), batch)
+        mk3 = Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len)
+        assert not mk3.v10
 
 
 def test_v10_is_the_default_and_v9_stays_selectable(llama):

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from megasynth.cli import main
 from megasynth.kernels.gpu.runtime import config_with, kernel_config
 from megasynth.kernels.gpu.v9 import KernelConfig
+from megasynth.lowering.models import get_model
 
 
 def test_config_with_reads_each_value_as_its_fields_type() -> None:
@@ -33,15 +34,20 @@ def test_config_with_names_the_bad_item(item: str, needle: str) -> None:
 
 
 def test_kernel_config_picks_the_interpreter_megakernel_would() -> None:
-    assert isinstance(kernel_config([], batch=4, device="cpu"), KernelConfig)  # a batch runs on v9
-    assert isinstance(kernel_config([], batch=1, device="cpu"), KernelConfig)  # no Hopper: v9
+    assert isinstance(kernel_config([], batch=4, device="cpu"), KernelConfig)  # no Hopper: v9, batch or not
+    assert isinstance(kernel_config([], batch=1, device="cpu"), KernelConfig)
     assert kernel_config(["interpreter=v9", "num_warps=4"], batch=1).num_warps == 4
-    with pytest.raises(ValueError, match="decodes one sequence per step"):
-        kernel_config(["interpreter=v10"], batch=2)
     with pytest.raises(ValueError, match="expected v9 or v10"):
         kernel_config(["interpreter=v8"])
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.stream import StreamConfig
+
+    # a batch runs on v10 unless the model needs what v10 has no batched form of (the QK-norm): then naming v10 fails
+    assert isinstance(kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny").config), StreamConfig)
+    with pytest.raises(ValueError, match="cannot run a batch of 2 of this model: the QK-norm"):
+        kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-qwen3").config)
+    with pytest.raises(ValueError, match="outside 1..16"):
+        kernel_config(["interpreter=v10"], batch=17, cfg=get_model("tiny").config)
 
     cfg = kernel_config(["interpreter=v10", "inflight=4", "mma=true"], batch=1, device="cpu")
     assert isinstance(cfg, StreamConfig) and (cfg.inflight, cfg.mma) == (4, True)

@@ -64,10 +64,11 @@ def test_v10_compiles_qwen_families_without_spills(family: str) -> None:
 
 
 def _qk_apart_params(ptx: str) -> tuple[str, str]:
-    """The PTX names of the kernel parameters qk_sq_ptr and k_new_ptr: the two before timeout_ns, which is the last
-    parameter that is not a pointer (the TMA descriptors' expansion comes before them, Triton's scratch after)."""
+    """The PTX names of the kernel parameters qk_sq_ptr and k_new_ptr: the two before timeout_ns, which is the
+    second-last parameter that is not a pointer (seq_splits is the last; the TMA descriptors' expansion comes before
+    them, Triton's scratch after)."""
     params = [ln for ln in ptx.splitlines() if ln.strip().startswith(".param") and "stream_megakernel_param_" in ln]
-    last = max(i for i, ln in enumerate(params) if ".ptr" not in ln)
+    last = [i for i, ln in enumerate(params) if ".ptr" not in ln][-2]
     names = [ln.split()[-1].rstrip(",") for ln in params[last - 2:last]]
     assert all(".ptr" in ln for ln in params[last - 2:last]), params[last - 2:last]
     return names[0], names[1]
@@ -259,3 +260,44 @@ def test_v9_batch_builds_compile_without_spills() -> None:
         assert res.stack == 0, (name, batch, res)
     _, res = compile_v9(get_model("llama-1b").config, 1024, KernelConfig(maxnreg=255), batch=4)
     assert res.stack == 0 and res.regs > 128, res
+
+
+@pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("llama-1b", 8), ("llama-1b", 16),
+                                          ("llama-8b", 8)])
+def test_v10_batch_builds_fit(model: str, batch: int) -> None:
+    """Interpreter v10's batch builds for sm_90: no spill stack, shared memory within a CTA's; the staged operand
+    (every sequence's vector, 4 or 8 bf16 rows per 256-wide chunk) leaves a ring of at least 6 slots and holds
+    attention's lane partials ([GP, num_warps, hd] fp32), even where the hidden size is one chunk (tiny-qwen2, whose
+    down K then goes in two windows)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_constexprs, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    spec = get_model(model)
+    for sc in (StreamConfig(), StreamConfig(batch_hilo=True)):
+        geo = stream_geometry(spec.config, sc, batch)
+        consts = stream_constexprs(spec.config, spec.max_seq_len, sc, False, batch)
+        assert geo["MMA"] and consts["NB"] == batch and consts["NBP"] >= batch
+        assert consts["CPS"] == (8 if sc.batch_hilo else 4)
+        assert geo["stage_bytes"] == geo["NCH"] * consts["CPS"] * 64 * 2 * consts["NBP"]
+        assert geo["stage_bytes"] >= consts["GP"] * sc.num_warps * spec.config.hd * 4
+        assert geo["NS"] >= 6 and geo["stage_k"] >= spec.config.hidden_size
+    if model.startswith("tiny") or batch == 8:
+        _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(), batch=batch)
+        assert res.stack == 0, f"{model} batch {batch}: {res.stack} bytes of spill stack"
+        assert res.shared <= SMEM_LIMIT
+
+
+def test_v10_batch_limits_name_what_they_refuse() -> None:
+    """What interpreter v10 cannot build a batch for is a ValueError naming it (Megakernel then runs v9)."""
+    from megasynth.kernels.gpu.stream import StreamConfig, batch_limits, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    llama = get_model("tiny").config
+    assert batch_limits(llama, StreamConfig(), 1) is None and batch_limits(llama, StreamConfig(), 16) is None
+    assert "outside 1..16" in batch_limits(llama, StreamConfig(), 17)
+    assert "2 boxes" in batch_limits(llama, StreamConfig(boxes=4), 2)
+    assert "QK-norm" in batch_limits(get_model("tiny-qwen3").config, StreamConfig(), 2)
+    with pytest.raises(ValueError, match="cannot run this batch: the QK-norm"):
+        stream_geometry(get_model("tiny-qwen3").config, StreamConfig(), 3)

@@ -28,6 +28,7 @@ ARG_TYPES = {
     "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
     "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",
     "sin_ptr": "*fp32", "qk_sq_ptr": "*fp32", "k_new_ptr": "*fp32", "vs_ptr": "*bf16", "timeout_ns": "i64",
+    "seq_splits": "i32",
 }
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -87,17 +88,18 @@ def compile_v9(c: ModelConfig, max_seq_len: int, config: Any, batch: int = 1) ->
     return _compile(v9.v9_megakernel, ASTSource, consts, ARG_TYPES, warps, opts)
 
 
-def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False) -> tuple[Any, Resources]:
+def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = False, batch: int = 1
+                ) -> tuple[Any, Resources]:
     """Interpreter v10 (`StreamConfig`) for sm_90, its TMA descriptors typed as the host builds them (the
-    trace-enabled build with `trace`)."""
+    trace-enabled build with `trace`; the build for `batch` sequences per step)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from megasynth.kernels.gpu import stream
 
-    consts = stream.stream_constexprs(c, max_seq_len, config, trace)
+    consts = stream.stream_constexprs(c, max_seq_len, config, trace, batch)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    box, wlayout = stream.weight_box(stream.stream_geometry(c, config))
+    box, wlayout = stream.weight_box(stream.stream_geometry(c, config, batch))
     wdesc = f"tensordesc<bf16{box},{wlayout!r}>"
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{layout!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_qkv", "d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_k": kvdesc,

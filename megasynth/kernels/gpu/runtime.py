@@ -27,7 +27,14 @@ from megasynth.ir.errors import ScheduleError
 from megasynth.ir.model import ModelConfig, check_fits, gpu_memory_parts
 from megasynth.ir.schedule import Schedule
 from megasynth.ir.schedule_set import ScheduleSet
-from megasynth.kernels.gpu.pack import TRACE_FIELDS, Packed, check_runs_on_v9, pack
+from megasynth.kernels.gpu.pack import (
+    TRACE_FIELDS,
+    Packed,
+    check_mma_k_starts,
+    check_runs_batched_on_v10,
+    check_runs_on_v9,
+    pack,
+)
 from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, staging_elements, v9_megakernel
 
 ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
@@ -37,13 +44,15 @@ class WatchdogError(RuntimeError):
     """A worker waited past the watchdog timeout: the schedule (or the kernel) would have hung the GPU."""
 
 
-def default_config(device: torch.device) -> Any:
-    """Interpreter v10 (`megasynth.kernels.gpu.stream.StreamConfig`: TMA, warp specialization) on Hopper and newer GPUs;
-    interpreter v9 (`KernelConfig`) elsewhere, Triton's CPU interpreter included (it cannot run Gluon)."""
+def default_config(device: torch.device, cfg: ModelConfig | None = None, batch: int = 1) -> Any:
+    """Interpreter v10 (`megasynth.kernels.gpu.stream.StreamConfig`: TMA, warp specialization) on Hopper and newer GPUs
+    (for a batch: where `stream.batch_limits` allows it for the model `cfg`); interpreter v9 (`KernelConfig`)
+    elsewhere, Triton's CPU interpreter included (it cannot run Gluon)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        from megasynth.kernels.gpu.stream import StreamConfig
+        from megasynth.kernels.gpu.stream import StreamConfig, batch_limits
 
-        return StreamConfig()
+        if batch == 1 or (cfg is not None and batch_limits(cfg, StreamConfig(), batch) is None):
+            return StreamConfig()
     return KernelConfig()
 
 
@@ -74,9 +83,10 @@ def config_with(base: Any, items: Sequence[str]) -> Any:
     return dataclasses.replace(base, **changes)
 
 
-def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.device = "cuda") -> Any:
-    """The interpreter config that `Megakernel` would pick for this batch and device (v9 for a batch, v10 on Hopper),
-    or the one `interpreter=v9|v10` names, with the other KEY=VALUE items applied (`config_with`)."""
+def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.device = "cuda",
+                  cfg: ModelConfig | None = None) -> Any:
+    """The interpreter config that `Megakernel` would pick for this model, batch and device (`default_config`), or
+    the one `interpreter=v9|v10` names, with the other KEY=VALUE items applied (`config_with`)."""
     rest: list[str] = []
     named: list[str] = []
     for item in items:
@@ -89,16 +99,20 @@ def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.d
         raise ValueError("interpreter is given more than once")
     if named and named[0] not in ("v9", "v10"):
         raise ValueError(f"interpreter={named[0]}: expected v9 or v10")
-    if named == ["v10"] and batch > 1:
-        raise ValueError(f"interpreter=v10 decodes one sequence per step; a batch of {batch} runs on v9")
-    if named == ["v9"] or batch > 1:
+    if named == ["v10"] and batch > 1 and cfg is not None:
+        from megasynth.kernels.gpu.stream import StreamConfig, batch_limits
+
+        why = batch_limits(cfg, StreamConfig(), batch)
+        if why:
+            raise ValueError(f"interpreter=v10 cannot run a batch of {batch} of this model: {why}; v9 can")
+    if named == ["v9"]:
         base: Any = KernelConfig()
     elif named == ["v10"]:
         from megasynth.kernels.gpu.stream import StreamConfig
 
         base = StreamConfig()
     else:
-        base = default_config(torch.device(device))
+        base = default_config(torch.device(device), cfg, batch)
     return config_with(base, rest)
 
 
@@ -158,14 +172,15 @@ class Megakernel:
         self.device = torch.device(device)
         self.max_seq_len = int(max_seq_len or schedule.model.max_seq_len)
         #: Sequences per step: each its own KV cache slot, token and position (rt = tokens, then positions), its
-        #: part of every activation buffer, and [B, V] logits. Interpreter v9 runs a batch (pack.BATCH_INTERPRETERS).
+        #: part of every activation buffer, and [B, V] logits. Interpreter v10 runs a batch within
+        #: `stream.batch_limits` (Megakernel's default on Hopper), v9 any batch.
         self.batch = int(schedule.model.batch or 1)
         b = self.batch
         if self.device.type == "cuda":  # a long context's KV cache can pass the GPU: say so before touching it
             check_fits(gpu_memory_parts(self.cfg, self.max_seq_len, batch=b), torch.cuda.mem_get_info(self.device)[0])
         self.trace = trace
         self.timeout_ns = int(timeout_s * 1e9)
-        self.kcfg = config or (KernelConfig() if b > 1 else default_config(self.device))
+        self.kcfg = config or default_config(self.device, self.cfg, b)
         self.v10 = not isinstance(self.kcfg, KernelConfig)  # a megasynth.kernels.gpu.stream.StreamConfig
         c = self.cfg
         # On the CPU (Triton's interpreter, TRITON_INTERPRET=1) programs run one after another: one worker only.
@@ -203,7 +218,11 @@ class Megakernel:
         if self.v10:
             from megasynth.kernels.gpu.stream import stream_descriptors, stream_geometry
 
-            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, stream_geometry(c, self.kcfg))
+            try:
+                self.geo = stream_geometry(c, self.kcfg, b)
+            except ValueError as exc:  # a batch this interpreter cannot build for the model
+                raise ScheduleError(f"{exc}; interpreter v9 (KernelConfig) runs it", "$.model.batch") from None
+            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo)
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None
@@ -221,6 +240,10 @@ class Megakernel:
         if not self.v10:
             check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
                              "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
+        elif self.batch > 1:
+            check_runs_batched_on_v10(p)
+        elif self.geo["MMA"]:
+            check_mma_k_starts(p)
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
                                 "than the machine deadlocks", "$.queues")
@@ -277,8 +300,8 @@ class Megakernel:
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
                     self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *extra, *self.descs,
                     self.x, self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
-                    self.logits, self.cos, self.sin, self.qk_sq, self.k_new, self.timeout_ns]
-            return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace)
+                    self.logits, self.cos, self.sin, self.qk_sq, self.k_new, self.timeout_ns, p.max_splits]
+            return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace, self.batch)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], *extra, self.x, self.q, self.k_cache,

@@ -175,14 +175,25 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
 
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
-    while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do."""
-    nkb = (k1 - k0 + BK - 1) // BK
-    for r in range(a0, a1, 2 * BR):
-        for kb in range(0, nkb, SB // 2):
-            t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                            NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+    while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. A batch build
+    (KW > 0) goes through K in windows of at most KW, all rows per window (`_op_kpaired_batch` stages each window
+    of every sequence's vector once), from k0 rounded down to a sub-chunk (a TMA box starts at a multiple of 64 on
+    the tensor-core path; the staged operand is zero below k0)."""
+    if KW > 0:
+        for w0 in range(k0 // SUB * SUB, k1, KW):
+            nkb = (gl.minimum(w0 + KW, k1) - w0 + BK - 1) // BK
+            for r in range(a0, a1, 2 * BR):
+                for kb in range(0, nkb, SB // 2):
+                    t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, w0, kb, nkb, t, ring, ready,
+                                    empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+    else:
+        nkb = (k1 - k0 + BK - 1) // BK
+        for r in range(a0, a1, 2 * BR):
+            for kb in range(0, nkb, SB // 2):
+                t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
+                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     return t
 
 
@@ -209,12 +220,14 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-            BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr):
+            BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
+            NB: gl.constexpr, KW: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
     its own last fill was issued: how far the ring ran ahead of the compute warps. QKV with the QK-norm apart
-    (QK_NORM builds only) streams the same tiles as QKV; qk_norm_apply reads no weights."""
+    (QK_NORM builds only) streams the same tiles as QKV; qk_norm_apply reads no weights. In a batch (NB > 1) an
+    attention instruction streams sequence a3's history: its position rt[NB + a3], its cache slot."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -250,19 +263,25 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                     t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
                                     INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
-            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+            t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
+                        KW)
         elif op == OP_DOWN:
-            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
+                        KW)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
+                if NB > 1:
+                    pos = gl.load(rt_ptr + NB + a3)
+                    row0 = ((layer * NB + a3) * NKV + a0) * S
+                else:
+                    row0 = (layer * NKV + a0) * S
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
-                row0 = (layer * NKV + a0) * S
                 for b0 in range(lo, hi, BTK):
                     t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA)
+                        BOX_BYTES, MMA, KW)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -887,6 +906,250 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
         gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), o, mask=gl.expand_dims(hm, 1))
 
 
+# -- batches (NB > 1 sequences per step; the tensor-core path) ---------------------------------------------------
+
+
+@gluon.jit
+def _store_operand_seqs(vstage, v, g0: gl.constexpr, GB: gl.constexpr, NBP: gl.constexpr, NCHK: gl.constexpr,
+                        BK: gl.constexpr, CPS: gl.constexpr):
+    """Sequences [g0, g0 + GB) of a batch's B operand <- v ([GB, NCHK, BK] fp32), CPS rows per sequence and chunk:
+    chunk c's rows CPS b + q are sequence b's sub-chunks q in bf16, and with hi/lo pairs (CPS = 8) rows 8 b + 4 + q
+    what bf16 left of them (`_store_operand`'s rows, once per sequence), so that one wgmma multiplies a weight tile
+    with every sequence's vector."""
+    NQ: gl.constexpr = BK // SUB
+    v4 = gl.reshape(v, [GB, NCHK, NQ, SUB])
+    hi = v4.to(gl.bfloat16)
+    if CPS == 2 * NQ:
+        lo = (v4 - hi.to(gl.float32)).to(gl.bfloat16)
+        op = gl.reshape(gl.permute(gl.join(hi, lo), (1, 0, 4, 2, 3)), [NCHK, GB * CPS, SUB])
+    else:
+        op = gl.reshape(gl.permute(hi, (1, 0, 2, 3)), [NCHK, GB * CPS, SUB])
+    rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
+    rows.slice(g0 * CPS, GB * CPS, dim=1).store(op)
+
+
+@gluon.jit
+def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
+                 EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+                 GB: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """The B operand of every sequence's src[k0:k1], zero below klo (sequence b's at src + b sstride; with NORM
+    times the norm weight and its own rstd, applied here since a batch's rows are scaled per sequence), zero for the
+    padding sequences [NB, NBP). GB sequences' vectors are loaded at once (one L2 round trip per GB sequences)."""
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
+    bb = gl.arange(0, GB, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    rr = gl.arange(0, NCHK, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    idx = gl.expand_dims(gl.expand_dims(rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)  # [1, NCHK, BK]
+    m = (idx < k1 - k0) & (idx >= klo - k0)
+    if NORM:
+        w = gl.load(nw_ptr + idx, mask=m, other=0.0)
+    for g0 in gl.static_range(0, NBP, GB):
+        seq = g0 + gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [GB, 1, 1]
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
+        if NORM:
+            ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # [GB]
+            rstd = 1.0 / gl.sqrt(ss / H + EPS)
+            v = v * w * gl.expand_dims(gl.expand_dims(rstd, 1), 2)
+        _store_operand_seqs(vstage, v, g0, GB, NBP, NCHK, BK, CPS)
+    fence_async_shared()
+    gl.thread_barrier()
+    if TRACE:
+        gl.store(tr + 6, ptx.gl_globaltimer())
+
+
+@gluon.jit
+def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
+                     NBP: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
+    """`_pair_rows_mma` for a batch: the staged operand has 8 columns per sequence, so one wgmma per slot multiplies
+    its weights with every sequence's vector. Returns (t, y_a, y_b), [16 rows, NBP sequences] each in the layout
+    `_batch_op`'s `ep` (the boxes' values of a row and sequence in one thread, so that taking one box is free)."""
+    BOXES: gl.constexpr = gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0])
+    NQ: gl.constexpr = BK // SUB
+    M: gl.constexpr = SB * NQ * BR
+    N: gl.constexpr = NBP * CPS
+    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, 8, 16])
+    slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
+    acc = gl.zeros([M, N], gl.float32, accl)
+    for kb in range(0, nkb):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
+        t += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    gl.thread_barrier()
+    mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
+    cols = gl.arange(0, N, layout=gl.SliceLayout(0, accl))
+    sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
+    z = gl.sum(gl.reshape(gl.where(sel, acc, 0.0), [M, NBP, CPS]), axis=2)  # [M, NBP]: hi + lo per sequence
+    z = gl.convert_layout(gl.sum(gl.reshape(z, [SB, BR, NQ, NBP]), axis=2), BOXES)  # [box, row, sequence]
+    box = gl.expand_dims(gl.expand_dims(gl.arange(0, SB, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
+    return t, gl.sum(gl.where(box == 0, z, 0.0), axis=0), gl.sum(gl.where(box == 1, z, 0.0), axis=0)
+
+
+@gluon.jit
+def _seq_rows(out_ptr, ostride, rows, y, a1, NB: gl.constexpr, RESIDUAL: gl.constexpr, ep: gl.constexpr):
+    """out[b * ostride + rows] (+)= y[:, b] for every sequence b < NB and the rows below a1 (`_store_rows` per
+    sequence)."""
+    NBP: gl.constexpr = y.shape[1]
+    bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)
+    ptrs = out_ptr + bs * ostride + gl.expand_dims(rows, 1)
+    m = (gl.expand_dims(rows, 1) < a1) & (bs < NB)
+    if RESIDUAL:
+        gl.atomic_add(ptrs, y, mask=m, sem="relaxed", scope="gpu")
+    else:
+        gl.store(ptrs, y, mask=m)
+
+
+@gluon.jit
+def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, out_ptr, ostride, a0, a1, k0, k1,
+                      NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
+                      NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
+                      NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, ep: gl.constexpr,
+                      num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
+    the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
+    staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
+    at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size)."""
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
+    for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
+        w1 = gl.minimum(w0 + KW, k1)
+        _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, GB, CPS,
+                     num_warps, tr, TRACE)
+        nkb = (w1 - w0 + BK - 1) // BK
+        for r in range(a0, a1, 2 * BR):
+            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, SB, BK, NBP, CPS, num_warps)
+            _seq_rows(out_ptr, ostride, r + i16, y1, a1, NB, RESIDUAL, ep)
+            if r + BR < a1:
+                _seq_rows(out_ptr, ostride, r + BR + i16, y2, a1, NB, RESIDUAL, ep)
+    return t
+
+
+@gluon.jit
+def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
+                      IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
+                      BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr,
+                      ep: gl.constexpr,
+                      num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS)."""
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                 NBP, GB, CPS, num_warps, tr, TRACE)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
+    for r in range(a0, a1, BR):
+        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, NKH, NS, SB, BK, NBP, CPS, num_warps)
+        _seq_rows(act_ptr, IS, r + i16, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
+    return t
+
+
+@gluon.jit
+def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
+                  layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+                  S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                  NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr,
+                  CPS: gl.constexpr,
+                  ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
+    position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
+    hd] caches)."""
+    HALF: gl.constexpr = HD // 2
+    NKH: gl.constexpr = (H + BK - 1) // BK
+    QKV: gl.constexpr = (NH + 2 * NKV) * HD
+    _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                 NBP, GB, CPS, num_warps, tr, TRACE)
+    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
+    bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)  # [1, NBP]
+    live = bs < NB
+    pos = gl.load(rt_ptr + NB + bs, mask=live, other=0)
+    slot = ((layer * NB + bs) * NKV).to(gl.int64)  # [1, NBP]: each sequence's cache slot of this layer
+    p = a0 // 2
+    pend = a1 // 2
+    while p < pend:
+        head, j, n = _qkv_group(p, pend, HALF)
+        jj = gl.expand_dims(j + i16, 1)  # [16, 1]
+        m = gl.expand_dims(i16 < n, 1) & live
+        if QKV_BIAS:
+            bias = b_ptr + layer * QKV + head * HD + jj
+            b1 = gl.load(bias, mask=m, other=0.0)
+            b2 = gl.load(bias + HALF, mask=m, other=0.0)
+        rot = m & (head < NH + NKV)
+        cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, NKH, NS, SB, BK, NBP, CPS, num_warps)
+        if QKV_BIAS:
+            y1 = y1 + b1
+            y2 = y2 + b2
+        if head < NH + NKV:
+            o1 = y1 * cs - y2 * sn
+            o2 = y2 * cs + y1 * sn
+            if head < NH:
+                qb = q_ptr + bs * (NH * HD) + head * HD + jj
+                gl.store(qb, o1, mask=m)
+                gl.store(qb + HALF, o2, mask=m)
+            else:
+                cb = kc_ptr + ((slot + head - NH) * S + pos) * HD + jj
+                gl.store(cb, o1.to(gl.bfloat16), mask=m)
+                gl.store(cb + HALF, o2.to(gl.bfloat16), mask=m)
+        else:
+            cb = vc_ptr + ((slot + head - NH - NKV) * S + pos) * HD + jj
+            gl.store(cb, y1.to(gl.bfloat16), mask=m)
+            gl.store(cb + HALF, y2.to(gl.bfloat16), mask=m)
+        p += n
+    return t
+
+
+@gluon.jit
+def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
+              mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr,
+              act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
+              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+              S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
+              GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
+              NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
+              SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr,
+              CPS: gl.constexpr,
+              num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
+    wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
+    position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
+    partial buffers, as the catalogue's footprints place them."""
+    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
+    if op == OP_EMBED:
+        for b in gl.static_range(NB):
+            _op_embed(embed_ptr, x_ptr + b * H, gl.load(rt_ptr + b), a0, a1, H, BE, num_warps)
+    elif op == OP_QKV:
+        t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
+                          cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, SB, NCHH,
+                          BK, NB, NBP, GB, CPS, ep, num_warps, tr, TRACE)
+    elif op == OP_PARTIAL:
+        t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
+                             lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
+                             gl.load(rt_ptr + NB + a3), 0, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP,
+                             SCALE, EPS, False, NS, SB, BTK, KV_RING, num_warps)
+    elif op == OP_REDUCE:
+        _op_attn_reduce(opart_ptr + a3 * seq_splits * (NH * HD), lse_ptr + a3 * seq_splits * NH,
+                        attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
+    elif op == OP_OPROJ:
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
+                              False, True, H, EPS, NS, SB, NCHQ, BK, NB, NBP, GB, CPS, NCHH * BK, ep, num_warps, tr,
+                              TRACE)
+    elif op == OP_GATE_UP:
+        t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
+                              NS, SB, NCHH, BK, NB, NBP, GB, CPS, ep, num_warps, tr, TRACE)
+    elif op == OP_DOWN:
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
+                              True, H, EPS, NS, SB, NCHI, BK, NB, NBP, GB, CPS, NCHH * BK, ep, num_warps, tr, TRACE)
+    elif op == OP_LM_HEAD:
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
+                              a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, NB, NBP, GB, CPS, NCHH * BK, ep,
+                              num_warps, tr, TRACE)
+    return t
+
+
 @gluon.jit
 def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
           num_warps: gl.constexpr):
@@ -947,15 +1210,17 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
              embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
              x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-             qk_sq_ptr, k_new_ptr, timeout_ns, ring, ready, empty, vbuf, vstage,
+             qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-             S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-             QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-             NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
+             S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
+             GP: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr,
+             SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             MMA: gl.constexpr, num_warps: gl.constexpr):
-    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order."""
+             MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr,
+             num_warps: gl.constexpr):
+    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
+    ops: `_batch_op`)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     pid = gl.program_id(0)
     gl.store(smid_ptr + pid, ptx.gl_smid())
@@ -977,7 +1242,13 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
         if TRACE:
             t_start = ptx.gl_globaltimer()
-        if op == OP_EMBED:
+        if NB > 1:
+            t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
+                          mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
+                          attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
+                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, SP, BE, NB, NBP, GB, CPS,
+                          num_warps, tr, TRACE)
+        elif op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
             t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
@@ -1042,14 +1313,14 @@ def stream_megakernel(
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
     d_k, d_v,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-    qk_sq_ptr, k_new_ptr, timeout_ns,
+    qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-    EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
+    V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
     QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
-    num_warps: gl.constexpr,
+    NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1060,8 +1331,9 @@ def stream_megakernel(
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
     # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
+    # A batch's operand has every sequence's hi/lo rows per chunk (`_store_operand_seqs`).
     if MMA:
-        vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH, 2 * BK // SUB, SUB], MMA_SMEM)
+        vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH, NBP * CPS, SUB], MMA_SMEM)
         vbuf = vstage
     else:
         vstage = gl.allocate_shared_memory(gl.float32, [NCH, BK],
@@ -1075,12 +1347,13 @@ def stream_megakernel(
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, ring, ready, empty, vbuf, vstage, H, IS, NH, NKV, HD,
-                    S, EPS, SCALE, G, GP,
+                    sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
+                    NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
-                    MMA, num_warps)),
+                    MMA, NB, NBP, GB, CPS, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE)),
+                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
+                   KW)),
     ], [1], [LOADER_REGS])
 
 
@@ -1090,6 +1363,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 #: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
 #: (scripts/compile_check.py); a larger reserve would cost a ring slot
 SMEM_RESERVE = 2 * 1024
+#: The most sequences one step decodes (a batch's operand: 8 columns per sequence, a wgmma's N at most 128 here).
+MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -1114,6 +1389,9 @@ class StreamConfig:
     #: so it is off by default (docs/perf-notes.md). Needs 2 boxes per slot and every K a multiple of 64 (otherwise the
     #: CUDA-core path runs); makes BK 256.
     mma: bool = False
+    #: a batch's activations as bf16 hi/lo pairs (~16 mantissa bits, as `mma` at batch 1) instead of bf16: the MMA
+    #: twice as wide, measured 1.46x slower at batch 8 (docs/perf-notes.md); bf16 matches the bf16 PyTorch step
+    batch_hilo: bool = False
     be: int = 1024  # embedding copy block
 
 
@@ -1136,13 +1414,38 @@ def _group_lanes(c: ModelConfig) -> int:
     return max(2, _pow2_ceil(c.group_size))
 
 
-def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
-    """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config."""
+def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
+    """Why interpreter v10 cannot build for `batch` sequences of this model (None: it can). A batch runs on the
+    tensor cores (`_pair_rows_batch`), so every K must be a multiple of 64 and a slot two boxes; the QK-norm's ops
+    have no batched form yet."""
+    if batch == 1:
+        return None
+    if not 1 <= batch <= MAX_BATCH:
+        return f"a batch of {batch} is outside 1..{MAX_BATCH}"
+    if c.qk_norm:
+        return "the QK-norm (Qwen3) has no batched form on interpreter v10"
+    if sc.boxes != 2:
+        return f"a batch needs 2 boxes per ring slot (boxes = {sc.boxes})"
+    if any(k % 64 for k in (c.hidden_size, c.q_size, c.intermediate_size)):
+        return "a batch runs on the tensor cores, which need hidden, q and intermediate sizes that are multiples of 64"
+    return None
+
+
+def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[str, int]:
+    """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config and batch.
+
+    A batch (NB > 1 sequences) runs on the tensor cores with one staged operand of NBP (the batch padded to a power of
+    two) sequences' hi/lo rows per chunk: NBP times the batch-1 operand's bytes. Its o_proj and down instructions
+    stage at most as many chunks as the hidden size at a time (K windows of `stage_k`, `_load_k`), so a batch costs
+    ring slots, not a vector the shared memory cannot hold."""
     if sc.boxes not in (2, 4):
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    why = batch_limits(c, sc, batch)
+    if why:
+        raise ValueError(f"interpreter v10 cannot run this batch: {why}")
     # the tensor-core path views each weight matrix [rows, K / 64, 64] for TMA: every K a multiple of 64
-    mma = sc.mma and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
-                                                                              c.intermediate_size))
+    mma = (sc.mma or batch > 1) and sc.boxes == 2 and all(k % 64 == 0 for k in (c.hidden_size, c.q_size,
+                                                                                 c.intermediate_size))
     # the tensor-core path's box is four [16, 64] TMA boxes (a 64-row wgmma tile); past K they are zero-filled
     bk = 256 if mma else min(sc.bk, 256, _pow2_floor(c.hidden_size))
     chunks = {n: _pow2_ceil(-(-k // bk)) for n, k in (("NCHH", c.hidden_size), ("NCHQ", c.q_size),
@@ -1150,12 +1453,20 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks; attention
     # merges its position lanes through the buffer too ([GP, num_warps, hd] fp32)
     gp = _group_lanes(c)
-    nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
+    nbp = _pow2_ceil(batch)
+    cps = 2 * bk // 64 if sc.batch_hilo or batch == 1 else bk // 64  # operand rows per chunk and sequence
+    if batch > 1:  # o_proj and down stage at most the hidden size's chunks; attention's lane merge fits the rest
+        chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
+        chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
+        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * c.hd * 4 // (cps * 64 * 2 * nbp)))
+    else:
+        nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
     slot_bytes = sc.boxes * 16 * bk * 2
-    fit = (SMEM_LIMIT - SMEM_RESERVE - nch * bk * 4) // slot_bytes
+    stage_bytes = nch * cps * 64 * 2 * nbp if batch > 1 else nch * bk * 4
+    fit = (SMEM_LIMIT - SMEM_RESERVE - stage_bytes) // slot_bytes
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
-        raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {nch * bk * 4} B vector "
+        raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
                          f"staging buffer (at most {fit})")
     # K/V history blocks fill a slot's first two boxes: BTK positions of hd bf16 each, a multiple of attention's
     # position lanes (32 / (hd / 8) lanes per warp along positions, times the compute warps)
@@ -1167,23 +1478,28 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig) -> dict[str, int]:
     if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
         raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
                          "power-of-two number of heads")
+    # a batch stages GB sequences' vectors per load: at most 16 K fp32 values (64 registers a thread) in flight
+    gb = max(1, min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
-            "stage_bytes": nch * bk * 4, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
-            "MMA": mma}
+            "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
+            "MMA": mma, "NB": batch, "NBP": nbp, "GB": gb, "CPS": cps, "stage_k": chunks["NCHH"] * bk}
 
 
-def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool) -> dict[str, Any]:
-    """The compile-time parameters of interpreter v10 for one model config (launch options included)."""
-    geo = stream_geometry(c, sc)
+def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
+                      ) -> dict[str, Any]:
+    """The compile-time parameters of interpreter v10 for one model config and batch (launch options included): a
+    new batch size is a new build, a new schedule for the same batch is not."""
+    geo = stream_geometry(c, sc, batch)
     return dict(
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
-        S=max_seq_len, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
+        S=max_seq_len, V=c.vocab_size, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs,
-        MMA=geo["MMA"], num_warps=sc.num_warps)
+        MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], GB=geo["GB"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
+        num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
