@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Tokens/s by batch on one GPU: `synth bench --batch 1,2,4,8,16` at ctx 1024 for the models named on the command
 # line (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the
-# megakernel (interpreter v9 for a batch, v10 at batch 1; the naive lowering of each batch). Writes
-# <model>_batch<N>.json and batch_h200.log under $OUT, or bench/results/batch when OUT is unset. About 5 minutes
-# per model on an H200 (one device call each). For llama-1b it then times batch 8 on wide tiles (the lowering of
+# megakernel (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the
+# lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) with the merge
+# of attention's splits apart from o_proj (v10 has no batched fold yet) and attention split batch times less (the
+# same number of attention instructions). Writes <model>_batch<N>.json and batch_h200.log under $OUT, or
+# bench/results/batch when OUT is unset. About 5 minutes per model on an H200 (one device call each).
+# `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
-# llama-1b_batch8_tiles.json. `--tiles` runs that step alone (about 2 minutes).
+# llama-1b_batch8_tiles.json (about 2 minutes).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RESULTS=${OUT:-bench/results/batch}
@@ -14,29 +17,42 @@ mkdir -p "$RESULTS"
 if [ -d .whl ] && ! python3 -c 'import z3, pydantic' 2>/dev/null; then  # wheels carried to a machine without them
   python3 -m pip install -q --no-index --no-deps .whl/*.whl
 fi
-wide_tiles() {
-  local work
-  work=$(mktemp -d)
-  python3 -m megasynth.cli lower --model llama-1b --batch 8 \
-    --strategy bench/results/batch/llama-1b_batch8_tiles.strategy.json -o "$work/schedule.json" &&
-  python3 -m megasynth.commands.bench bench --model llama-1b --ctx 1024 --batch 8 --schedule "$work/schedule.json" \
-    --kernel-option batch_weight_first=true --kernel-option batch_rows=128 --kernel-option batch_tile=16384 \
-    --kernel-option maxnreg=255 --variants torch_bf16,torch_compile,megakernel --compile-mode default \
-    --compile-timeout 120 --json "$RESULTS/llama-1b_batch8_tiles.json"
-  rm -rf "$work"
+BATCHES=(1 2 4 8 16)
+lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
+  python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
+import gzip, json, sys
+model, out, *batches = sys.argv[1:]
+strategy = json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"]
+for b in map(int, batches):
+    s = dict(strategy)
+    if b > 1:
+        s["fuse_attn_reduce"] = False
+        s["attn_splits"] = max(1, strategy["attn_splits"] // b)
+    json.dump(s, open(f"{out}/strategy{b}.json", "w"))
+PY
+  for b in "${BATCHES[@]}"; do
+    python3 -m megasynth.cli lower --model "$1" --batch "$b" --strategy "$2/strategy$b.json" -o "$2/s$b.json" || return 1
+  done
 }
 if [ "${1:-}" = --tiles ]; then
-  wide_tiles 2>&1 | tee "$RESULTS/batch_tiles_h200.log"
+  work=$(mktemp -d)
+  {
+    python3 -m megasynth.cli lower --model llama-1b --batch 8 \
+      --strategy bench/results/batch/llama-1b_batch8_tiles.strategy.json -o "$work/schedule.json" &&
+    python3 -m megasynth.commands.bench bench --model llama-1b --ctx 1024 --batch 8 --schedule "$work/schedule.json" \
+      --kernel-option interpreter=v9 --kernel-option batch_weight_first=true --kernel-option batch_rows=128 \
+      --kernel-option batch_tile=16384 --kernel-option maxnreg=255 --variants torch_bf16,torch_compile,megakernel \
+      --compile-mode default --compile-timeout 120 --json "$RESULTS/llama-1b_batch8_tiles.json"
+  } 2>&1 | tee "$RESULTS/batch_tiles_h200.log"
   exit
 fi
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(llama-1b llama-8b)
 for model in "${models[@]}"; do
   echo "== $model"
-  python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch 1,2,4,8,16 \
-    --variants torch_bf16,torch_compile,megakernel --compile-mode default --compile-timeout 120 \
-    --json "$RESULTS/${model}_batch{batch}.json"
-  if [ "$model" = llama-1b ]; then
-    wide_tiles
-  fi
+  work=$(mktemp -d)
+  lower_batches "$model" "$work" &&
+  python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch "$(IFS=,; echo "${BATCHES[*]}")" \
+    --schedule "$work/s{batch}.json" --variants torch_bf16,torch_compile,megakernel --compile-mode default \
+    --compile-timeout 120 --json "$RESULTS/${model}_batch{batch}.json"
 done 2>&1 | tee "$RESULTS/batch_h200.log"
