@@ -336,19 +336,12 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-                   BK: gl.constexpr, num_warps: gl.constexpr):
-    """`_pair_rows` on the tensor cores. A slot's two boxes are one [128, 64] wgmma operand (row 4 i + q of a box is
-    its row i over K columns [64 q, 64 q + 64) of the chunk), the staged chunk is [64, 8]: column q the hi bf16 half
-    of the vector's sub-chunk q, column 4 + q its lo half (x - hi), so a row's dot product is the sum over q of its
-    columns q and 4 + q: fp32-like accuracy from bf16 operands, in an MMA whose M and N the matvec leaves idle anyway.
-    One wgmma in flight: slot t - 1 goes back to the loader once slot t's is issued and t - 1's has completed."""
-    NQ: gl.constexpr = BK // SUB
-    M: gl.constexpr = SB * NQ * BR
-    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, 8, 16])
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr):
+    """acc += slot t + kb's [M, 64] weight tile times staged chunk kb's operand (transposed), kb < nkb, on the tensor
+    cores. One wgmma in flight: slot t - 1 goes back to the loader once slot t's is issued and t - 1's has
+    completed."""
+    M: gl.constexpr = acc.shape[0]
     slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
-    acc = gl.zeros([M, 2 * NQ], gl.float32, accl)
     for kb in range(0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -360,6 +353,22 @@ def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.con
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     gl.thread_barrier()
     mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    return t, acc
+
+
+@gluon.jit
+def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+                   BK: gl.constexpr, num_warps: gl.constexpr):
+    """`_pair_rows` on the tensor cores. A slot's two boxes are one [128, 64] wgmma operand (row 4 i + q of a box is
+    its row i over K columns [64 q, 64 q + 64) of the chunk), the staged chunk is [64, 8]: column q the hi bf16 half
+    of the vector's sub-chunk q, column 4 + q its lo half (x - hi), so a row's dot product is the sum over q of its
+    columns q and 4 + q: fp32-like accuracy from bf16 operands, in an MMA whose M and N the matvec leaves idle anyway
+    (`_mma_slots`)."""
+    NQ: gl.constexpr = BK // SUB
+    M: gl.constexpr = SB * NQ * BR
+    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, 8, 16])
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, 2 * NQ], gl.float32, accl), NS)
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
     cols = gl.arange(0, 2 * NQ, layout=gl.SliceLayout(0, accl))
     sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)
@@ -960,28 +969,16 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
 @gluon.jit
 def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
                      NBP: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
-    """`_pair_rows_mma` for a batch: the staged operand has 8 columns per sequence, so one wgmma per slot multiplies
-    its weights with every sequence's vector. Returns (t, y_a, y_b), [16 rows, NBP sequences] each in the layout
-    `_batch_op`'s `ep` (the boxes' values of a row and sequence in one thread, so that taking one box is free)."""
+    """`_pair_rows_mma` for a batch: the staged operand has CPS columns per sequence, so one wgmma per slot
+    multiplies its weights with every sequence's vector. Returns (t, y_a, y_b), [16 rows, NBP sequences] each in the
+    layout `_batch_op`'s `ep` (the boxes' values of a row and sequence in one thread: taking one box is free)."""
     BOXES: gl.constexpr = gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0])
     NQ: gl.constexpr = BK // SUB
     M: gl.constexpr = SB * NQ * BR
     N: gl.constexpr = NBP * CPS
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
-    slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
-    acc = gl.zeros([M, N], gl.float32, accl)
-    for kb in range(0, nkb):
-        s = t % NS
-        mbarrier.wait(ready.index(s), (t // NS) & 1)
-        acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-        gl.thread_barrier()
-        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
-        t += 1
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, N], gl.float32, accl), NS)
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
     cols = gl.arange(0, N, layout=gl.SliceLayout(0, accl))
     sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
