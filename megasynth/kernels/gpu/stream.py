@@ -183,17 +183,22 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
     the tensor-core path; the staged operand is zero below k0)."""
     if KW > 0:
         for w0 in range(k0 // SUB * SUB, k1, KW):
-            nkb = (gl.minimum(w0 + KW, k1) - w0 + BK - 1) // BK
-            for r in range(a0, a1, 2 * BR):
-                for kb in range(0, nkb, SB // 2):
-                    t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, w0, kb, nkb, t, ring, ready,
-                                    empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+            t = _load_rows(desc, base, a0, a1, w0, gl.minimum(w0 + KW, k1), t, ring, ready, empty, NS, INFLIGHT, SB,
+                           BK, BOX_BYTES, MMA)
     else:
-        nkb = (k1 - k0 + BK - 1) // BK
-        for r in range(a0, a1, 2 * BR):
-            for kb in range(0, nkb, SB // 2):
-                t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                                NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+        t = _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+    return t
+
+
+@gluon.jit
+def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+               SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+    """`_load_k`'s slots of one K range: rows r and r + 16 over the same K chunks, 32 rows at a time."""
+    nkb = (k1 - k0 + BK - 1) // BK
+    for r in range(a0, a1, 2 * BR):
+        for kb in range(0, nkb, SB // 2):
+            t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
+                            NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     return t
 
 
@@ -1030,8 +1035,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
 def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
                       IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
                       BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr,
-                      ep: gl.constexpr,
-                      num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                      ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS)."""
     NKH: gl.constexpr = (H + BK - 1) // BK
     _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
@@ -1048,8 +1052,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr,
-                  CPS: gl.constexpr,
-                  ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                  CPS: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
     hd] caches)."""
