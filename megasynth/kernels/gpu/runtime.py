@@ -306,7 +306,7 @@ class Megakernel:
                 self.smids, self.rt, w["embed"], w["attn_norm"], w["wqkv"], w["wo"], w["mlp_norm"], w["w_gate"],
                 w["w_up"], w["w_down"], w["final_norm"], w["lm_head"], *extra, self.x, self.q, self.k_cache,
                 self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.vs,
-                self.timeout_ns]
+                self.timeout_ns, p.max_splits]
         return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace, self.batch)
 
     def _check_residency(self, p: Packed, trace: bool) -> None:

@@ -56,7 +56,7 @@ def v9_megakernel(
     embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr,
     bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr,
     cos_ptr, sin_ptr, vs_ptr,
-    timeout_ns,
+    timeout_ns, seq_splits,
     H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
     EPS: tl.constexpr, SCALE: tl.constexpr, BLOCK_H: tl.constexpr, GP: tl.constexpr,
     BK_QKV: tl.constexpr, BR_O: tl.constexpr, BK_O: tl.constexpr, BR_GU: tl.constexpr, BK_GU: tl.constexpr,
@@ -150,7 +150,8 @@ def v9_megakernel(
                 _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr,
                             mlp_norm_ptr, wg_ptr, wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr,
                             x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                            sin_ptr, vs_ptr + pid.to(tl.int64) * (2 * BB * VSK), H, IS, NH, NKV, HD, S, EPS,
+                            sin_ptr, vs_ptr + pid.to(tl.int64) * (2 * BB * VSK), seq_splits, H, IS, NH, NKV, HD,
+                            S, EPS,
                             SCALE, GP, BR_O, BR_GU, BR_D, BR_LM, BT, BE, NSB,
                             ATTN_MMA, NS_ATTN, SP, QKV_BIAS, QK_NORM, BATCH, BB, VOCAB, BKB, BATCH_MMA, VSK, BATCH_WF)
             elif op == OP_EMBED:
@@ -216,17 +217,19 @@ def v9_megakernel(
 @triton.jit
 def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqkv_ptr, wo_ptr, mlp_norm_ptr, wg_ptr,
                 wu_ptr, wd_ptr, final_norm_ptr, lm_head_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
-                opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, vs_ptr, H: tl.constexpr,
-                IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, S: tl.constexpr,
-                EPS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr, BR_O: tl.constexpr, BR_GU: tl.constexpr,
-                BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, NS: tl.constexpr,
-                ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr, QKV_BIAS: tl.constexpr,
-                QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr, VOCAB: tl.constexpr,
-                BKB: tl.constexpr, BATCH_MMA: tl.constexpr, VSK: tl.constexpr, BATCH_WF: tl.constexpr):
+                opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, vs_ptr, seq_splits,
+                H: tl.constexpr, IS: tl.constexpr, NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr,
+                S: tl.constexpr, EPS: tl.constexpr, SCALE: tl.constexpr, GP: tl.constexpr, BR_O: tl.constexpr,
+                BR_GU: tl.constexpr, BR_D: tl.constexpr, BR_LM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+                NS: tl.constexpr, ATTN_MMA: tl.constexpr, NS_ATTN: tl.constexpr, SP: tl.constexpr,
+                QKV_BIAS: tl.constexpr, QK_NORM: tl.constexpr, BATCH: tl.constexpr, BB: tl.constexpr,
+                VOCAB: tl.constexpr, BKB: tl.constexpr, BATCH_MMA: tl.constexpr, VSK: tl.constexpr,
+                BATCH_WF: tl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each tile loaded once); attention
     serves sequence a3 (`seq`): its q, its cache slot (layer * BATCH + seq of the [L, B, nKV, S, hd] caches), its
-    position rt[BATCH + seq], its split partials at seq * splits rows of the partial buffers. vs_ptr is this
-    program's scratch for the staged operand of the weight ops (ops.stage_batch)."""
+    position rt[BATCH + seq], its split partials at seq * seq_splits rows of the partial buffers (the schedule's
+    largest split count, where the catalogue's footprints place them, whatever the layer's own count). vs_ptr is
+    this program's scratch for the staged operand of the weight ops (ops.stage_batch)."""
     QS: tl.constexpr = NH * HD
     KVS: tl.constexpr = NKV * HD
     G: tl.constexpr = NH // NKV
@@ -239,8 +242,8 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
     elif op == OP_PARTIAL:
         pos = tl.load(rt_ptr + BATCH + a3)
         qb = q_ptr + a3 * QS
-        ob = opart_ptr + a3 * a2 * QS
-        lb = lse_ptr + a3 * a2 * NH
+        ob = opart_ptr + a3 * seq_splits * QS
+        lb = lse_ptr + a3 * seq_splits * NH
         if ATTN_MMA:
             ops.op_attn_partial_mma(qb, kc_ptr, vc_ptr, ob, lb, layer * BATCH + a3, a0, a1, a2, pos, NH, NKV, HD, S,
                                     G, BT, SCALE, NS_ATTN)
@@ -248,8 +251,8 @@ def _batched_op(op, layer, a0, a1, a2, a3, rt_ptr, embed_ptr, attn_norm_ptr, wqk
             ops.op_attn_partial(qb, kc_ptr, vc_ptr, ob, lb, layer * BATCH + a3, a0, a1, a2, pos, NH, NKV, HD, S, G,
                                 GP, BT, SCALE)
     elif op == OP_REDUCE:
-        ops.op_attn_reduce(opart_ptr + a3 * a2 * QS, lse_ptr + a3 * a2 * NH, attn_ptr + a3 * QS, a0, a1, a2, NH, HD,
-                           GP, SP)
+        ops.op_attn_reduce(opart_ptr + a3 * seq_splits * QS, lse_ptr + a3 * seq_splits * NH, attn_ptr + a3 * QS, a0,
+                           a1, a2, NH, HD, GP, SP)
     elif op == OP_OPROJ:
         ops.op_matvec_residual_batch(wo_ptr, attn_ptr, x_ptr, vs_ptr, layer, a0, a1, a2, a3, H, QS, BR_O, BKB, NS,
                                      BATCH, BB, BATCH_MMA, VSK, BATCH_WF)
