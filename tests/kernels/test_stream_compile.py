@@ -262,13 +262,14 @@ def test_v9_batch_builds_compile_without_spills() -> None:
     assert res.stack == 0 and res.regs > 128, res
 
 
-@pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("llama-1b", 8), ("llama-1b", 16),
-                                          ("llama-8b", 8)])
+@pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 8), ("llama-1b", 4),
+                                          ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8)])
 def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     """Interpreter v10's batch builds for sm_90: no spill stack, shared memory within a CTA's; the staged operand
-    (every sequence's vector, 4 or 8 bf16 rows per 256-wide chunk) leaves a ring of at least 6 slots and holds
-    attention's lane partials ([GP, num_warps, hd] fp32), even where the hidden size is one chunk (tiny-qwen2, whose
-    down K then goes in two windows)."""
+    (every sequence's vector, 1 or 2 bf16 rows per 64-wide sub-chunk, the batch padded to 8 rows at least on
+    the [128, 64] tiles of a batch of 8 or more; 4 or 8 per 256-wide chunk on the row-pair slots below) leaves
+    a ring of at least 5 slots and holds attention's lane partials ([GP, num_warps, hd] fp32), even where the hidden
+    size is one chunk (tiny-qwen2, whose down K then goes in two windows)."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_constexprs, stream_geometry
@@ -278,12 +279,15 @@ def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     for sc in (StreamConfig(), StreamConfig(batch_hilo=True)):
         geo = stream_geometry(spec.config, sc, batch)
         consts = stream_constexprs(spec.config, spec.max_seq_len, sc, False, batch)
-        assert geo["MMA"] and consts["NB"] == batch and consts["NBP"] >= batch
-        assert consts["CPS"] == (8 if sc.batch_hilo else 4)
-        assert geo["stage_bytes"] == geo["NCH"] * consts["CPS"] * 64 * 2 * consts["NBP"]
+        tile = batch >= sc.batch_tiles  # [128, 64] tiles; below, the batch-1 row-pair slots
+        assert geo["MMA"] and geo["TILE"] == consts["TILE"] == tile and consts["NB"] == batch
+        assert consts["NBP"] >= (max(8, batch) if tile else batch)
+        per_sub = 2 if sc.batch_hilo else 1  # operand rows per sequence and 64-column sub-chunk
+        assert consts["CPS"] == (per_sub if tile else 4 * per_sub)
+        assert geo["stage_bytes"] == geo["NCH"] * 4 * per_sub * consts["NBP"] * 64 * 2
         assert geo["stage_bytes"] >= consts["GP"] * sc.num_warps * spec.config.hd * 4
-        assert geo["NS"] >= 6 and geo["stage_k"] >= spec.config.hidden_size
-    if model.startswith("tiny") or batch == 8:
+        assert geo["NS"] >= 5 and geo["stage_k"] >= spec.config.hidden_size
+    if model.startswith("tiny") or batch in (4, 8):
         _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(), batch=batch)
         assert res.stack == 0, f"{model} batch {batch}: {res.stack} bytes of spill stack"
         assert res.shared <= SMEM_LIMIT

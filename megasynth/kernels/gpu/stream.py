@@ -65,6 +65,7 @@ OP_GATE_UP: gl.constexpr = gl.constexpr(OPCODES["mlp_norm_gate_up"])
 OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
+GR: gl.constexpr = gl.constexpr(64)  # a batch's ring slot: a [2 GR, 64] wgmma tile of two GR-row halves
 SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-core path: 128 B rows, 128 B swizzle
 #: Ring tiles and the staged operand on the tensor-core path (`StreamConfig.mma`): what wgmma reads from shared memory
 MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -97,11 +98,12 @@ def _report_stuck(err_ptr, pid, iid, counter, cur, need):
 
 
 @gluon.jit
-def _qkv_group(p, pend, HALF: gl.constexpr):
-    """The next RoPE-pair group of a QKV tile: pairs [p, p + n) of one head, n <= 16 (rows are in pair order)."""
+def _qkv_group(p, pend, HALF: gl.constexpr, GR: gl.constexpr):
+    """The next RoPE-pair group of a QKV tile: pairs [p, p + n) of one head, n <= GR (rows are in pair order; GR is
+    16 at batch 1, a batch tile's 64 rows per half in a batch)."""
     head = p // HALF
     j = p - head * HALF
-    n = gl.minimum(gl.minimum(HALF - j, pend - p), BR)
+    n = gl.minimum(gl.minimum(HALF - j, pend - p), GR)
     return head, j, n
 
 
@@ -175,16 +177,23 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
 
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr):
+            SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
+            TILE: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. A batch build
     (KW > 0) goes through K in windows of at most KW, all rows per window (`_op_kpaired_batch` stages each window
-    of every sequence's vector once), from k0 rounded down to a sub-chunk (a TMA box starts at a multiple of 64 on
-    the tensor-core path; the staged operand is zero below k0)."""
+    of every sequence's vector once), from k0 rounded down to 64 columns (a box starts at a multiple of 64; the
+    staged operand is zero below k0); with TILE, in `_issue_tile`'s [128, 64] tiles, 128 rows at a time."""
     if KW > 0:
         for w0 in range(k0 // SUB * SUB, k1, KW):
-            t = _load_rows(desc, base, a0, a1, w0, gl.minimum(w0 + KW, k1), t, ring, ready, empty, NS, INFLIGHT, SB,
-                           BK, BOX_BYTES, MMA)
+            w1 = gl.minimum(w0 + KW, k1)
+            if TILE:
+                for r in range(a0, a1, 2 * GR):
+                    t = _load_tile_rows(desc, desc, base + r, base + r + GR, gl.minimum(a1 - r, GR),
+                                        gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT)
+            else:
+                t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
+                               MMA)
     else:
         t = _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
     return t
@@ -193,12 +202,40 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
 @gluon.jit
 def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
-    """`_load_k`'s slots of one K range: rows r and r + 16 over the same K chunks, 32 rows at a time."""
+    """`_load_k`'s row-pair slots of one K range: rows r and r + 16 over the same K chunks, 32 rows at a time."""
     nkb = (k1 - k0 + BK - 1) // BK
     for r in range(a0, a1, 2 * BR):
         for kb in range(0, nkb, SB // 2):
             t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
                             NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+    return t
+
+
+@gluon.jit
+def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
+    """A batch's slot t % NS <- one [2 GR, 64] wgmma tile over K [c, c + 64): rows [ra, ra + na) of da are its first
+    GR rows, rows [rb, rb + nb) of db its last GR, in [16, 64] boxes. na, nb <= GR: the armed bytes count the
+    copies issued (nb <= 0 copies nothing into the second half); a 16-row group past na or nb is not copied, its
+    rows of the product never used. Every column of the tile meets every sequence's column of the staged operand
+    (`_pair_rows_batch`)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
+    NG: gl.constexpr = GR // BR  # 16-row groups per half
+    _expect(bar, (gl.maximum(na, 0) + BR - 1) // BR + (gl.maximum(nb, 0) + BR - 1) // BR, 2 * NG, BR * SUB * 2)
+    groups = ring._reinterpret(gl.bfloat16, [NS * 2 * NG, BR, SUB], MMA_SMEM)  # a slot: 2 boxes of [GR, 64]
+    for g in gl.static_range(NG):
+        tma.async_copy_global_to_shared(da, [ra + g * BR, c], bar, groups.index(2 * NG * s + g), pred=g * BR < na)
+        tma.async_copy_global_to_shared(db, [rb + g * BR, c], bar, groups.index(2 * NG * s + NG + g),
+                                        pred=g * BR < nb)
+    return t + 1
+
+
+@gluon.jit
+def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
+                    INFLIGHT: gl.constexpr):
+    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 columns per slot."""
+    for c in range(k0, k1, SUB):
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT)
     return t
 
 
@@ -226,7 +263,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
-            NB: gl.constexpr, KW: gl.constexpr):
+            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -255,24 +292,34 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             p = a0 // 2
             pend = a1 // 2
             while p < pend:
-                head, j, n = _qkv_group(p, pend, HALF)
-                ra = base + head * HD + j
-                for kb in range(0, NKH, SB // 2):
-                    t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                if TILE:
+                    head, j, n = _qkv_group(p, pend, HALF, GR)
+                    ra = base + head * HD + j
+                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT)
+                else:
+                    head, j, n = _qkv_group(p, pend, HALF, BR)
+                    ra = base + head * HD + j
+                    for kb in range(0, NKH, SB // 2):
+                        t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
-            for r in range(a0, a1, BR):
-                for kb in range(0, NKH, SB // 2):
-                    t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
-                                    INFLIGHT, SB, BK, BOX_BYTES, MMA)
+            if TILE:
+                for r in range(a0, a1, GR):
+                    n = gl.minimum(a1 - r, GR)
+                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT)
+            else:
+                for r in range(a0, a1, BR):
+                    for kb in range(0, NKH, SB // 2):
+                        t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW)
+                        KW, TILE)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW)
+                        KW, TILE)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -286,7 +333,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                     t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW)
+                        BOX_BYTES, MMA, KW, TILE)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -467,7 +514,7 @@ def _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
     p = a0 // 2
     pend = a1 // 2
     while p < pend:
-        head, j, n = _qkv_group(p, pend, HALF)
+        head, j, n = _qkv_group(p, pend, HALF, BR)
         jj = j + i16
         m = i16 < n
         if QKV_BIAS:  # loaded before the K loop, as cos/sin: the round trip overlaps the stream
@@ -924,32 +971,72 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 
 
 @gluon.jit
-def _store_operand_seqs(vstage, v, g0: gl.constexpr, GB: gl.constexpr, NBP: gl.constexpr, NCHK: gl.constexpr,
-                        BK: gl.constexpr, CPS: gl.constexpr):
-    """Sequences [g0, g0 + GB) of a batch's B operand <- v ([GB, NCHK, BK] fp32), CPS rows per sequence and chunk:
-    chunk c's rows CPS b + q are sequence b's sub-chunks q in bf16, and with hi/lo pairs (CPS = 8) rows 8 b + 4 + q
-    what bf16 left of them (`_store_operand`'s rows, once per sequence), so that one wgmma multiplies a weight tile
-    with every sequence's vector."""
-    NQ: gl.constexpr = BK // SUB
-    v4 = gl.reshape(v, [GB, NCHK, NQ, SUB])
-    hi = v4.to(gl.bfloat16)
-    if CPS == 2 * NQ:
-        lo = (v4 - hi.to(gl.float32)).to(gl.bfloat16)
-        op = gl.reshape(gl.permute(gl.join(hi, lo), (1, 0, 4, 2, 3)), [NCHK, GB * CPS, SUB])
+def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
+                 EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+                 CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
+                 TRACE: gl.constexpr):
+    """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
+    the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`). With
+    NORM the values are times the norm weight and each sequence's rstd: the returned [NBP] on tiles (the epilogue
+    applies them), in the operand itself on row-pair slots (which return ones). CG is the staging's load group:
+    chunks of every sequence on tiles, sequences on row-pair slots."""
+    if TILE:
+        rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
+                          num_warps)
     else:
-        op = gl.reshape(gl.permute(hi, (1, 0, 2, 3)), [NCHK, GB * CPS, SUB])
-    rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
-    rows.slice(g0 * CPS, GB * CPS, dim=1).store(op)
+        rs = _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
+                             num_warps)
+    fence_async_shared()
+    gl.thread_barrier()
+    if TRACE:
+        gl.store(tr + 6, ptx.gl_globaltimer())
+    return rs
 
 
 @gluon.jit
-def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
+def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                 GB: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
-    """The B operand of every sequence's src[k0:k1], zero below klo (sequence b's at src + b sstride; with NORM
-    times the norm weight and its own rstd, applied here since a batch's rows are scaled per sequence), zero for the
-    padding sequences [NB, NBP). GB sequences' vectors are loaded at once (one L2 round trip per GB sequences)."""
+                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
+    """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
+    and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
+    the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
+    (whole 8-row swizzle atoms, at most 16 K fp32 values in flight) in one pass."""
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
+    NQ: gl.constexpr = BK // SUB
+    bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    rr = gl.arange(0, CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    seq = gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [NBP, 1, 1]
+    ss = gl.zeros([NBP], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, CPS * NBP, SUB], MMA_BOX)
+    for c0 in gl.static_range(0, NCHK, CG):
+        idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
+        m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
+        if NORM:
+            ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
+            v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
+        v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
+        hi = v3.to(gl.bfloat16)
+        part = ops.slice(c0 * NQ, CG * NQ, dim=0)
+        if CPS == 2:
+            part.slice(0, NBP, dim=1).store(hi)
+            part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
+        else:
+            part.store(hi)
+    return 1.0 / gl.sqrt(ss / H + EPS)
+
+
+@gluon.jit
+def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
+                    EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+                    GB: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
+    """`_stage_batch` for row-pair slots, GB sequences' vectors at a time (one L2 round trip per GB sequences), the
+    norm (weight and each sequence's own rstd) applied here: per chunk of BK, row CPS b + q is sequence b's
+    sub-chunk q in bf16 and, with hi/lo pairs (CPS = 8), row 8 b + 4 + q what bf16 left of it (`_store_operand`'s
+    rows, once per sequence). Returns ones (nothing left for the epilogue to scale)."""
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
+    NQ: gl.constexpr = BK // SUB
     bb = gl.arange(0, GB, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
     rr = gl.arange(0, NCHK, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
@@ -957,6 +1044,7 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     m = (idx < k1 - k0) & (idx >= klo - k0)
     if NORM:
         w = gl.load(nw_ptr + idx, mask=m, other=0.0)
+    rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
     for g0 in gl.static_range(0, NBP, GB):
         seq = g0 + gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [GB, 1, 1]
         v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
@@ -964,33 +1052,50 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
             ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # [GB]
             rstd = 1.0 / gl.sqrt(ss / H + EPS)
             v = v * w * gl.expand_dims(gl.expand_dims(rstd, 1), 2)
-        _store_operand_seqs(vstage, v, g0, GB, NBP, NCHK, BK, CPS)
-    fence_async_shared()
-    gl.thread_barrier()
-    if TRACE:
-        gl.store(tr + 6, ptx.gl_globaltimer())
+        v4 = gl.reshape(v, [GB, NCHK, NQ, SUB])
+        hi = v4.to(gl.bfloat16)
+        if CPS == 2 * NQ:
+            lo = (v4 - hi.to(gl.float32)).to(gl.bfloat16)
+            op = gl.reshape(gl.permute(gl.join(hi, lo), (1, 0, 4, 2, 3)), [NCHK, GB * CPS, SUB])
+        else:
+            op = gl.reshape(gl.permute(hi, (1, 0, 2, 3)), [NCHK, GB * CPS, SUB])
+        rows.slice(g0 * CPS, GB * CPS, dim=1).store(op)
+    return gl.full([NBP], 1.0, gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, l3)))
 
 
 @gluon.jit
-def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, SB: gl.constexpr, BK: gl.constexpr,
-                     NBP: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
-    """`_pair_rows_mma` for a batch: the staged operand has CPS columns per sequence, so one wgmma per slot
-    multiplies its weights with every sequence's vector. Returns (t, y_a, y_b), [16 rows, NBP sequences] each in the
-    layout `_batch_op`'s `ep` (the boxes' values of a row and sequence in one thread: taking one box is free)."""
-    BOXES: gl.constexpr = gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0])
-    NQ: gl.constexpr = BK // SUB
-    M: gl.constexpr = SB * NQ * BR
-    N: gl.constexpr = NBP * CPS
+def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
+                     TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr):
+    """A batch's products of one row group, one wgmma per ring slot for every sequence's column of the staged operand
+    at once. Returns (t, y_a, y_b): the slot's two halves, [RG rows, NBP sequences] each in the layout `ep` (both
+    halves' values of a row and sequence in one thread). With TILE a slot is `_issue_tile`'s [2 GR, 64] tile and
+    every column of the product is used (N = CPS NBP: 1 or 2 per sequence). Otherwise it is two row-pair boxes of
+    16 rows x BK (the batch-1 layout: row 4 i + q of a box is its row i over sub-chunk q), and a sequence's CPS
+    columns are its 4 sub-chunks (times hi/lo): of each, the rows of its own sub-chunk count."""
+    BOXES: gl.constexpr = ep.parent
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
-    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, N], gl.float32, accl), NS)
-    rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
-    cols = gl.arange(0, N, layout=gl.SliceLayout(0, accl))
-    sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
-    z = gl.sum(gl.reshape(gl.where(sel, acc, 0.0), [M, NBP, CPS]), axis=2)  # [M, NBP]: hi + lo per sequence
-    z = gl.convert_layout(gl.sum(gl.reshape(z, [SB, BR, NQ, NBP]), axis=2), BOXES)  # [box, row, sequence]
-    box = gl.expand_dims(gl.expand_dims(gl.arange(0, SB, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
-    return t, gl.sum(gl.where(box == 0, z, 0.0), axis=0), gl.sum(gl.where(box == 1, z, 0.0), axis=0)
+    # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS)
+    if TILE:
+        if CPS > 1:  # hi + lo
+            acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
+        z = gl.convert_layout(gl.reshape(acc, [2, GR, NBP]), BOXES)  # [half, row, sequence]
+    else:
+        NQ: gl.constexpr = 2 * GR // (2 * BR)  # sub-chunks per box row
+        rows = gl.arange(0, 2 * GR, layout=gl.SliceLayout(1, accl))
+        cols = gl.arange(0, CPS * NBP, layout=gl.SliceLayout(0, accl))
+        sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
+        z = gl.sum(gl.reshape(gl.where(sel, acc, 0.0), [2 * GR, NBP, CPS]), axis=2)  # [rows, NBP]: hi + lo
+        z = gl.convert_layout(gl.sum(gl.reshape(z, [2, BR, NQ, NBP]), axis=2), BOXES)  # [box, row, sequence]
+    half = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
+    return t, gl.sum(gl.where(half == 0, z, 0.0), axis=0), gl.sum(gl.where(half == 1, z, 0.0), axis=0)
+
+
+@gluon.jit
+def _seq_scale(rs, ep: gl.constexpr):
+    """[1, NBP] of `_stage_batch`'s per-sequence rstd, to scale an epilogue's [rows, NBP] values."""
+    return gl.expand_dims(gl.convert_layout(rs, gl.SliceLayout(0, ep)), 0)
 
 
 @gluon.jit
@@ -1010,58 +1115,71 @@ def _seq_rows(out_ptr, ostride, rows, y, a1, NB: gl.constexpr, RESIDUAL: gl.cons
 @gluon.jit
 def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, out_ptr, ostride, a0, a1, k0, k1,
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
-                      NS: gl.constexpr, SB: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
-                      NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, ep: gl.constexpr,
-                      num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                      NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
+                      NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
+                      ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
-    at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size)."""
-    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
+    at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size). Rows go
+    2 RG at a time (`_load_k`'s slots)."""
+    RG: gl.constexpr = GR if TILE else BR  # rows per half of a slot
+    KS: gl.constexpr = SUB if TILE else BK  # K per slot
+    ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
-        _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, GB, CPS,
-                     num_warps, tr, TRACE)
-        nkb = (w1 - w0 + BK - 1) // BK
-        for r in range(a0, a1, 2 * BR):
-            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, SB, BK, NBP, CPS, num_warps)
-            _seq_rows(out_ptr, ostride, r + i16, y1, a1, NB, RESIDUAL, ep)
-            if r + BR < a1:
-                _seq_rows(out_ptr, ostride, r + BR + i16, y2, a1, NB, RESIDUAL, ep)
+        rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
+                          TILE, num_warps, tr, TRACE)
+        nkb = (w1 - w0 + KS - 1) // KS
+        for r in range(a0, a1, 2 * RG):
+            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, ep, num_warps)
+            if NORM and TILE:
+                y1 = y1 * _seq_scale(rs, ep)
+                y2 = y2 * _seq_scale(rs, ep)
+            _seq_rows(out_ptr, ostride, r + ir, y1, a1, NB, RESIDUAL, ep)
+            if r + RG < a1:
+                _seq_rows(out_ptr, ostride, r + RG + ir, y2, a1, NB, RESIDUAL, ep)
     return t
 
 
 @gluon.jit
 def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
-                      IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
-                      BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr,
-                      ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
-    """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS)."""
-    NKH: gl.constexpr = (H + BK - 1) // BK
-    _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
-                 NBP, GB, CPS, num_warps, tr, TRACE)
-    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
-    for r in range(a0, a1, BR):
-        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, NKH, NS, SB, BK, NBP, CPS, num_warps)
-        _seq_rows(act_ptr, IS, r + i16, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
+                      IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHH: gl.constexpr,
+                      BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
+                      TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+    """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot."""
+    RG: gl.constexpr = GR if TILE else BR
+    KS: gl.constexpr = SUB if TILE else BK
+    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
+    ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
+    for r in range(a0, a1, RG):
+        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, ep,
+                                   num_warps)
+        if TILE:
+            g = g * _seq_scale(rs, ep)
+            u = u * _seq_scale(rs, ep)
+        _seq_rows(act_ptr, IS, r + ir, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
     return t
 
 
 @gluon.jit
 def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
                   layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-                  S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-                  NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr,
-                  CPS: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                  S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
+                  NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
+                  CPS: gl.constexpr, TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
+                  TRACE: gl.constexpr):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
-    hd] caches)."""
+    hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`)."""
+    RG: gl.constexpr = GR if TILE else BR
+    KS: gl.constexpr = SUB if TILE else BK
     HALF: gl.constexpr = HD // 2
-    NKH: gl.constexpr = (H + BK - 1) // BK
     QKV: gl.constexpr = (NH + 2 * NKV) * HD
-    _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
-                 NBP, GB, CPS, num_warps, tr, TRACE)
-    i16 = gl.arange(0, BR, layout=gl.SliceLayout(1, ep))
+    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
+    ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)  # [1, NBP]
     live = bs < NB
     pos = gl.load(rt_ptr + NB + bs, mask=live, other=0)
@@ -1069,9 +1187,9 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
     p = a0 // 2
     pend = a1 // 2
     while p < pend:
-        head, j, n = _qkv_group(p, pend, HALF)
-        jj = gl.expand_dims(j + i16, 1)  # [16, 1]
-        m = gl.expand_dims(i16 < n, 1) & live
+        head, j, n = _qkv_group(p, pend, HALF, RG)
+        jj = gl.expand_dims(j + ir, 1)  # [RG, 1]
+        m = gl.expand_dims(ir < n, 1) & live
         if QKV_BIAS:
             bias = b_ptr + layer * QKV + head * HD + jj
             b1 = gl.load(bias, mask=m, other=0.0)
@@ -1079,7 +1197,11 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         rot = m & (head < NH + NKV)
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, NKH, NS, SB, BK, NBP, CPS, num_warps)
+        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, ep,
+                                     num_warps)
+        if TILE:
+            y1 = y1 * _seq_scale(rs, ep)
+            y2 = y2 * _seq_scale(rs, ep)
         if QKV_BIAS:
             y1 = y1 + b1
             y2 = y2 + b2
@@ -1110,21 +1232,24 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
-              SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr,
-              CPS: gl.constexpr,
-              num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+              SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
+              CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
     partial buffers, as the catalogue's footprints place them."""
-    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
+    # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
+    # (`_pair_rows_batch`); `ep` is one half
+    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32, num_warps * 32 // GR],
+                                                          [2, 1, 0]) if TILE else
+                                      gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
     if op == OP_EMBED:
         for b in gl.static_range(NB):
             _op_embed(embed_ptr, x_ptr + b * H, gl.load(rt_ptr + b), a0, a1, H, BE, num_warps)
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
-                          cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, SB, NCHH,
-                          BK, NB, NBP, GB, CPS, ep, num_warps, tr, TRACE)
+                          cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
+                          BK, NB, NBP, CG, CPS, TILE, ep, num_warps, tr, TRACE)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -1135,17 +1260,17 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
     elif op == OP_OPROJ:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
-                              False, True, H, EPS, NS, SB, NCHQ, BK, NB, NBP, GB, CPS, NCHH * BK, ep, num_warps, tr,
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep, num_warps, tr,
                               TRACE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                              NS, SB, NCHH, BK, NB, NBP, GB, CPS, ep, num_warps, tr, TRACE)
+                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, ep, num_warps, tr, TRACE)
     elif op == OP_DOWN:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
-                              True, H, EPS, NS, SB, NCHI, BK, NB, NBP, GB, CPS, NCHH * BK, ep, num_warps, tr, TRACE)
+                              True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep, num_warps, tr, TRACE)
     elif op == OP_LM_HEAD:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
-                              a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, NB, NBP, GB, CPS, NCHH * BK, ep,
+                              a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep,
                               num_warps, tr, TRACE)
     return t
 
@@ -1217,8 +1342,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
-             MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr,
-             num_warps: gl.constexpr):
+             MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
+             TILE: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
     ops: `_batch_op`)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -1246,8 +1371,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
-                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, SP, BE, NB, NBP, GB, CPS,
-                          num_warps, tr, TRACE)
+                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, SP, BE, NB, NBP, CG, CPS,
+                          TILE, num_warps, tr, TRACE)
         elif op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
@@ -1320,7 +1445,8 @@ def stream_megakernel(
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
-    NB: gl.constexpr, NBP: gl.constexpr, GB: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr,
+    NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1331,8 +1457,11 @@ def stream_megakernel(
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
     # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
-    # A batch's operand has every sequence's hi/lo rows per chunk (`_store_operand_seqs`).
-    if MMA:
+    # A batch's operand has every sequence's rows per 64-column sub-chunk (`_stage_batch`).
+    if TILE:  # per 64-column sub-chunk of K, CPS rows per sequence (`_stage_batch`)
+        vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH * (BK // SUB), NBP * CPS, SUB], MMA_SMEM)
+        vbuf = vstage
+    elif MMA:
         vstage = gl.allocate_shared_memory(gl.bfloat16, [NCH, NBP * CPS, SUB], MMA_SMEM)
         vbuf = vstage
     else:
@@ -1350,10 +1479,10 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
-                    MMA, NB, NBP, GB, CPS, num_warps)),
+                    MMA, NB, NBP, CG, CPS, TILE, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
-                   KW)),
+                   KW, TILE)),
     ], [1], [LOADER_REGS])
 
 
@@ -1363,7 +1492,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 #: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
 #: (scripts/compile_check.py); a larger reserve would cost a ring slot
 SMEM_RESERVE = 2 * 1024
-#: The most sequences one step decodes (a batch's operand: 8 columns per sequence, a wgmma's N at most 128 here).
+#: Registers of the loader warp at least where a batch streams tiles: `_issue_tile`'s row groups spill at 32
+TILE_LOADER_REGS = 40
+#: The most sequences one step decodes (a batch's wgmma has N = 16 or, with hi/lo operands, 32 columns at most).
 MAX_BATCH = 16
 
 
@@ -1392,6 +1523,12 @@ class StreamConfig:
     #: a batch's activations as bf16 hi/lo pairs (~16 mantissa bits, as `mma` at batch 1) instead of bf16: the MMA
     #: twice as wide, measured 1.46x slower at batch 8 (docs/perf-notes.md); bf16 matches the bf16 PyTorch step
     batch_hilo: bool = False
+    #: the smallest batch whose ring slots are [128, 64] tiles of 128 weight rows (`_issue_tile`: every column of the
+    #: product used, the wgmma's N 1 or 2 per sequence); smaller batches keep the batch-1 row-pair slots (16 rows x
+    #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence), which carry 4x the K per slot
+    #: handshake. Measured on llama-1b: the tiles are 1.07x faster at batch 8, 1.14x slower at batch 2
+    #: (docs/perf-notes.md)
+    batch_tiles: int = 8
     be: int = 1024  # embedding copy block
 
 
@@ -1453,17 +1590,25 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # the tensor-core path merges attention heads into fp32 scratch right after the NCHQ operand chunks; attention
     # merges its position lanes through the buffer too ([GP, num_warps, hd] fp32)
     gp = _group_lanes(c)
-    nbp = _pow2_ceil(batch)
-    cps = 2 * bk // 64 if sc.batch_hilo or batch == 1 else bk // 64  # operand rows per chunk and sequence
+    # a batch's operand, the batch padded to nbp: with tiles, per 64-column sub-chunk of K, cps rows per sequence
+    # (bf16, or hi/lo; nbp >= 8, a wgmma's N is a multiple of 8); on row-pair slots, as batch 1's tensor-core
+    # operand, per chunk of bk, cps = 4 rows per sequence (its 64-column sub-chunks), 8 with hi/lo
+    tile = 1 < sc.batch_tiles <= batch
+    nbp = max(8, _pow2_ceil(batch)) if tile else _pow2_ceil(batch)
+    cps = (2 if sc.batch_hilo or batch == 1 else 1) * (1 if tile else bk // 64)
+    row_bytes = (bk // 64 if tile else 1) * cps * nbp * 128 if batch > 1 else bk * 4  # staged bytes per chunk
     if batch > 1:  # o_proj and down stage at most the hidden size's chunks; attention's lane merge fits the rest
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
-        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * c.hd * 4 // (cps * 64 * 2 * nbp)))
+        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * c.hd * 4 // row_bytes))
     else:
         nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
     slot_bytes = sc.boxes * 16 * bk * 2
-    stage_bytes = nch * cps * 64 * 2 * nbp if batch > 1 else nch * bk * 4
-    fit = (SMEM_LIMIT - SMEM_RESERVE - stage_bytes) // slot_bytes
+    stage_bytes = nch * row_bytes
+    # a batch's epilogue brings both halves of a tile's products ([128, nbp] fp32) together through the compiler's
+    # shared scratch (`_pair_rows_batch`'s layout conversion)
+    scratch = 128 * nbp * 4 if tile else 0
+    fit = (SMEM_LIMIT - SMEM_RESERVE - scratch - stage_bytes) // slot_bytes
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
@@ -1478,11 +1623,13 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
         raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
                          "power-of-two number of heads")
-    # a batch stages GB sequences' vectors per load: at most 16 K fp32 values (64 registers a thread) in flight
-    gb = max(1, min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
+    # a batch's staging loads at most 16 K fp32 values (64 registers a thread) at once: CG chunks of every sequence
+    # on tiles, CG sequences' whole vectors on row-pair slots (`_stage_batch`)
+    cg = max(1, min(chunks["NCHH"], _pow2_floor(16384 // (nbp * bk))) if tile else
+             min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
-            "MMA": mma, "NB": batch, "NBP": nbp, "GB": gb, "CPS": cps, "stage_k": chunks["NCHH"] * bk}
+            "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "stage_k": chunks["NCHH"] * bk}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -1497,9 +1644,10 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
-        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()), LOADER_REGS=sc.loader_regs,
-        MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], GB=geo["GB"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
-        num_warps=sc.num_warps)
+        BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
+        LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
+        MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
+        TILE=geo["TILE"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
@@ -1515,7 +1663,7 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
         t = w[name]
         t2 = t.reshape(-1, t.shape[-1])
-        if geo["MMA"]:
+        if geo["MMA"] and not geo["TILE"]:
             t2 = t2.reshape(t2.shape[0], -1, 64)
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), box, wlayout))
     for cache in (k_cache, v_cache):
@@ -1525,8 +1673,11 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
 
 
 def weight_box(geo: dict[str, Any]) -> tuple[list[int], Any]:
-    """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled, or on the tensor-core path [16, BK / 64,
-    64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one wgmma tile)."""
+    """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled; on the batch-1 tensor-core path
+    and on a batch's row-pair slots [16, BK / 64, 64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one
+    wgmma tile); on a batch's tiles [16, 64], 128 B swizzle (a 16-row group of `_issue_tile`'s tiles)."""
+    if geo["TILE"]:
+        return [16, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if geo["MMA"]:
         return [16, geo["BK"] // 64, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     return [16, geo["BK"]], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
