@@ -4,8 +4,11 @@
 # megakernel (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the
 # lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) with the merge
 # of attention's splits apart from o_proj (v10 has no batched fold yet) and attention split batch times less (the
-# same number of attention instructions). Writes <model>_batch<N>.json and batch_h200.log under $OUT, or
-# bench/results/batch when OUT is unset. About 5 minutes per model on an H200 (one device call each).
+# same number of attention instructions); from batch 8, where v10's ring slots are [128, 64] tiles of 128 weight
+# rows, o_proj and down tiles of at least 128 rows (K split as much finer) and QKV tiles of 64. Writes
+# <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8"
+# times those batches only. About 6 minutes for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes
+# for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
@@ -17,7 +20,7 @@ mkdir -p "$RESULTS"
 if [ -d .whl ] && ! python3 -c 'import z3, pydantic' 2>/dev/null; then  # wheels carried to a machine without them
   python3 -m pip install -q --no-index --no-deps .whl/*.whl
 fi
-BATCHES=(1 2 4 8 16)
+read -r -a BATCHES <<< "${BATCHES:-1 2 4 8 16}"  # BATCHES="1 8" times those only
 lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
   python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
 import gzip, json, sys
@@ -28,6 +31,15 @@ for b in map(int, batches):
     if b > 1:
         s["fuse_attn_reduce"] = False
         s["attn_splits"] = max(1, strategy["attn_splits"] // b)
+    if b >= 8:  # from batch 8 (StreamConfig.batch_tiles) a ring slot is a [128, 64] tile of two 64-row halves:
+        # o_proj and down rows 128 at a time (K split as much finer, the same number of instructions), QKV 64 rows
+        tiles, splits = dict(s["tiles"]), dict(s["k_splits"])
+        for op in ("o_proj_residual", "down_proj_residual"):
+            if tiles[op] < 128:
+                splits[op] = splits.get(op, 1) * 128 // tiles[op]
+                tiles[op] = 128
+        tiles["attn_norm_qkv_rope"] = max(64, tiles["attn_norm_qkv_rope"])
+        s["tiles"], s["k_splits"] = tiles, splits
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
   for b in "${BATCHES[@]}"; do
@@ -49,10 +61,11 @@ fi
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(llama-1b llama-8b)
 for model in "${models[@]}"; do
-  echo "== $model"
   work=$(mktemp -d)
-  lower_batches "$model" "$work" &&
-  python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch "$(IFS=,; echo "${BATCHES[*]}")" \
-    --schedule "$work/s{batch}.json" --variants torch_bf16,torch_compile,megakernel --compile-mode default \
-    --compile-timeout 120 --json "$RESULTS/${model}_batch{batch}.json"
-done 2>&1 | tee "$RESULTS/batch_h200.log"
+  {
+    lower_batches "$model" "$work" &&
+    python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch "$(IFS=,; echo "${BATCHES[*]}")" \
+      --schedule "$work/s{batch}.json" --variants torch_bf16,torch_compile,megakernel --compile-mode default \
+      --compile-timeout 120 --json "$RESULTS/${model}_batch{batch}.json"
+  } 2>&1 | tee "$RESULTS/${model}_batch_h200.log"
+done
