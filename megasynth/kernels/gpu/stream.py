@@ -1525,9 +1525,9 @@ class StreamConfig:
     batch_hilo: bool = False
     #: the smallest batch whose ring slots are [128, 64] tiles of 128 weight rows (`_issue_tile`: every column of the
     #: product used, the wgmma's N 1 or 2 per sequence); smaller batches keep the batch-1 row-pair slots (16 rows x
-    #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence), which carry 4x the K per slot
-    #: handshake. Measured on llama-1b: the tiles are 1.07x faster at batch 8, 1.14x slower at batch 2
-    #: (docs/perf-notes.md)
+    #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence), whose two boxes read 512
+    #: contiguous bytes a row where a tile's eight read 128. Measured on llama-1b: the tiles are 1.07x faster at
+    #: batch 8, 1.14x slower at batch 2 (docs/perf-notes.md)
     batch_tiles: int = 8
     be: int = 1024  # embedding copy block
 
