@@ -23,6 +23,12 @@ With `StreamConfig.mma` the compute warps multiply on the tensor cores instead: 
 TMA put it and the staged vector a bf16 hi/lo operand (`_pair_rows_mma`); measured not faster in the whole step, so
 off by default (docs/perf-notes.md).
 
+A batch (`NB` sequences, a compile-time constant) always multiplies on the tensor cores, one wgmma per slot for every
+sequence (`_batch_op`). Below `StreamConfig.batch_tiles` sequences its slots are the row-pair boxes above; from there
+a slot is a [128, 64] tile of 128 weight rows (`_issue_tile`), so that every column of the product is used. A slot's
+ready/empty waits are not bounded by the watchdog: the two partitions agree on the slot sequence by construction,
+and a slot whose armed bytes never arrive would hang the kernel.
+
 The PTX of the counter protocol and the clocks is kernels/gpu/ptx.py's, shared with interpreter v9.
 
 After a watchdog timeout a worker records the stuck wait and stops waiting (it still computes and signals, on
