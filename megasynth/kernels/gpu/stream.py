@@ -298,13 +298,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             p = a0 // 2
             pend = a1 // 2
             while p < pend:
+                head, j, n = _qkv_group(p, pend, HALF, GR if TILE else BR)
+                ra = base + head * HD + j
                 if TILE:
-                    head, j, n = _qkv_group(p, pend, HALF, GR)
-                    ra = base + head * HD + j
                     t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT)
                 else:
-                    head, j, n = _qkv_group(p, pend, HALF, BR)
-                    ra = base + head * HD + j
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
                                         INFLIGHT, SB, BK, BOX_BYTES, MMA)
