@@ -99,9 +99,10 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
 
     consts = stream.stream_constexprs(c, max_seq_len, config, trace, batch)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    box, wlayout = stream.weight_box(stream.stream_geometry(c, config, batch))
-    wdesc = f"tensordesc<bf16{box},{wlayout!r}>"
+    geo = stream.stream_geometry(c, config, batch)
+    wdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo))
+    qdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, qkv=True))
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{layout!r}>"
-    types = {**ARG_TYPES, **{d: wdesc for d in ("d_qkv", "d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_k": kvdesc,
+    types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
              "d_v": kvdesc}
     return _compile(stream.stream_megakernel, GluonASTSource, consts, types, consts["num_warps"], {})

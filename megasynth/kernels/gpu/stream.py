@@ -184,7 +184,7 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
-            TILE: gl.constexpr):
+            TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. A batch build
     (KW > 0) goes through K in windows of at most KW, all rows per window (`_op_kpaired_batch` stages each window
@@ -196,7 +196,8 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
             if TILE:
                 for r in range(a0, a1, 2 * GR):
                     t = _load_tile_rows(desc, desc, base + r, base + r + GR, gl.minimum(a1 - r, GR),
-                                        gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT)
+                                        gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT,
+                                        XR, KT)
             else:
                 t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
                                MMA)
@@ -218,30 +219,35 @@ def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constex
 
 
 @gluon.jit
-def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
-    """A batch's slot t % NS <- one [2 GR, 64] wgmma tile over K [c, c + 64): rows [ra, ra + na) of da are its first
-    GR rows, rows [rb, rb + nb) of db its last GR, in [16, 64] boxes. na, nb <= GR: the armed bytes count the
-    copies issued (nb <= 0 copies nothing into the second half); a 16-row group past na or nb is not copied, its
-    rows of the product never used. Every column of the tile meets every sequence's column of the staged operand
-    (`_pair_rows_batch`)."""
+def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+                XR: gl.constexpr, KT: gl.constexpr):
+    """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
+    [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
+    descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
+    second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
+    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`)."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    NG: gl.constexpr = GR // BR  # 16-row groups per half
-    _expect(bar, (gl.maximum(na, 0) + BR - 1) // BR + (gl.maximum(nb, 0) + BR - 1) // BR, 2 * NG, BR * SUB * 2)
-    groups = ring._reinterpret(gl.bfloat16, [NS * 2 * NG, BR, SUB], MMA_SMEM)  # a slot: 2 boxes of [GR, 64]
-    for g in gl.static_range(NG):
-        tma.async_copy_global_to_shared(da, [ra + g * BR, c], bar, groups.index(2 * NG * s + g), pred=g * BR < na)
-        tma.async_copy_global_to_shared(db, [rb + g * BR, c], bar, groups.index(2 * NG * s + NG + g),
-                                        pred=g * BR < nb)
+    NG: gl.constexpr = GR // XR  # boxes per half
+    _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
+            XR * SUB * 2)
+    groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)  # a tile: 2 halves of [GR, 64]
+    for q in gl.static_range(KT):  # past K the copies are zero-filled; the staged operand is zero past a window
+        for g in gl.static_range(NG):
+            tile = (KT * s + q) * 2 * NG
+            tma.async_copy_global_to_shared(da, [ra + g * XR, c + q * SUB], bar, groups.index(tile + g),
+                                            pred=g * XR < na)
+            tma.async_copy_global_to_shared(db, [rb + g * XR, c + q * SUB], bar, groups.index(tile + NG + g),
+                                            pred=g * XR < nb)
     return t + 1
 
 
 @gluon.jit
 def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
-                    INFLIGHT: gl.constexpr):
-    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 columns per slot."""
-    for c in range(k0, k1, SUB):
-        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT)
+                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
+    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT columns per slot."""
+    for c in range(k0, k1, SUB * KT):
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT)
     return t
 
 
@@ -269,7 +275,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
-            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr):
+            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -280,6 +286,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
     NKH: gl.constexpr = (H + BK - 1) // BK
+    QXR: gl.constexpr = (XR if XR < HALF else HALF) if XR > BR else BR  # QKV's tile boxes: at most a head's half
     pid = gl.program_id(0)
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
@@ -301,7 +308,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 head, j, n = _qkv_group(p, pend, HALF, GR if TILE else BR)
                 ra = base + head * HD + j
                 if TILE:
-                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT)
+                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
+                                        QXR, KT)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -312,7 +320,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             if TILE:
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
-                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT)
+                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
@@ -320,10 +329,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                                         INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE)
+                        KW, TILE, XR, KT)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE)
+                        KW, TILE, XR, KT)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -334,10 +343,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 for b0 in range(lo, hi, BTK):
-                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB, BTK, HD, BOX_BYTES)
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
+                                  BOX_BYTES)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW, TILE)
+                        BOX_BYTES, MMA, KW, TILE, XR, KT)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -392,17 +402,18 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr):
-    """acc += slot t + kb's [M, 64] weight tile times staged chunk kb's operand (transposed), kb < nkb, on the tensor
-    cores. One wgmma in flight: slot t - 1 goes back to the loader once slot t's is issued and t - 1's has
-    completed."""
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr):
+    """acc += slot t + kb's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
+    (transposed), kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the loader once
+    slot t's are issued and t - 1's have completed."""
     M: gl.constexpr = acc.shape[0]
-    slots = ring._reinterpret(gl.bfloat16, [NS, M, SUB], MMA_SMEM)
+    slots = ring._reinterpret(gl.bfloat16, [NS * KT, M, SUB], MMA_SMEM)
     for kb in range(0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        acc = warpgroup_mma(slots.index(s), xs.index(kb).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        for q in gl.static_range(KT):
+            acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
         t += 1
@@ -424,7 +435,7 @@ def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.con
     M: gl.constexpr = SB * NQ * BR
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
-    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, 2 * NQ], gl.float32, accl), NS)
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, 2 * NQ], gl.float32, accl), NS, 1)
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
     cols = gl.arange(0, 2 * NQ, layout=gl.SliceLayout(0, accl))
     sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)
@@ -1069,7 +1080,7 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
 
 @gluon.jit
 def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
-                     TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr):
+                     TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr):
     """A batch's products of one row group, one wgmma per ring slot for every sequence's column of the staged operand
     at once. Returns (t, y_a, y_b): the slot's two halves, [RG rows, NBP sequences] each in the layout `ep` (both
     halves' values of a row and sequence in one thread). With TILE a slot is `_issue_tile`'s [2 GR, 64] tile and
@@ -1080,7 +1091,8 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
-    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS)
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
+                        KT if TILE else 1)
     if TILE:
         if CPS > 1:  # hi + lo
             acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
@@ -1121,14 +1133,14 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-                      ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
     at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size). Rows go
     2 RG at a time (`_load_k`'s slots)."""
     RG: gl.constexpr = GR if TILE else BR  # rows per half of a slot
-    KS: gl.constexpr = SUB if TILE else BK  # K per slot
+    KS: gl.constexpr = SUB * KT if TILE else BK  # K per slot
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
@@ -1136,7 +1148,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                           TILE, num_warps, tr, TRACE)
         nkb = (w1 - w0 + KS - 1) // KS
         for r in range(a0, a1, 2 * RG):
-            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, ep, num_warps)
+            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
             if NORM and TILE:
                 y1 = y1 * _seq_scale(rs, ep)
                 y2 = y2 * _seq_scale(rs, ep)
@@ -1150,15 +1162,16 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
 def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
                       IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHH: gl.constexpr,
                       BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-                      TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                      TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
+                      TRACE: gl.constexpr):
     """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot."""
     RG: gl.constexpr = GR if TILE else BR
-    KS: gl.constexpr = SUB if TILE else BK
+    KS: gl.constexpr = SUB * KT if TILE else BK
     rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
                       NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for r in range(a0, a1, RG):
-        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, ep,
+        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
                                    num_warps)
         if TILE:
             g = g * _seq_scale(rs, ep)
@@ -1172,13 +1185,13 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
-                  CPS: gl.constexpr, TILE: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
-                  TRACE: gl.constexpr):
+                  CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
+                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
     hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`)."""
     RG: gl.constexpr = GR if TILE else BR
-    KS: gl.constexpr = SUB if TILE else BK
+    KS: gl.constexpr = SUB * KT if TILE else BK
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = (NH + 2 * NKV) * HD
     rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
@@ -1201,7 +1214,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         rot = m & (head < NH + NKV)
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, ep,
+        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
                                      num_warps)
         if TILE:
             y1 = y1 * _seq_scale(rs, ep)
@@ -1237,7 +1250,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
-              CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+              CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
+              TRACE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -1253,28 +1267,29 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, ep, num_warps, tr, TRACE)
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
                              gl.load(rt_ptr + NB + a3), 0, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP,
-                             SCALE, EPS, False, NS, SB, BTK, KV_RING, num_warps)
+                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, num_warps)
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr + a3 * seq_splits * (NH * HD), lse_ptr + a3 * seq_splits * NH,
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
     elif op == OP_OPROJ:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
-                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep, num_warps, tr,
-                              TRACE)
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
+                              num_warps, tr, TRACE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, ep, num_warps, tr, TRACE)
+                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_DOWN:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
-                              True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep, num_warps, tr, TRACE)
+                              True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep, num_warps, tr,
+                              TRACE)
     elif op == OP_LM_HEAD:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
-                              a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, ep,
+                              a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE)
     return t
 
@@ -1347,7 +1362,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
              ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
     ops: `_batch_op`)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
@@ -1376,7 +1391,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, SP, BE, NB, NBP, CG, CPS,
-                          TILE, num_warps, tr, TRACE)
+                          TILE, KT, num_warps, tr, TRACE)
         elif op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
         elif op == OP_QKV:
@@ -1450,10 +1465,10 @@ def stream_megakernel(
     BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
     SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
-        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR * BK // SUB, SUB], MMA_SMEM)
+        ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
@@ -1483,10 +1498,10 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
-                    MMA, NB, NBP, CG, CPS, TILE, num_warps)),
+                    MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
-                   KW, TILE)),
+                   KW, TILE, XR, KT)),
     ], [1], [LOADER_REGS])
 
 
@@ -1533,6 +1548,11 @@ class StreamConfig:
     #: contiguous bytes a row where a tile's eight read 128. Measured on llama-1b: the tiles are 1.07x faster at
     #: batch 8, 1.14x slower at batch 2 (docs/perf-notes.md)
     batch_tiles: int = 8
+    #: rows of a tile's TMA boxes: 16 (groups past an instruction's rows are not copied) or 32/64 (fewer, larger
+    #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused)
+    tile_box_rows: int = 16
+    #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes)
+    tile_k: int = 64
     be: int = 1024  # embedding copy block
 
 
@@ -1581,6 +1601,10 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     ring slots, not a vector the shared memory cannot hold."""
     if sc.boxes not in (2, 4):
         raise ValueError(f"boxes per slot must be 2 or 4, got {sc.boxes}")
+    if sc.tile_k not in (64, 128):
+        raise ValueError(f"tile_k must be 64 or 128, got {sc.tile_k}")
+    if sc.tile_box_rows not in (16, 32, 64):
+        raise ValueError(f"tile_box_rows must be 16, 32 or 64, got {sc.tile_box_rows}")
     why = batch_limits(c, sc, batch)
     if why:
         raise ValueError(f"interpreter v10 cannot run this batch: {why}")
@@ -1607,7 +1631,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         nch = max(chunks["NCHH"], -(-gp * sc.num_warps * c.hd * 4 // row_bytes))
     else:
         nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
-    slot_bytes = sc.boxes * 16 * bk * 2
+    kt = sc.tile_k // 64 if tile else 1  # wgmma tiles per ring slot
+    slot_bytes = sc.boxes * 16 * bk * 2 * kt
     stage_bytes = nch * row_bytes
     # a batch's epilogue brings both halves of a tile's products ([128, nbp] fp32) together through the compiler's
     # shared scratch (`_pair_rows_batch`'s layout conversion)
@@ -1633,7 +1658,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
              min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
-            "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "stage_k": chunks["NCHH"] * bk}
+            "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
+            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": chunks["NCHH"] * bk}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -1651,7 +1677,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
-        TILE=geo["TILE"], num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
@@ -1662,9 +1688,9 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-    box, wlayout = weight_box(geo)
     out = []
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
+        box, wlayout = weight_box(geo, qkv=name == "wqkv")
         t = w[name]
         t2 = t.reshape(-1, t.shape[-1])
         if geo["MMA"] and not geo["TILE"]:
@@ -1676,12 +1702,13 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
     return out
 
 
-def weight_box(geo: dict[str, Any]) -> tuple[list[int], Any]:
+def weight_box(geo: dict[str, Any], qkv: bool = False) -> tuple[list[int], Any]:
     """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled; on the batch-1 tensor-core path
     and on a batch's row-pair slots [16, BK / 64, 64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one
-    wgmma tile); on a batch's tiles [16, 64], 128 B swizzle (a 16-row group of `_issue_tile`'s tiles)."""
+    wgmma tile); on a batch's tiles [XR, 64] (QXR rows for wqkv), 128 B swizzle (`_issue_tile`'s boxes)."""
     if geo["TILE"]:
-        return [16, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        rows = geo["QXR"] if qkv else geo["XR"]
+        return [rows, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if geo["MMA"]:
         return [16, geo["BK"] // 64, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     return [16, geo["BK"]], gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
