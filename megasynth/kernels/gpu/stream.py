@@ -1513,6 +1513,8 @@ SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 SMEM_RESERVE = 2 * 1024
 #: Registers of the loader warp at least where a batch streams tiles: `_issue_tile`'s row groups spill at 32
 TILE_LOADER_REGS = 40
+#: the fewest 32 KB tile slots (`StreamConfig.tile_k` 128) a ring may have; with fewer, tiles take 16 KB slots
+MIN_TILE_SLOTS = 4
 #: The most sequences one step decodes (a batch's wgmma has N = 16 or, with hi/lo operands, 32 columns at most).
 MAX_BATCH = 16
 
@@ -1544,15 +1546,18 @@ class StreamConfig:
     batch_hilo: bool = False
     #: the smallest batch whose ring slots are [128, 64] tiles of 128 weight rows (`_issue_tile`: every column of the
     #: product used, the wgmma's N 1 or 2 per sequence); smaller batches keep the batch-1 row-pair slots (16 rows x
-    #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence), whose two boxes read 512
-    #: contiguous bytes a row where a tile's eight read 128. Measured on llama-1b: the tiles are 1.07x faster at
-    #: batch 8, 1.14x slower at batch 2 (docs/perf-notes.md)
+    #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence). Measured on llama-1b with
+    #: [16, 64] boxes and 64 K per slot: the tiles 1.07x faster at batch 8, 1.14x slower at batch 2
+    #: (docs/perf-notes.md)
     batch_tiles: int = 8
     #: rows of a tile's TMA boxes: 16 (groups past an instruction's rows are not copied) or 32/64 (fewer, larger
-    #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused)
-    tile_box_rows: int = 16
-    #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes)
-    tile_k: int = 64
+    #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused). 64 against 16: 4-5 %
+    #: faster at batch 8 and 16 (docs/perf-notes.md)
+    tile_box_rows: int = 64
+    #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes;
+    #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
+    #: than 64 at batch 8 and 16 (docs/perf-notes.md)
+    tile_k: int = 128
     be: int = 1024  # embedding copy block
 
 
@@ -1638,6 +1643,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # shared scratch (`_pair_rows_batch`'s layout conversion)
     scratch = 128 * nbp * 4 if tile else 0
     fit = (SMEM_LIMIT - SMEM_RESERVE - scratch - stage_bytes) // slot_bytes
+    if kt > 1 and fit < MIN_TILE_SLOTS and not sc.slots:  # a large staged operand (llama-8b at batch 16): 16 KB slots
+        kt, slot_bytes = 1, slot_bytes // kt
+        fit = (SMEM_LIMIT - SMEM_RESERVE - scratch - stage_bytes) // slot_bytes
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
