@@ -5,9 +5,10 @@
 # lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) with the merge
 # of attention's splits apart from o_proj (v10 has no batched fold yet) and attention split batch times less (the
 # same number of attention instructions); from batch 8, where v10's ring slots are [128, 64] tiles of 128 weight
-# rows, o_proj and down tiles of at least 128 rows (K split as much finer) and QKV tiles of 64. Writes
-# <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8"
-# times those batches only. About 6 minutes for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes
+# rows, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and gate/up tiles of a
+# multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
+# when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
+# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more). About 6 minutes for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes
 # for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
@@ -39,6 +40,7 @@ for b in map(int, batches):
                 splits[op] = splits.get(op, 1) * 128 // tiles[op]
                 tiles[op] = 128
         tiles["attn_norm_qkv_rope"] = max(64, tiles["attn_norm_qkv_rope"])
+        tiles["mlp_norm_gate_up"] = -(-tiles["mlp_norm_gate_up"] // 64) * 64  # whole 64-row halves of a slot
         s["tiles"], s["k_splits"] = tiles, splits
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
@@ -65,7 +67,7 @@ for model in "${models[@]}"; do
   {
     lower_batches "$model" "$work" &&
     python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch "$(IFS=,; echo "${BATCHES[*]}")" \
-      --schedule "$work/s{batch}.json" --variants torch_bf16,torch_compile,megakernel --compile-mode default \
-      --compile-timeout 120 --json "$RESULTS/${model}_batch{batch}.json"
+      --schedule "$work/s{batch}.json" --variants "${VARIANTS:-torch_bf16,torch_compile,megakernel}" \
+      --compile-mode default --compile-timeout "${COMPILE_TIMEOUT:-120}" --json "$RESULTS/${model}_batch{batch}.json"
   } 2>&1 | tee "$RESULTS/${model}_batch_h200.log"
 done

@@ -119,7 +119,7 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
         spec = model_spec(model_name, max_seq_len, b)
         ctxs = _ctx_values(ctx, extra_ctx) or [min(1024, spec.max_seq_len)]
         sched = schedule_file.replace("{batch}", str(b)) if schedule_file else None
-        path = _batch_path(json_file, b) if several else json_file
+        path = _batch_path(json_file, b) if several or (json_file and "{batch}" in json_file) else json_file
         results.append(_bench_one(spec, sched, ctxs, path, console, reps=reps, warmup=warmup, seed=seed,
                                   weights_dir=weights_dir, token=token, device=device, variants=variants,
                                   compile_timeout=compile_timeout, compile_mode=compile_mode, flush_l2=flush_l2,

@@ -248,8 +248,9 @@ def test_compile_worker_at_batch_3() -> None:
 
 
 def test_several_batches_one_json_each_and_a_tokens_per_s_table(tmp_path) -> None:
-    """`--batch 1,3`: one run per batch, its JSON at the path with {batch} filled in (or _batch<N> added), then the
-    table of tokens/s by batch; a schedule path without {batch}, a batch outside 1..16 or a non-number exit 2."""
+    """`--batch 1,3`: one run per batch, its JSON at the path with {batch} filled in (or _batch<N> added; a single
+    batch fills in {batch} too), then the table of tokens/s by batch; a schedule path without {batch}, a batch
+    outside 1..16 or a non-number exit 2."""
     out = tmp_path / "b{batch}.json"
     result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "8", "--reps", "1",
                                        "--warmup", "0", "--batch", "1,3", "--variants", "torch_bf16",
@@ -264,6 +265,11 @@ def test_several_batches_one_json_each_and_a_tokens_per_s_table(tmp_path) -> Non
                                        "--json", str(plain)])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in tmp_path.glob("p_batch*.json")) == ["p_batch1.json", "p_batch2.json"]
+    result = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "8", "--reps", "1",
+                                       "--warmup", "0", "--batch", "2", "--variants", "torch_bf16",
+                                       "--json", str(tmp_path / "one{batch}.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "one2.json").read_text())["batch"] == 2  # {batch} filled in for one batch too
     for args, needle in ((["--batch", "1,2", "--schedule", "s.json"], "give a path with {batch}"),
                          (["--batch", "1,17"], "17 is not in 1..16"), (["--batch", "x"], "'x' is not a whole")):
         bad = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", *args])
