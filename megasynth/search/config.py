@@ -55,7 +55,7 @@ class SearchConfig:
     final_interleavings: int = 1000
     ctx: int = 1024
     max_seq_len: int | None = None  # the schedules' max_seq_len; None: the model row's (a resumed run keeps its own)
-    sequences: int = 1  # --batch: sequences per step (a resumed run keeps its own); > 1 is estimated (GPU: batch 1)
+    sequences: int = 1  # --batch: sequences per step (a resumed run keeps its own), timed or estimated
     batch: int = 4  # proposals asked for per round
     jobs: int | None = None  # processes lowering+validating ahead of the timer; None: `default_jobs`
     prescreen: float = 1.5  # GPU only: skip timing when the estimate is worse than prescreen x the best estimate

@@ -15,7 +15,7 @@ from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
-from megasynth.kernels.gpu.pack import check_runs_on_v9, pack
+from megasynth.kernels.gpu.pack import batch_model_limits, check_runs_batched_on_v10, check_runs_on_v9, pack
 from megasynth.lowering.costmodel import CostParams, Estimate, estimate
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
@@ -89,7 +89,7 @@ class GpuTimer:
 
     def _logits(self, schedule: Schedule) -> Any:
         self.mk.set_schedule(schedule)
-        return self.mk.step(self.token, self.ctx - 1).float().clone()
+        return self.mk.step(*self.mk.uniform_inputs(self.token, self.ctx - 1)).float().clone()
 
     def check(self, schedule: Schedule) -> float:
         """Relative L2 distance of this schedule's logits from the naive schedule's."""
@@ -109,7 +109,7 @@ class GpuTimer:
             self.mk.set_schedule(schedule)
             meta = {"model": schedule.model.name if schedule.model else None,
                     "schedule_sha256": schedule_sha256(schedule.to_json())}
-            return self.mk.traced_step(self.token, self.ctx - 1, meta)
+            return self.mk.traced_step(*self.mk.uniform_inputs(self.token, self.ctx - 1), meta)
         except Exception as exc:  # noqa: BLE001 - a trace is evidence, not a result: say why it is missing
             print(f"note: no GPU trace for the best schedule: {exc}", file=sys.stderr)
             return None
@@ -129,9 +129,12 @@ def build(spec: ModelSpec, workers: int, proposal: Proposal) -> Schedule:
     ValueError for a proposal that does not build)."""
     schedule = lower(spec, workers, proposal.strategy, proposal.proposer or "naive")
     schedule = apply_patches(schedule, proposal.patches)
-    if spec.batch > 1:  # a batch runs on v10 (v9 for the QK-norm): refuse what v9 cannot run, not after the search
-        check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "a batch's schedule runs on both GPU interpreters "
-                         "(whole-head QKV tiles, fuse_attn_reduce false, qk_norm in_qkv)")
+    if spec.batch > 1:  # refuse what the batch's interpreter cannot run now, not after the search
+        if batch_model_limits(spec.config, spec.batch) is None:
+            check_runs_batched_on_v10(pack(schedule, "v10"))
+        else:
+            check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "this model's batch runs on interpreter v9 "
+                             "(whole-head QKV tiles, fuse_attn_reduce false, qk_norm in_qkv)")
     schedule.meta.update({"proposer": proposal.proposer or "naive", "parent": proposal.parent,
                           "rationale": proposal.rationale})
     return schedule

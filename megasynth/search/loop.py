@@ -129,10 +129,6 @@ class Search:
                     raise ValueError(f"run {path} is for --batch {info.get('batch', 1)}, not {cfg.sequences}")
                 self.spec = with_batch(self.spec, int(info["batch"]))
             self.workers = int(info.get("workers", self.workers))
-        if self.spec.batch > 1 and self.gpu:
-            raise ValueError(f"--batch {self.spec.batch}: a GPU search times interpreter v10, which decodes one "
-                             "sequence per step so far (v9 runs batches, but its times would rank for the wrong "
-                             "kernel); search batched schedules with --cpu (the cost model estimates them)")
         self.standing = Standing()
         self.evaluator = Evaluator(cfg, self.spec, self.workers, self.gpu, self.params, self.run, self.standing)
         self.proposer: Proposer | None = None

@@ -268,8 +268,9 @@ def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     """Interpreter v10's batch builds for sm_90: no spill stack, shared memory within a CTA's; the staged operand
     (every sequence's vector, 1 or 2 bf16 rows per 64-wide sub-chunk, the batch padded to 8 rows at least on
     the [128, 64] tiles of a batch of 8 or more; 4 or 8 per 256-wide chunk on the row-pair slots below) leaves
-    a ring of at least 5 slots of 16 KB (4 of 32 KB on tiles of 128 K columns) and holds attention's lane partials ([GP, num_warps, hd] fp32), even where the hidden
-    size is one chunk (tiny-qwen2, whose down K then goes in two windows)."""
+    a ring of at least 5 slots of 16 KB (4 of 32 KB on tiles of 128 K columns) and holds attention's lane
+    partials ([GP, num_warps, hd] fp32), even where the hidden size is one chunk (tiny-qwen2, whose down K then
+    goes in two windows)."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_constexprs, stream_geometry

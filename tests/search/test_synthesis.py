@@ -579,6 +579,33 @@ def test_default_search_on_a_fake_gpu_times_seeds_and_descent_side_by_side(tmp_p
     assert best["ms"] == min(t["ms"] for t in acc.values()) and best["estimated"] is False
 
 
+def test_a_batch_is_searched_on_the_gpu_within_what_its_interpreter_runs(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`synth search --batch 3` on a (fake) GPU: every candidate is timed, none estimated; the run and its best are
+    for the batch; a proposal that folds the merge into o_proj (which no interpreter runs at a batch) is refused when
+    it is built, naming the instruction; a QK-norm model's batch is held to what interpreter v9 runs."""
+    import megasynth.search.evaluate as evaluate
+    import megasynth.search.loop as loop
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.ir.schedule import load_schedule
+    from megasynth.lowering.models import with_batch
+
+    monkeypatch.setattr(evaluate, "GpuTimer", _ModelTimer)
+    monkeypatch.setattr(loop, "gpu_name", lambda: "fake GPU")
+    summary = run_search(_cfg(tmp_path, gpu=True, budget=6, proposer="auto", cost_params=V10, sequences=3))
+    run = RunDir(summary.run_dir)
+    acc = run.accepted()
+    assert not summary.estimated and len(acc) >= 2 and all(not t["estimated"] for t in acc.values())
+    assert run.info["batch"] == 3
+    best = load_schedule(summary.run_dir / "best" / "schedule.json.gz")
+    assert best.model.batch == 3 and "attn_reduce_o_proj" not in {i.op for i in best.instructions}
+    fused = Proposal(Strategy(attn_splits=2, fuse_attn_reduce=True), [], "fold the merge", "seeds")
+    with pytest.raises(ScheduleError, match="no batched attn_reduce_o_proj"):
+        evaluate.build(with_batch(get_model("tiny"), 3), 8, fused)
+    with pytest.raises(ScheduleError, match="this model's batch runs on interpreter v9"):
+        evaluate.build(with_batch(get_model("tiny-qwen3"), 3), 8, fused)
+
+
 def test_calibrate_check_run_alone_checks_the_model_without_fitting(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`synth calibrate --check-run RUN` with nothing to fit reports the committed model's error on the run's

@@ -25,6 +25,7 @@ import numpy as np
 
 from megasynth.ir.catalogue import FUSED_OPROJ, OPS
 from megasynth.ir.errors import ScheduleError
+from megasynth.ir.model import ModelConfig
 from megasynth.ir.program import Program, resolve
 from megasynth.ir.schedule import Schedule
 
@@ -56,6 +57,9 @@ ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
 #: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
 WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
 MAX_ARGS = len(ARG_FIELDS)
+#: The most sequences interpreter v10 decodes in one step (a batch's wgmma has N = 16, or 32 with hi/lo operands, at
+#: most).
+V10_MAX_BATCH = 16
 #: How to select each interpreter, for the messages that send an op to another one.
 _HOW = {"v10": "StreamConfig, Megakernel's default on Hopper", "v9": "KernelConfig"}
 
@@ -192,6 +196,21 @@ def check_runs_on_v9(p: Packed, hd: int, advice: str) -> None:
         (pairs, f"needs QKV tiles of whole heads (multiples of head_dim {hd}); {{}} is not one", "args"),
         (fused, f"has no {FUSED_OPROJ} (attn_reduce folded into o_proj), which {{}} is", "op"),
         (qk_in_attention, "applies no QK-norm inside attention (attn_partial qk_norm 1), which {} asks for", "args")))
+
+
+def batch_model_limits(c: ModelConfig, batch: int) -> str | None:
+    """Why interpreter v10 cannot run a batch of this model, whatever its compile-time settings (None: it can; then
+    `stream.batch_limits` checks the settings). A batch's weight products run on the tensor cores, so every K must be
+    a multiple of 64; the QK-norm's ops have no batched form yet. Light (no torch, no Triton): the search asks it."""
+    if batch == 1:
+        return None
+    if not 1 <= batch <= V10_MAX_BATCH:
+        return f"a batch of {batch} is outside 1..{V10_MAX_BATCH}"
+    if c.qk_norm:
+        return "the QK-norm (Qwen3) has no batched form on interpreter v10"
+    if any(k % 64 for k in (c.hidden_size, c.q_size, c.intermediate_size)):
+        return "a batch runs on the tensor cores, which need hidden, q and intermediate sizes that are multiples of 64"
+    return None
 
 
 def check_runs_batched_on_v10(p: Packed) -> None:

@@ -358,6 +358,13 @@ class Megakernel:
         else:
             self.rt.copy_(torch.tensor(tokens + positions, dtype=torch.int32))
 
+    def uniform_inputs(self, token: int, pos: int) -> tuple[int | list[int], int | list[int]]:
+        """`set_position`'s arguments for every sequence at `pos`: token, pos at batch 1; sequence b gets token + b
+        (its own input, as `synth bench` gives each its own) and pos in a batch."""
+        if self.batch == 1:
+            return token, pos
+        return [(token + b) % self.cfg.vocab_size for b in range(self.batch)], [pos] * self.batch
+
     def launch(self, packed: Packed | None = None, token: int | None = None, pos: int | None = None, *,
                reset: bool = True, trace: bool | None = None) -> None:
         """Enqueue one run of `packed` on the current stream (counter reset first unless `reset=False`); no sync."""
@@ -444,11 +451,14 @@ class Megakernel:
         assert p is not None
         return p.device["trace"][:p.n, 6:8].cpu().numpy()
 
-    def traced_step(self, token: int, pos: int, metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict."""
+    def traced_step(self, token: int | Sequence[int], pos: int | Sequence[int],
+                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run one step with timestamps (plain launch, trace-enabled kernel) and return the Chrome trace dict (a
+        batch: one token and position per sequence; ctx is the longest sequence's)."""
         from megasynth.trace import from_raw, schedule_sha256
 
         self.set_position(token, pos)
+        pos = pos if isinstance(pos, int) else max(int(q) for q in pos)
         p = self.packed
         assert p is not None
         p.device["trace"].zero_()

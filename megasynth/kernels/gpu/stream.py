@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megasynth.ir.model import ModelConfig
 from megasynth.kernels.gpu import ptx
-from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS
+from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS, batch_model_limits
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
 OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
@@ -1515,8 +1515,6 @@ SMEM_RESERVE = 2 * 1024
 TILE_LOADER_REGS = 40
 #: the fewest 32 KB tile slots (`StreamConfig.tile_k` 128) a ring may have; with fewer, tiles take 16 KB slots
 MIN_TILE_SLOTS = 4
-#: The most sequences one step decodes (a batch's wgmma has N = 16 or, with hi/lo operands, 32 columns at most).
-MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -1584,17 +1582,10 @@ def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
     """Why interpreter v10 cannot build for `batch` sequences of this model (None: it can). A batch runs on the
     tensor cores (`_pair_rows_batch`), so every K must be a multiple of 64 and a slot two boxes; the QK-norm's ops
     have no batched form yet."""
-    if batch == 1:
-        return None
-    if not 1 <= batch <= MAX_BATCH:
-        return f"a batch of {batch} is outside 1..{MAX_BATCH}"
-    if c.qk_norm:
-        return "the QK-norm (Qwen3) has no batched form on interpreter v10"
-    if sc.boxes != 2:
+    why = batch_model_limits(c, batch)
+    if why is None and batch > 1 and sc.boxes != 2:
         return f"a batch needs 2 boxes per ring slot (boxes = {sc.boxes})"
-    if any(k % 64 for k in (c.hidden_size, c.q_size, c.intermediate_size)):
-        return "a batch runs on the tensor cores, which need hidden, q and intermediate sizes that are multiples of 64"
-    return None
+    return why
 
 
 def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[str, int]:

@@ -40,12 +40,13 @@ def time_schedule(mk: Any, schedule: Schedule | None, ctx: int, reps: int = 100,
     """Time `schedule` (None: the Megakernel's current one) at context length `ctx` (the step at position ctx - 1).
 
     The timed region is one CUDA-graph replay = counter reset + the persistent kernel (embedding, every layer, LM head).
+    A batch's sequences all decode at position ctx - 1, each its own token (`Megakernel.uniform_inputs`).
     The watchdog is checked once after the timed replays; a hang raises `WatchdogError`.
     """
     if not 1 <= ctx <= mk.max_seq_len:
         raise ValueError(f"ctx {ctx} outside [1, {mk.max_seq_len}]")
     packed = mk.set_schedule(schedule) if schedule is not None else mk.packed
-    mk.set_position(token, ctx - 1)
+    mk.set_position(*mk.uniform_inputs(token, ctx - 1))
     graph = mk.graph(packed)
     out = time_graph(graph, reps=reps, warmup=warmup)
     mk.check(packed)
