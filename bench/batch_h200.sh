@@ -25,15 +25,21 @@ read -r -a BATCHES <<< "${BATCHES:-1 2 4 8 16}"  # BATCHES="1 8" times those onl
 lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
   python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
 import gzip, json, sys
+from megasynth.lowering.models import get_model
 model, out, *batches = sys.argv[1:]
 strategy = json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"]
+hd = get_model(model).config.hd
 for b in map(int, batches):
     s = dict(strategy)
     if b > 1:
         s["fuse_attn_reduce"] = False
         s["attn_splits"] = max(1, strategy["attn_splits"] // b)
+        # QKV tiles of whole heads, as the published rows were measured (v10 also runs a batch's RoPE-pair tiles,
+        # which `synth search --batch` explores; not measured here yet)
+        s["tiles"] = {**s["tiles"], "attn_norm_qkv_rope": -(-s["tiles"].get("attn_norm_qkv_rope", hd) // hd) * hd}
     if b >= 8:  # from batch 8 (StreamConfig.batch_tiles) a ring slot is a [128, 64] tile of two 64-row halves:
         # o_proj and down rows 128 at a time (K split as much finer, the same number of instructions), QKV 64 rows
+        # at least
         tiles, splits = dict(s["tiles"]), dict(s["k_splits"])
         for op in ("o_proj_residual", "down_proj_residual"):
             if tiles[op] < 128:

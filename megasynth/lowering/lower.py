@@ -19,7 +19,7 @@ from typing import Any
 from megasynth.ir.catalogue import FUSED_OPROJ, OP_ORDER, Geometry, footprint
 from megasynth.ir.schedule import FORMAT, Schedule, parse_schedule
 from megasynth.lowering.models import ModelSpec
-from megasynth.lowering.strategy import Strategy
+from megasynth.lowering.strategy import Strategy, whole_head_qkv
 
 
 @dataclass
@@ -59,8 +59,9 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
     # by attention itself (in_attention, the k row's cache write after the layer's attention)
     qk_mode = strategy.qk_norm if c.qk_norm else "in_qkv"
     apart = qk_mode != "in_qkv"
-    # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch (interpreter v9 computes QKV a head at a time)
-    qkv_align = c.hd if (c.qk_norm and not apart) or spec.batch > 1 else 2
+    # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch that runs on interpreter v9 (which computes
+    # QKV a head at a time)
+    qkv_align = c.hd if (c.qk_norm and not apart) or whole_head_qkv(spec) else 2
     in_attn = {"qk_norm": 1} if qk_mode == "in_attention" else {}
     prev = 0
     for layer in range(c.num_hidden_layers):

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from megasynth.ir.catalogue import OP_ORDER
 from megasynth.ir.errors import ScheduleError, json_path
+from megasynth.kernels.gpu.pack import batch_model_limits
 
 if TYPE_CHECKING:
     from megasynth.lowering.models import ModelSpec
@@ -199,15 +200,22 @@ def wave_tiles(rows: int, workers: int, splits: tuple[int, ...] = (1,), align: i
     return sorted(t for t in out if t <= rows)
 
 
+def whole_head_qkv(spec: ModelSpec) -> bool:
+    """Whether a batch's QKV tiles must be whole heads: its interpreter is v9 (a QK-norm model, or sizes v10's
+    tensor cores cannot take: `pack.batch_model_limits`), which computes QKV a head at a time. Interpreter v10 takes
+    RoPE-pair tiles at any batch."""
+    return spec.batch > 1 and batch_model_limits(spec.config, spec.batch) is not None
+
+
 def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
     are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
     tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
-    whole heads (at least one). A batch runs on interpreter v9, which computes QKV a whole head at a time: its QKV
-    tiles are whole heads."""
+    whole heads (at least one). A batch that runs on interpreter v9 (`whole_head_qkv`: v9 computes QKV a whole head
+    at a time) is offered whole-head QKV tiles only; on v10 a batch's are pair tiles, as at batch 1."""
     c = spec.config
     rows = _rows_of(spec)[op]
-    if op == "attn_norm_qkv_rope" and spec.batch > 1:
+    if op == "attn_norm_qkv_rope" and whole_head_qkv(spec):
         cands = {c.hd << n for n in range(8)} | set(wave_tiles(rows, workers, align=c.hd, box=c.hd))
     elif op == "attn_norm_qkv_rope":  # a box pair holds 16 RoPE pairs: 32 rows
         base = {8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, c.hd, 2 * c.hd}

@@ -31,19 +31,26 @@ CASES = [
     ("qwen2", 4, 3, {"qk_norm": "apart", "k_splits": {"down_proj_residual": 2}}),
     ("qwen3", 3, 4, {"qk_norm": "apart", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 2}),
     ("qwen3", 2, 4, {"qk_norm": "in_attention", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 3}),
+    # sizes interpreter v10 runs a batch of: its QKV tiles stay RoPE pairs (5 pairs, across heads' halves)
+    ("tiny", 3, 5, {"attn_splits": 2, "tiles": {"attn_norm_qkv_rope": 10}}),
 ]
 
 
 def _spec(family: str, batch: int) -> ModelSpec:
+    if family not in FAMILIES:
+        return with_batch(replace(get_model(family), max_seq_len=MAX_SEQ), batch)
     return ModelSpec(family, family, FAMILIES[family], MAX_SEQ, batch=batch)
 
 
 @pytest.mark.parametrize(("family", "batch", "workers", "knobs"), CASES)
 def test_batched_schedule_matches_the_reference_at_ragged_positions(family: str, batch: int, workers: int,
                                                                     knobs: dict) -> None:
-    cfg = FAMILIES[family]
-    schedule = lower(_spec(family, batch), workers, Strategy(**knobs))
+    spec = _spec(family, batch)
+    cfg = spec.config
+    schedule = lower(spec, workers, Strategy(**knobs))
     assert schedule.model is not None and schedule.model.batch == batch
+    qkv = {i.args["end"] - i.args["start"] for i in schedule.instructions if i.op.startswith("attn_norm_qkv")}
+    assert (family == "tiny") == any(rows % cfg.hd for rows in qkv)  # pair tiles only where v10 runs the batch
     assert verify(schedule).accepted
     prog = resolve(schedule)
     weights = random_weights(cfg, seed=3)
@@ -135,30 +142,35 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
     assert elapsed <= 15, elapsed
 
 
-def test_a_batch_lowers_and_searches_only_what_interpreter_v9_runs() -> None:
-    """A batch runs on interpreter v9 (v10 decodes one sequence): the lowering rounds QKV tiles to whole heads (v9
-    computes QKV a head at a time; llama-8b's naive 64-row tiles are half heads), the search space offers no folded
-    merge, no QK-norm apart and only whole-head QKV tiles, and a proposal that asks for either anyway is refused
-    when it is built, naming v9 and the instruction, not after the search picked it."""
+def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
+    """A batch runs on interpreter v10, or on v9 where v10 cannot build it (a QK-norm model): the lowering rounds
+    QKV tiles to whole heads only for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half
+    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers no folded merge and no
+    QK-norm apart at any batch (and only whole-head QKV tiles for v9), and a proposal that asks for either anyway is
+    refused when it is built, naming the interpreter and the instruction, not after the search picked it."""
     from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu.pack import check_runs_on_v9, pack
+    from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
     from megasynth.search.evaluate import build
     from megasynth.search.proposers.base import Proposal
 
-    big = with_batch(get_model("llama-8b"), 2)
-    check_runs_on_v9(pack(lower(big, 132), "v9"), big.config.hd, "")  # the naive lowering: 64-row tiles rounded
+    qwen = with_batch(get_model("qwen3-8b"), 2)
+    check_runs_on_v9(pack(lower(qwen, 132), "v9"), qwen.config.hd, "")  # the naive lowering: 64-row tiles rounded
+    pairs = lower(with_batch(get_model("llama-8b"), 2), 132)  # v10's batch keeps the naive 64-row (half-head) tiles
+    check_runs_batched_on_v10(pack(pairs, "v10"))
+    assert {i.args["end"] - i.args["start"] for i in pairs.instructions if i.op == "attn_norm_qkv_rope"} == {64}
     with pytest.raises(ScheduleError, match="whole heads"):
-        check_runs_on_v9(pack(lower(get_model("llama-8b"), 132), "v9"), 128, "")  # batch 1 keeps its pair tiles
+        check_runs_on_v9(pack(pairs, "v9"), 128, "")
     rng = random.Random(3)
-    for name, workers in (("tiny-qwen3", 8), ("tiny", 6)):
+    for name, workers, v9 in (("tiny-qwen3", 8, True), ("tiny", 6, False)):
         spec = with_batch(get_model(name), 3)
         space = SearchSpace(spec, workers)
         names = {k.name for k in space.knobs}
         assert "fuse_attn_reduce" not in names and "qk_norm" not in names
-        assert all(t % spec.config.hd == 0 for t in tile_choices(spec, workers, "attn_norm_qkv_rope"))
+        qkv = tile_choices(spec, workers, "attn_norm_qkv_rope")
+        assert all(t % spec.config.hd == 0 for t in qkv) == v9 and all(t % 2 == 0 for t in qkv)
         assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
-        for _ in range(6):  # random points and mutations of them all build for v9
+        for _ in range(6):  # random points and mutations of them all build for the batch's interpreter
             st = space.mutate(space.random(rng), rng, 2)
             build(spec, workers, Proposal(st, [], "random", "test"))
         for bad, where in ((Strategy(fuse_attn_reduce=True), "attn_reduce_o_proj"),

@@ -466,13 +466,17 @@ def test_briefing_names_the_model_features() -> None:
 
 
 def test_briefing_names_the_batch_and_what_it_runs_on() -> None:
-    """At a batch the agent is told the batch, that it runs on interpreter v9 with v9's limits on this model's
-    heads, and that wide instructions pay; at batch 1, one sequence per step."""
-    from megasynth.lowering.models import with_batch
+    """At a batch the agent is told the batch, the interpreter it runs on with that interpreter's limits (v10's pair
+    tiles and full ring slots; v9's whole heads for a QK-norm model), and that wide instructions pay; at batch 1,
+    one sequence per step."""
+    from megasynth.lowering.models import get_model, with_batch
 
     one = build_briefing(_ctx(), TINY, lower(TINY, 4), seq=64).user
     spec = with_batch(TINY, 4)
     four = build_briefing(_ctx(), spec, lower(spec, 4), seq=64).user
     assert "Batch: one sequence per step." in one and "interpreter v9" not in one
-    assert "Batch: 4 sequences per step" in four and "interpreter v9" in four
-    assert f"multiples of head_dim {TINY.config.hd}" in four and "fuse_attn_reduce false" in four
+    assert "Batch: 4 sequences per step" in four and "interpreter v10" in four and "RoPE pairs" in four
+    assert "fuse_attn_reduce false" in four
+    qk = with_batch(get_model("tiny-qwen3"), 4)
+    v9 = build_briefing(_ctx(), qk, lower(qk, 4), seq=64).user
+    assert "interpreter v9" in v9 and f"multiples of head_dim {qk.config.hd}" in v9
