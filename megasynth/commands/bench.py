@@ -169,10 +169,14 @@ def _bench_one(spec: ModelSpec, schedule_file: str | None, ctxs: list[int], json
     threads = torch.get_num_threads()
     if opts.device == "cpu":  # tiny CPU ops: one thread avoids OpenMP spin contention (restored after)
         torch.set_num_threads(1)
+    from megasynth.kernels.gpu.timing import GpuHangError
+
     try:
         result = run_bench(opts, log=lambda s: console.print(f"[dim]{s}[/dim]"))
     except ScheduleError as exc:
         _fail(str(exc))
+    except GpuHangError as exc:  # no JSON: nothing more could run on the GPU
+        _fail(str(exc), 1)
     except BenchError as exc:
         _fail(str(exc), 1 if "rejected" in str(exc) else 2)
     finally:

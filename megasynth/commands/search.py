@@ -146,6 +146,7 @@ def _parse_ranges(value: str | None) -> list[int] | None:
 
 def search_once(cfg: SearchConfig) -> SearchSummary:
     """One search (`synth search` at one --ctx): run it, print its summary; an error in the settings exits 2."""
+    from megasynth.kernels.gpu.timing import GpuHangError
     from megasynth.search.loop import run_search
 
     try:
@@ -153,6 +154,9 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
     except (ValueError, ScheduleError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    except GpuHangError as exc:  # the candidate is kept in the run as evidence; --resume continues in a new process
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     label = " (estimated by the cost model)" if summary.estimated else " (measured on the GPU)"
     click.echo(f"{summary.run_dir}: {summary.evaluated} candidates evaluated here, {summary.accepted} accepted, "
                f"{summary.screened} screened by the cost model, {summary.rejected} rejected, {summary.seconds:.1f} s")

@@ -44,7 +44,9 @@ def time_fn(fn: Callable[[], Any], *, reps: int, warmup: int, device: str,
     for _ in range(warmup):
         fn()
     if device == "cuda":
-        torch.cuda.synchronize()
+        from megasynth.kernels.gpu.timing import wait_for_gpu
+
+        wait_for_gpu(f"{warmup} warm-up runs")
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for i in range(reps):
@@ -53,7 +55,7 @@ def time_fn(fn: Callable[[], Any], *, reps: int, warmup: int, device: str,
             starts[i].record()
             fn()
             ends[i].record()
-        torch.cuda.synchronize()
+        wait_for_gpu(f"{reps} timed runs")
         samples = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
     else:
         samples = []

@@ -388,7 +388,10 @@ def run_variant(name: str, st: State, opts: BenchOptions, ref: Any, between: Cal
         return {**rec, "status": "skipped", "reason": "no CUDA (dry run)"}
     if opts.device == "cuda" and name == "cpu_executor":
         return {**rec, "status": "skipped", "reason": "CPU dry run only"}
+    from megasynth.kernels.gpu.timing import GpuHangError, wait_for_gpu
+
     log(f"ctx {st.ctx}: {label}")
+    hung = False
     try:
         t = time.perf_counter()
         step, notes = RUNNERS[name](st)
@@ -403,10 +406,13 @@ def run_variant(name: str, st: State, opts: BenchOptions, ref: Any, between: Cal
         rec["status"] = "ok"
     except Skip as exc:
         rec.update(status="skipped", reason=str(exc))
+    except GpuHangError:  # nothing more can run on this GPU in this process: stop the bench with the message
+        hung = True
+        raise
     except Exception as exc:  # noqa: BLE001 - one variant failing must not lose the others' numbers
         rec.update(status="failed", reason=short_error(exc))
         log(f"  {name} failed: {short_error(exc)}")
     finally:
-        if opts.device == "cuda":
-            torch.cuda.synchronize()
+        if opts.device == "cuda" and not hung:
+            wait_for_gpu(f"the {name} variant's work")
     return rec

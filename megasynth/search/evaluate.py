@@ -16,6 +16,7 @@ from typing import Any
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
 from megasynth.kernels.gpu.pack import batch_model_limits, check_runs_batched_on_v10, check_runs_on_v9, pack
+from megasynth.kernels.gpu.timing import GpuHangError
 from megasynth.lowering.costmodel import CostParams, Estimate, estimate
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
@@ -245,6 +246,8 @@ class Evaluator:
                 record.update(reason="gpu_error", error=f"{type(exc).__name__}: {exc}"[:2000], validation=validation)
                 self.run.save_rejected(cid, record)
                 cfg.notice(f"{cid}: the GPU run failed: {record['error'][:200]}")
+                if isinstance(exc, GpuHangError):  # nothing more can run on this GPU: the search stops here
+                    raise
                 return Result(cid, proposal, False, error=record["error"])
             if not err <= GpuTimer.TOLERANCE:
                 record.update(reason="gpu_mismatch", error=f"logits differ from the naive schedule's by {err:.3g} "

@@ -713,3 +713,54 @@ def test_model_dir_runs_on_its_own_weights(tmp_path, monkeypatch: pytest.MonkeyP
     (ckpt / "model.safetensors").unlink()
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "neither model.safetensors" in result.output
+
+
+class _StuckEvent:
+    """A CUDA event stand-in that the GPU reaches after `polls` queries (never with None)."""
+
+    polls: int | None = None
+
+    def __init__(self) -> None:
+        self.left = self.polls
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        if self.left is None:
+            return False
+        self.left -= 1
+        return self.left < 0
+
+
+def test_waiting_for_the_gpu_is_bounded_and_a_hang_stops_the_bench(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`wait_for_gpu` returns once the work is done and raises GpuHangError, naming what it waited for, past its
+    limit (a ring slot's wait has no watchdog on the device); a variant that hangs stops the bench (nothing more can
+    run on that GPU) instead of being recorded as one failure among others, and `synth bench` exits 1 with it."""
+    from contextlib import nullcontext
+
+    import megasynth.measure.bench as bench_mod
+    import megasynth.measure.variants as variants
+    from megasynth.kernels.gpu.timing import GpuHangError, WatchdogError, wait_for_gpu
+
+    monkeypatch.setattr(torch.cuda, "Event", _StuckEvent)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: nullcontext())
+    _StuckEvent.polls = 3
+    wait_for_gpu("three polls", limit_s=5)
+    _StuckEvent.polls = None
+    with pytest.raises(GpuHangError, match=r"the step has not finished after 0.05 s.*restart the process") as hang:
+        wait_for_gpu("the step", limit_s=0.05)
+    assert isinstance(hang.value, WatchdogError)
+
+    def stuck(st):
+        def step():
+            raise GpuHangError("the megakernel's step has not finished after 60 s")
+        return step, {}
+
+    monkeypatch.setitem(variants.RUNNERS, "torch_bf16", stuck)
+    opts = BenchOptions(model="tiny", ctxs=[10], reps=1, warmup=0, device="cpu", variants=["torch_bf16"])
+    with pytest.raises(GpuHangError):
+        bench_mod.run_bench(opts, log=lambda s: None)
+    monkeypatch.setattr(bench_mod, "run_bench", lambda *a, **k: stuck(None)[0]())
+    res = CliRunner().invoke(main, ["bench", "--model", "tiny", "--dry-run", "--ctx", "8"])
+    assert res.exit_code == 1 and "has not finished after 60 s" in res.output, res.output

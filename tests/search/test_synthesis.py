@@ -606,6 +606,46 @@ def test_a_batch_is_searched_on_the_gpu_within_what_its_interpreter_runs(tmp_pat
         evaluate.build(with_batch(get_model("tiny-qwen3"), 3), 8, fused)
 
 
+class _HungTimer(_ModelTimer):
+    """A GPU whose second timed schedule never finishes."""
+
+    runs = 0
+
+    def time(self, schedule) -> dict:
+        from megasynth.kernels.gpu.timing import GpuHangError
+
+        _HungTimer.runs += 1
+        if _HungTimer.runs >= 2:
+            raise GpuHangError("2 replays of the step has not finished after 60 s")
+        return super().time(schedule)
+
+
+def test_a_gpu_hang_stops_the_search_and_keeps_the_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that never finishes (the host's bounded wait gives up) ends the search with that error, since nothing
+    more can run on the GPU; the candidate is kept in the run as a GPU error, and `synth search` exits 1."""
+    import megasynth.search.evaluate as evaluate
+    import megasynth.search.loop as loop
+    from megasynth.kernels.gpu.timing import GpuHangError
+
+    monkeypatch.setattr(evaluate, "GpuTimer", _HungTimer)
+    monkeypatch.setattr(loop, "gpu_name", lambda: "fake GPU")
+    _HungTimer.runs = 0
+    with pytest.raises(GpuHangError):
+        run_search(_cfg(tmp_path, gpu=True, budget=4, proposer="seeds", cost_params=V10))
+    rejected = RunDir(tmp_path / "r").rejected()
+    assert [r["reason"] for r in rejected.values()] == ["gpu_error"]
+    assert "has not finished" in next(iter(rejected.values()))["error"]
+    _HungTimer.runs = 0
+    monkeypatch.setattr(loop, "cuda_available", lambda: True)
+    from megasynth.cli import main as main_cli
+
+    res = CliRunner().invoke(main_cli, ["search", "--model", "tiny", "--workers", "8", "--ctx", "64", "--budget", "4",
+                                        "--runs-dir", str(tmp_path), "--run", "again", "--no-progress",
+                                        "--interleavings", "5", "--final-interleavings", "5", "--jobs", "1",
+                                        "--proposer", "seeds"])
+    assert res.exit_code == 1 and "has not finished after 60 s" in res.output, res.output
+
+
 def test_calibrate_check_run_alone_checks_the_model_without_fitting(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """`synth calibrate --check-run RUN` with nothing to fit reports the committed model's error on the run's

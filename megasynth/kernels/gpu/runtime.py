@@ -35,13 +35,10 @@ from megasynth.kernels.gpu.pack import (
     check_runs_on_v9,
     pack,
 )
+from megasynth.kernels.gpu.timing import WatchdogError, wait_for_gpu
 from megasynth.kernels.gpu.v9 import KernelConfig, kernel_constexprs, staging_elements, v9_megakernel
 
 ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 0
-
-
-class WatchdogError(RuntimeError):
-    """A worker waited past the watchdog timeout: the schedule (or the kernel) would have hung the GPU."""
 
 
 def default_config(device: torch.device, cfg: ModelConfig | None = None, batch: int = 1) -> Any:
@@ -383,6 +380,8 @@ class Megakernel:
         """Raise `WatchdogError` naming every stuck worker, instruction and counter of the last run (syncs)."""
         p = packed or self.packed
         assert p is not None
+        if self.device.type == "cuda":
+            wait_for_gpu("the megakernel's step", self.device)
         err = p.device["err"].view(-1, ERR_FIELDS)
         flags = err[:, 0]
         if int(flags.max().item()) == 0:
@@ -403,7 +402,7 @@ class Megakernel:
         assert p is not None
         if p.device.get("graph") is None:
             self.launch(p)  # compile and warm up outside the capture
-            torch.cuda.synchronize(self.device)
+            wait_for_gpu("the megakernel's first run of this schedule", self.device)
             self.check(p)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
@@ -464,7 +463,7 @@ class Megakernel:
         p.device["trace"].zero_()
         self.launch(p, trace=True)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            wait_for_gpu("the megakernel's traced step", self.device)
         self.check(p)
         sched = p.schedule
         meta = {"model": sched.model.name if sched is not None and sched.model is not None else None,

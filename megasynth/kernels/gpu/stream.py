@@ -27,7 +27,8 @@ A batch (`NB` sequences, a compile-time constant) always multiplies on the tenso
 sequence (`_batch_op`). Below `StreamConfig.batch_tiles` sequences its slots are the row-pair boxes above; from there
 a slot is a [128, 64] tile of 128 weight rows (`_issue_tile`), so that every column of the product is used. A slot's
 ready/empty waits are not bounded by the watchdog: the two partitions agree on the slot sequence by construction,
-and a slot whose armed bytes never arrive would hang the kernel.
+and a slot whose armed bytes never arrive would hang the kernel; the host bounds its own wait for the step instead
+(`timing.wait_for_gpu`: a `GpuHangError` after a minute, where it would otherwise block forever).
 
 The PTX of the counter protocol and the clocks is kernels/gpu/ptx.py's, shared with interpreter v9.
 

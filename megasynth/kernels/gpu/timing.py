@@ -1,12 +1,51 @@
-"""Time one schedule on the persistent interpreter: CUDA-graph replays of the whole step, timed with CUDA events."""
+"""Time one schedule on the persistent interpreter: CUDA-graph replays of the whole step, timed with CUDA events; and
+wait for launched work with a bound (`wait_for_gpu`), so that a kernel that never ends is an error, not a hang."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+import time
+from typing import TYPE_CHECKING, Any
 
 from megasynth.ir.schedule import Schedule
+
+if TYPE_CHECKING:
+    import torch
+
+#: How long the host waits for launched GPU work before it calls it hung. A counter wait has its own watchdog on the
+#: device (`Megakernel`'s timeout_s); a ring slot's mbarrier wait in interpreter v10 has none, so a loader that never
+#: fills a slot would otherwise block the host forever. Far above any step or timing loop (100 replays of a 10 ms
+#: step take 1 s).
+HANG_S = 60.0
+
+
+class WatchdogError(RuntimeError):
+    """A worker waited past the watchdog timeout, or launched work never finished: the schedule (or the kernel)
+    would have hung the GPU."""
+
+
+class GpuHangError(WatchdogError):
+    """Launched work never finished (`wait_for_gpu`): the kernel still runs, and nothing more can run on this GPU
+    in this process."""
+
+
+def wait_for_gpu(what: str, device: torch.device | None = None, limit_s: float = HANG_S) -> None:
+    """`torch.cuda.synchronize()` with a bound: wait until the current stream of `device` (default: the current
+    device) has run everything enqueued so far, or raise `WatchdogError` naming `what` after `limit_s` seconds (the
+    GPU context cannot be used after that: the kernel still runs; the message says to restart the process)."""
+    import torch
+
+    done = torch.cuda.Event()
+    with torch.cuda.device(device):
+        done.record()
+    deadline = time.monotonic() + limit_s
+    nap = 1e-5
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise GpuHangError(f"{what} has not finished after {limit_s:g} s: a wait inside the kernel without a "
+                                "watchdog of its own (a ring slot's mbarrier on interpreter v10) never completed; the "
+                                "kernel still occupies the GPU, so restart the process")
+        time.sleep(nap)
+        nap = min(2 * nap, 1e-3)
 
 
 def _stats(times: list[float]) -> dict[str, Any]:
@@ -21,6 +60,8 @@ def _stats(times: list[float]) -> dict[str, Any]:
 
 def time_graph(graph: torch.cuda.CUDAGraph, reps: int = 100, warmup: int = 10) -> dict[str, Any]:
     """Median/p10/p90 ms of single replays of `graph` (each replay bracketed by its own pair of CUDA events)."""
+    import torch
+
     if reps < 1:
         raise ValueError("reps must be >= 1")
     for _ in range(warmup):
@@ -31,7 +72,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, reps: int = 100, warmup: int = 10) -
         a.record()
         graph.replay()
         b.record()
-    torch.cuda.synchronize()
+    wait_for_gpu(f"{reps + warmup} replays of the step")
     return _stats([a.elapsed_time(b) for a, b in zip(starts, ends, strict=True)])
 
 
