@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 #: fills a slot would otherwise block the host forever. Far above any step or timing loop (100 replays of a 10 ms
 #: step take 1 s).
 HANG_S = 60.0
+#: How long `wait_for_gpu` polls without sleeping (as `torch.cuda.synchronize` spins) before it naps 1 ms per poll.
+SPIN_S = 0.05
 
 
 class WatchdogError(RuntimeError):
@@ -30,22 +32,23 @@ class GpuHangError(WatchdogError):
 
 def wait_for_gpu(what: str, device: torch.device | None = None, limit_s: float = HANG_S) -> None:
     """`torch.cuda.synchronize()` with a bound: wait until the current stream of `device` (default: the current
-    device) has run everything enqueued so far, or raise `WatchdogError` naming `what` after `limit_s` seconds (the
+    device) has run everything enqueued so far, or raise `GpuHangError` naming `what` after `limit_s` seconds (the
     GPU context cannot be used after that: the kernel still runs; the message says to restart the process)."""
     import torch
 
     done = torch.cuda.Event()
     with torch.cuda.device(device):
         done.record()
-    deadline = time.monotonic() + limit_s
-    nap = 1e-5
+    start = time.monotonic()
+    deadline = start + limit_s
     while not done.query():
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > start + SPIN_S:  # a step ends within the spin as soon as a synchronize would see it; then naps
+            time.sleep(1e-3)
+        if now > deadline:
             raise GpuHangError(f"{what} has not finished after {limit_s:g} s: a wait inside the kernel without a "
                                 "watchdog of its own (a ring slot's mbarrier on interpreter v10) never completed; the "
                                 "kernel still occupies the GPU, so restart the process")
-        time.sleep(nap)
-        nap = min(2 * nap, 1e-3)
 
 
 def _stats(times: list[float]) -> dict[str, Any]:
