@@ -1016,8 +1016,11 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
     and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
-    (whole 8-row swizzle atoms, at most 16 K fp32 values in flight) in one pass."""
-    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [1, num_warps, 1], [2, 1, 0])
+    (whole 8-row swizzle atoms, at most 16 K fp32 values in flight) in one pass. The warps split the group's
+    chunks and, where a group has fewer chunks than warps (batch 16: 4; a small hidden size), its sequences too, so
+    that no warp loads what another does (64 values a thread, not 128)."""
+    WC: gl.constexpr = min(CG, num_warps)  # warps along the chunks of a group, the rest along the sequences
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [num_warps // WC, WC, 1], [2, 1, 0])
     NQ: gl.constexpr = BK // SUB
     bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
     rr = gl.arange(0, CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
