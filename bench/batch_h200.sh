@@ -8,8 +8,9 @@
 # rows, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and gate/up tiles of a
 # multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
 # when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
-# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more). About 6 minutes for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes
-# for batch 1 alone).
+# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more); QKV=pairs keeps the
+# reference run's QKV tiles of RoPE pairs at every batch instead of rounding them up to whole heads. About 6 minutes
+# for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
@@ -26,7 +27,9 @@ lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the re
   python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
 import gzip, json, sys
 from megasynth.lowering.models import get_model
+import os
 model, out, *batches = sys.argv[1:]
+whole_heads = os.environ.get("QKV", "heads") != "pairs"
 strategy = json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"]
 hd = get_model(model).config.hd
 for b in map(int, batches):
@@ -36,7 +39,8 @@ for b in map(int, batches):
         s["attn_splits"] = max(1, strategy["attn_splits"] // b)
         # QKV tiles of whole heads, as the published rows were measured (v10 also runs a batch's RoPE-pair tiles,
         # which `synth search --batch` explores; not measured here yet)
-        s["tiles"] = {**s["tiles"], "attn_norm_qkv_rope": -(-s["tiles"].get("attn_norm_qkv_rope", hd) // hd) * hd}
+        if whole_heads:
+            s["tiles"] = {**s["tiles"], "attn_norm_qkv_rope": -(-s["tiles"].get("attn_norm_qkv_rope", hd) // hd) * hd}
     if b >= 8:  # from batch 8 (StreamConfig.batch_tiles) a ring slot is a [128, 64] tile of two 64-row halves:
         # o_proj and down rows 128 at a time (K split as much finer, the same number of instructions), QKV 64 rows
         # at least
