@@ -255,18 +255,20 @@ def test_v10_is_the_default_and_v9_stays_selectable(llama):
     assert not mk9.v10
 
 
-@pytest.mark.parametrize("kv_ring", [True, False])
-def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring):
+@pytest.mark.parametrize("kv_ring, attn_mma", [(True, True), (True, False), (False, False)])
+def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring, attn_mma):
     """The v10 best-schedule shape (QKV tiles of 16 RoPE pairs, down K-split 2) with and without the loader
-    streaming attention's K/V history; on a tiny config, pair tiles that straddle heads."""
+    streaming attention's K/V history, read on the tensor cores or on the CUDA cores; on a tiny config, pair tiles
+    that straddle heads."""
     from megasynth.kernels.gpu.stream import StreamConfig
 
     spec, w = llama
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = {"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32, "final_norm_lm_head": 972}
     strat = Strategy(tiles=tiles, attn_splits=16, k_splits={"down_proj_residual": 2})
-    cfg = StreamConfig(kv_ring=kv_ring)
-    _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3008), 3000, config=cfg)
+    cfg = StreamConfig(kv_ring=kv_ring, attn_mma=attn_mma)
+    mk = _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3008), 3000, config=cfg)
+    assert mk.geo["KV_RING"] == (2 if attn_mma else int(kv_ring))
     tiny = get_model("tiny-gqa4")
     odd = Strategy(attn_splits=3, tiles={"attn_norm_qkv_rope": 10}, default_granularity="head")
     _decode_and_compare(tiny, lower(tiny, 7, odd), _weights(tiny.config, 8), range(60, 64), 60, config=cfg)

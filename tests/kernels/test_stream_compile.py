@@ -196,6 +196,32 @@ def test_tensor_core_path_geometry() -> None:
     assert weight_box(stream_geometry(get_model("llama-1b").config, StreamConfig()))[0] == [16, 256]
 
 
+def test_tensor_core_attention_geometry_and_build() -> None:
+    """attn_mma reads the ring's K/V on the tensor cores only where it can: 64-dim heads, K/V streamed into the
+    ring, and its [16 num_warps, hd] fp32 group merge within the staging buffer as it is (llama-1b at batch 1, 8 and
+    16; not on the smaller row-pair stage of batch 2, nor for 128-dim heads); the K/V boxes are then 128 B swizzled,
+    and the build issues mma.sync without spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, kv_box_layout, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    on = StreamConfig(attn_mma=True)
+    llama = get_model("llama-1b").config
+    for batch in (1, 8, 16):
+        geo = stream_geometry(llama, on, batch)
+        assert geo["KV_RING"] == 2 and geo["stage_bytes"] >= 16 * on.num_warps * llama.hd * 4
+        assert kv_box_layout(geo).swizzle_byte_width == 128
+    assert stream_geometry(llama, on, 2)["KV_RING"] == 1
+    assert stream_geometry(get_model("llama-8b").config, on)["KV_RING"] == 1  # 128-dim heads
+    assert stream_geometry(llama, StreamConfig(attn_mma=True, kv_ring=False))["KV_RING"] == 0
+    off = stream_geometry(llama, StreamConfig())  # off by default: measured slower (docs/perf-notes.md)
+    assert off["KV_RING"] == 1 and kv_box_layout(off).swizzle_byte_width == 0
+    kernel, res = compile_v10(llama, 4096, on)
+    assert res.stack == 0 and res.shared <= SMEM_LIMIT
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-mha", "tiny-gqa4", "llama-1b", "llama-3b", "llama-8b"])
 def test_staging_buffer_holds_attentions_lane_partials(model: str) -> None:
     """Attention merges its position lanes through the staging buffer ([GP, num_warps, hd] fp32 per instruction), so

@@ -92,17 +92,15 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
                 ) -> tuple[Any, Resources]:
     """Interpreter v10 (`StreamConfig`) for sm_90, its TMA descriptors typed as the host builds them (the
     trace-enabled build with `trace`; the build for `batch` sequences per step)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from megasynth.kernels.gpu import stream
 
     consts = stream.stream_constexprs(c, max_seq_len, config, trace, batch)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     geo = stream.stream_geometry(c, config, batch)
     wdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo))
     qdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, qkv=True))
-    kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{layout!r}>"
+    kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{stream.kv_box_layout(geo)!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
              "d_v": kvdesc}
     return _compile(stream.stream_megakernel, GluonASTSource, consts, types, consts["num_warps"], {})

@@ -45,6 +45,7 @@ from typing import Any
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -78,6 +79,9 @@ SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-cor
 MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
 #: The same bytes as the TMA destination of one weight box: [16 rows, BK / 64 sub-chunks, 64] (row 4 r + q of a tile)
 MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+#: `KV_RING` == KV_MMA: attention reads the ring's K/V blocks on the tensor cores (`_attn_ring_mma`), and TMA writes
+#: them with a 128 B swizzle (`kv_box_layout`), so that the operand loads (ldmatrix) meet no bank conflicts
+KV_MMA: gl.constexpr = gl.constexpr(2)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
 #: loop reading one more word each round is the kind of L2 hot spot the first-warp poll removes for the counters,
@@ -169,9 +173,10 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
 
 @gluon.jit
 def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr):
+              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr, KV_RING: gl.constexpr):
     """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if KV_RING == KV_MMA else 0,
+                                                   element_bitwidth=16, rank=2)
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     mbarrier.expect(bar, 2 * BOX_BYTES)
@@ -345,7 +350,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 hi = (a1 + 1) * (pos + 1) // a2
                 for b0 in range(lo, hi, BTK):
                     t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
-                                  BOX_BYTES)
+                                  BOX_BYTES, KV_RING)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, MMA, KW, TILE, XR, KT)
@@ -758,6 +763,59 @@ def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
 
 
 @gluon.jit
+def _load_q(q_ptr, sq_ptr, rows, dims, ok, nq, SCALE: gl.constexpr, HD: gl.constexpr, EPS: gl.constexpr,
+            QK_NORM: gl.constexpr, AX: gl.constexpr):
+    """q of query heads `rows` at dims `dims` (index tensors that broadcast, in any layout; the head dim on axis
+    AX), masked by ok and scaled by SCALE; with the QK-norm (QK_NORM and nq: the instruction's qkn) also by each
+    head's rsqrt(mean square + eps), from its RoPE pairs' sums of squares ([heads, HD / 2] at sq_ptr)."""
+    q = gl.load(q_ptr + rows * HD + dims, mask=ok, other=0.0, cache_modifier=".cg") * SCALE
+    if QK_NORM:
+        HALF: gl.constexpr = HD // 2
+        sqq = gl.load(sq_ptr + rows * HALF + dims, mask=ok & (dims < HALF) & nq, other=0.0, cache_modifier=".cg")
+        q = q * gl.expand_dims(gl.where(nq, 1.0 / gl.sqrt(gl.sum(sqq, axis=AX) / HD + EPS), 1.0), AX)
+    return q
+
+
+@gluon.jit
+def _new_k(sq_ptr, knew_ptr, g, cur, nq, dk, NH: gl.constexpr, HD: gl.constexpr, EPS: gl.constexpr):
+    """KV head g's new k row (dims dk, any 1-D layout; zero unless cur and nq) as the cache will hold it: `k_new`
+    scaled by rsqrt(mean square + eps) from its pairs' sums of squares, rounded to bf16."""
+    HALF: gl.constexpr = HD // 2
+    ksq = gl.load(sq_ptr + (NH + g) * HALF + dk, mask=(dk < HALF) & cur & nq, other=0.0, cache_modifier=".cg")
+    knew = gl.load(knew_ptr + g * HD + dk, mask=(dk < HD) & cur & nq, other=0.0, cache_modifier=".cg")
+    return (knew * (1.0 / gl.sqrt(gl.sum(ksq, axis=0) / HD + EPS))).to(gl.bfloat16).to(gl.float32)
+
+
+@gluon.jit
+def _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, row, g, cur, nq, dk, NH: gl.constexpr, HD: gl.constexpr,
+              EPS: gl.constexpr, QK_NORM: gl.constexpr):
+    """This step's K and V rows (fp32, dims dk: any 1-D layout; zero unless cur), written by QKV and ordered by the
+    instruction's wait: from the cache at `row`, k from `_new_k` where the QK-norm is applied here (nq)."""
+    cur_v = gl.load(vc_ptr + row + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg").to(gl.float32)
+    cur_k = gl.load(kc_ptr + row + dk, mask=(dk < HD) & cur & (nq == 0), other=0.0,
+                    cache_modifier=".cg").to(gl.float32)
+    if QK_NORM:
+        cur_k = gl.where(nq, _new_k(sq_ptr, knew_ptr, g, cur, nq, dk, NH, HD, EPS), cur_k)
+    return cur_k, cur_v
+
+
+@gluon.jit
+def _split_lse(den, mx, empty_split):
+    """A split's log-sum-exp per head from its softmax denominator and max, and the denominator to divide by; an
+    empty split's is -inf, which the merge weighs 0."""
+    safe = gl.where(den > 0, den, 1.0)
+    return safe, gl.where(empty_split, float("-inf"), mx + gl.log(safe))
+
+
+@gluon.jit
+def _store_heads(opart_ptr, o, go, do, split, h0, NH: gl.constexpr, G: gl.constexpr, HD: gl.constexpr):
+    """Split `split`'s attention output of query heads h0 + go (rows go, dims do in o's layout; heads past G are
+    not written)."""
+    rows = split * NH + h0 + go
+    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(do, 0), o, mask=gl.expand_dims(go < G, 1))
+
+
+@gluon.jit
 def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits, pos, qkn,
                      t, ring, ready, empty, scratch,
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
@@ -766,126 +824,206 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                      num_warps: gl.constexpr):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
-    On the CUDA cores, fp32. Each of the BT position lanes of a block (BT = 32 / lanes along the head dim, times
-    num_warps) keeps its own online softmax (max, denominator, weighted sum): the loop needs no cross-thread
-    reduction but the dot product's, and the lanes are merged once at the end. With KV_RING the loader has already
-    streamed the split's K/V history into the ring (BTK positions per slot: positions before pos are never written
-    during a step), so only q and the current position's row come from L2 after the wait; otherwise K/V are loaded
-    here, the next block's before the current one is computed.
+    With KV_RING the loader has already streamed the split's K/V history into the ring (BTK positions per slot:
+    positions before pos are never written during a step), so only q and the current position's row come from L2
+    after the wait; otherwise K/V are loaded here, the next block's before the current one is computed. KV_RING ==
+    KV_MMA reads the ring on the tensor cores (`_attn_ring_mma`); otherwise the CUDA cores, fp32: each of the BT
+    position lanes of a block (BT = 32 / lanes along the head dim, times num_warps) keeps its own online softmax
+    (max, denominator, weighted sum), so the loop needs no cross-thread reduction but the dot product's, and the
+    lanes are merged once at the end.
 
     With `qkn` (a QK_NORM build's attn_partial with qk_norm 1) q arrives unnormalised: each head is scaled by
     rsqrt(mean square + eps) from its pairs' sums of squares as it is loaded, and the row at pos is the new k row
     from `k_new`, so scaled and rounded as the cache will hold it (qk_norm_apply writes it there after the layer's
     attention), instead of the cache's."""
-    LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
-    BT: gl.constexpr = (32 // LD) * num_warps
-    L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
-    LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
-    LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
-    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
     T = pos + 1
     lo = split * T // splits
     hi = (split + 1) * T // splits
     h0 = g * G
-    gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
-    dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
-    qmask = gl.expand_dims(gq < G, 1)
-    qoffs = gl.expand_dims(h0 + gq, 1) * HD + gl.expand_dims(dq, 0)
-    q = gl.load(q_ptr + qoffs, mask=qmask, other=0.0, cache_modifier=".cg") * SCALE
-    tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
-    dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
-    ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
     base = (layer * NKV + g).to(gl.int64) * S * HD
     cur = (pos >= lo) & (pos < hi)
     if QK_NORM:
-        HALF: gl.constexpr = HD // 2
         nq = qkn != 0
-        sqq = gl.load(sq_ptr + gl.expand_dims(h0 + gq, 1) * HALF + gl.expand_dims(dq, 0),
-                      mask=qmask & gl.expand_dims(dq < HALF, 0) & nq, other=0.0, cache_modifier=".cg")
-        q = q * gl.expand_dims(gl.where(nq, 1.0 / gl.sqrt(gl.sum(sqq, axis=1) / HD + EPS), 1.0), 1)
-        ksq = gl.load(sq_ptr + (NH + g) * HALF + dk, mask=(dk < HALF) & cur & nq, other=0.0, cache_modifier=".cg")
-        knew = gl.load(knew_ptr + g * HD + dk, mask=(dk < HD) & cur & nq, other=0.0, cache_modifier=".cg")
-        new_k = (knew * (1.0 / gl.sqrt(gl.sum(ksq, axis=0) / HD + EPS))).to(gl.bfloat16).to(gl.float32)
-        new_k = gl.expand_dims(new_k, 0)  # [1, HD]
-        from_cache = cur & (qkn == 0)
     else:
         nq = False
-        from_cache = cur
-    q3 = gl.expand_dims(q, 1)
-    m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
-    l_i = gl.zeros([GP, BT], gl.float32, LS)
-    acc = gl.zeros([GP, BT, HD], gl.float32, L3)
-    if KV_RING:
-        kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-        # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
-        cur_k = gl.load(kc_ptr + base + pos * HD + dk, mask=(dk < HD) & from_cache, other=0.0,
-                        cache_modifier=".cg")
-        cur_v = gl.load(vc_ptr + base + pos * HD + dk, mask=(dk < HD) & cur, other=0.0, cache_modifier=".cg")
-        cur_k = gl.expand_dims(cur_k.to(gl.float32), 0)
-        cur_v = gl.expand_dims(cur_v.to(gl.float32), 0)
-        if QK_NORM:
-            cur_k = gl.where(nq, new_k, cur_k)
-        for b0 in range(lo, hi, BTK):
-            s = t % NS
-            mbarrier.wait(ready.index(s), (t // NS) & 1)
-            kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-            vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-            if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
-                nowa = gl.expand_dims(b0 + tk == pos, 1)
-                nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
-                ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
-                va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
-                kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
-                vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
-                m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
-            else:
-                for hb in gl.static_range(BTK // BT):
-                    t0 = b0 + hb * BT
-                    now = gl.expand_dims(t0 + tk == pos, 1)
-                    k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                    v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                    m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
-            t = _release(t, empty, NS)
+    if KV_RING == KV_MMA:
+        t = _attn_ring_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, base, g, h0, split, lo, hi,
+                           pos, cur, nq, t, ring, ready, empty, scratch, NH, HD, G, GP, SCALE, EPS, QK_NORM, NS, SB,
+                           BTK, num_warps)
     else:
-        kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
-        km = gl.expand_dims(lo + tk < hi, 1)
-        kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-        vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-        for t0 in range(lo, hi, BT):
-            k = kn.to(gl.float32)
-            v = vn.to(gl.float32)
+        LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
+        BT: gl.constexpr = (32 // LD) * num_warps
+        L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
+        LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
+        LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
+        LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
+        gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
+        dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
+        q = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + gq, 1), gl.expand_dims(dq, 0), gl.expand_dims(gq < G, 1), nq,
+                    SCALE, HD, EPS, QK_NORM, 1)
+        tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
+        dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
+        ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
+        q3 = gl.expand_dims(q, 1)
+        m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
+        l_i = gl.zeros([GP, BT], gl.float32, LS)
+        acc = gl.zeros([GP, BT, HD], gl.float32, L3)
+        if KV_RING:
+            kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+            # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
+            cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, dk, NH, HD, EPS,
+                                     QK_NORM)
+            cur_k = gl.expand_dims(cur_k, 0)
+            cur_v = gl.expand_dims(cur_v, 0)
+            for b0 in range(lo, hi, BTK):
+                s = t % NS
+                mbarrier.wait(ready.index(s), (t // NS) & 1)
+                kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+                vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+                if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
+                    nowa = gl.expand_dims(b0 + tk == pos, 1)
+                    nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
+                    ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
+                    va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
+                    kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
+                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
+                else:
+                    for hb in gl.static_range(BTK // BT):
+                        t0 = b0 + hb * BT
+                        now = gl.expand_dims(t0 + tk == pos, 1)
+                        k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
+                        m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                t = _release(t, empty, NS)
+        else:
             if QK_NORM:  # the row at pos is not in the cache yet
-                k = gl.where(gl.expand_dims(t0 + tk == pos, 1) & nq, new_k, k)
-            km = gl.expand_dims(t0 + BT + tk < hi, 1)
-            kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-            vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-            m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
-    # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory (the
-    # staging buffer, free between instructions) into a layout where each (head, dim) output has one owner thread:
-    # Triton's reduction over the warp axis would leave the result replicated in every warp.
-    LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
-                                                                        num_warps // min(GP, num_warps)], [2, 1, 0])
-    LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
-    mx = gl.max(m_i, axis=1)  # [GP]
-    w = gl.exp(m_i - gl.expand_dims(mx, 1))
-    den = gl.sum(l_i * w, axis=1)
-    part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+                new_k = gl.expand_dims(_new_k(sq_ptr, knew_ptr, g, cur, nq, dk, NH, HD, EPS), 0)
+            kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
+            km = gl.expand_dims(lo + tk < hi, 1)
+            kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            for t0 in range(lo, hi, BT):
+                k = kn.to(gl.float32)
+                v = vn.to(gl.float32)
+                if QK_NORM:
+                    k = gl.where(gl.expand_dims(t0 + tk == pos, 1) & nq, new_k, k)
+                km = gl.expand_dims(t0 + BT + tk < hi, 1)
+                kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+                vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+        # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory
+        # (the staging buffer, free between instructions) into a layout where each (head, dim) output has one owner
+        # thread: Triton's reduction over the warp axis would leave the result replicated in every warp.
+        LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
+                                                                            num_warps // min(GP, num_warps)],
+                                            [2, 1, 0])
+        LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
+        mx = gl.max(m_i, axis=1)  # [GP]
+        w = gl.exp(m_i - gl.expand_dims(mx, 1))
+        den = gl.sum(l_i * w, axis=1)
+        part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
+        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
+        parts.store(part)
+        gl.thread_barrier()
+        o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        safe, lse = _split_lse(den, mx, hi <= lo)
+        o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1))
+        _store_heads(opart_ptr, o, gl.arange(0, GP, layout=gl.SliceLayout(1, LO)),
+                     gl.arange(0, HD, layout=gl.SliceLayout(0, LO)), split, h0, NH, G, HD)
+        gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
+        gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+    return t
+
+
+@gluon.jit
+def _attn_ring_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, base, g, h0, split, lo, hi, pos, cur,
+                   nq, t, ring, ready, empty, scratch, NH: gl.constexpr, HD: gl.constexpr, G: gl.constexpr,
+                   GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                   NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, num_warps: gl.constexpr):
+    """`_op_attn_partial` on the tensor cores (mma.sync m16n8k16): each ring slot's BTK positions are NWB groups of
+    16, one per warp row, and each group keeps its own online softmax over its positions (a batched product with the
+    group as the batch dimension, so no reduction crosses warps inside the loop). Scores = q K^T with q's heads as
+    the 16 rows of the product (GP of them real, the rest zero) and q in bf16 hi + lo (~16 mantissa bits; K is bf16
+    in the cache), then out += P V with P in bf16 hi + lo: about fp32 accuracy, at 32 products per warp per slot
+    where the CUDA cores spend ~4x the instructions. With more warps than groups the extra warps compute further
+    zero rows. The row at pos comes from L2 (`_cur_rows`): its score replaces the stale row's, and its weight
+    multiplies the current V row outside the product. The groups merge through `scratch` ([NWB, 16 WM, HD] fp32,
+    `stream_geometry` leaves room)."""
+    NWB: gl.constexpr = BTK // 16  # position groups per slot
+    WM: gl.constexpr = num_warps // NWB  # warps per group, along the product's rows
+    GM: gl.constexpr = 16 * WM  # product rows: the query heads, zero past G
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NWB, WM, 1], instr_shape=[1, 16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
+    LM: gl.constexpr = gl.SliceLayout(2, MMA3)  # [NWB, GM]: per group and head
+    kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    r = gl.arange(0, GM, layout=gl.SliceLayout(0, gl.SliceLayout(2, LA)))
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(1, LA)))
+    r3 = gl.expand_dims(gl.expand_dims(r, 0), 2)  # [1, GM, 1]
+    d3 = gl.expand_dims(gl.expand_dims(d, 0), 1)  # [1, 1, HD]
+    q = _load_q(q_ptr, sq_ptr, h0 + r3, d3, (r3 < G) & (d3 < HD), nq, SCALE, HD, EPS, QK_NORM, 2)
+    cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, d, NH, HD, EPS, QK_NORM)
+    # the current row's score per head, in fp32, and its V row in the output's layout
+    s_cur = gl.convert_layout(gl.sum(q * gl.expand_dims(gl.expand_dims(cur_k, 0), 1), axis=2), LM)  # [1, GM]
+    cur_v = gl.expand_dims(gl.expand_dims(gl.convert_layout(cur_v, gl.SliceLayout(0, gl.SliceLayout(1, MMA3))), 0),
+                           1)
+    q = q + gl.zeros([NWB, GM, HD], gl.float32, LA)  # the same q for every group
+    qh = q.to(gl.bfloat16)
+    ql = (q - qh.to(gl.float32)).to(gl.bfloat16)
+    wb = gl.arange(0, NWB, layout=gl.SliceLayout(1, LM))
+    pc = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA3)))
+    pidx = gl.expand_dims(gl.expand_dims(wb, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(pc, 0), 1)  # [NWB, 1, 16]
+    m_i = gl.full([NWB, GM], -1.0e30, gl.float32, LM)
+    l_i = gl.zeros([NWB, GM, 16], gl.float32, MMA3)
+    acc = gl.zeros([NWB, GM, HD], gl.float32, MMA3)
+    for b0 in range(lo, hi, BTK):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [NWB, 16, HD], kv3)
+        vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [NWB, 16, HD], kv3)
+        k = kbox.permute([0, 2, 1]).load(LB)  # [NWB, HD, 16]: K^T per group
+        v = vbox.load(LB)  # [NWB, 16, HD]
+        sc = mma_v2(qh, k, gl.zeros([NWB, GM, 16], gl.float32, MMA3))
+        sc = mma_v2(ql, k, sc)
+        tpos = b0 + pidx
+        now = tpos == pos
+        has_now = cur & (pos < b0 + BTK) & (pos >= b0)
+        if has_now:
+            sc = gl.where(now, gl.expand_dims(s_cur, 2), sc)
+        sc = gl.where(tpos < hi, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=2))
+        alpha = gl.exp(m_i - m_new)
+        p = gl.exp(sc - gl.expand_dims(m_new, 2))
+        l_i = l_i * gl.expand_dims(alpha, 2) + p
+        acc = acc * gl.expand_dims(alpha, 2)
+        if has_now:
+            acc = acc + gl.expand_dims(gl.sum(gl.where(now, p, 0.0), axis=2), 2) * cur_v
+            p = gl.where(now, 0.0, p)
+        ph = p.to(gl.bfloat16)
+        pl = (p - ph.to(gl.float32)).to(gl.bfloat16)
+        acc = mma_v2(gl.convert_layout(ph, LA), v, acc)
+        acc = mma_v2(gl.convert_layout(pl, LA), v, acc)
+        m_i = m_new
+        t = _release(t, empty, NS)
+    # The groups' merge: weights from the cross-group max, normalised before the store, then each (head, dim)
+    # summed over the groups by one owner thread
+    mx = gl.max(m_i, axis=0)  # [GM]
+    w = gl.exp(m_i - gl.expand_dims(mx, 0))
+    safe, lse = _split_lse(gl.sum(gl.sum(l_i, axis=2) * w, axis=0), mx, hi <= lo)
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-    parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
-    parts.store(part)
+    parts = scratch._reinterpret(gl.float32, [NWB, GM, HD], flat)
+    parts.store(acc * gl.expand_dims(w / gl.expand_dims(safe, 0), 2))
     gl.thread_barrier()
-    o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
-    empty_split = hi <= lo
-    safe = gl.where(den > 0, den, 1.0)
-    lse = gl.where(empty_split, float("-inf"), mx + gl.log(safe))
-    o = o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1)
-    o = gl.where(empty_split, 0.0, o)
-    go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
-    do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
-    rows = split * NH + h0 + go
-    gl.store(opart_ptr + gl.expand_dims(rows, 1) * HD + gl.expand_dims(do, 0), o, mask=gl.expand_dims(go < G, 1))
-    gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
-    gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+    LR: gl.constexpr = gl.BlockedLayout([NWB, 1, 1], [1, 1, 32], [1, min(GP, num_warps),
+                                                                   num_warps // min(GP, num_warps)], [2, 1, 0])
+    LO: gl.constexpr = gl.SliceLayout(0, LR)  # [GP, HD]
+    o = gl.sum(parts.slice(0, GP, dim=1).load(LR), axis=0)  # normalised; zero for an empty split
+    _store_heads(opart_ptr, o, gl.arange(0, GP, layout=gl.SliceLayout(1, LO)),
+                 gl.arange(0, HD, layout=gl.SliceLayout(0, LO)), split, h0, NH, G, HD)
+    gr = gl.arange(0, GM, layout=gl.SliceLayout(0, LM))
+    gl.store(lse_ptr + split * NH + h0 + gr, lse, mask=gr < G)
     return t
 
 
@@ -1536,6 +1674,10 @@ class StreamConfig:
     #: llama-8b 0.5 % slower; 2 cost llama-8b 5.6 % (docs/perf-notes.md)
     inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
+    #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
+    #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
+    #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
+    attn_mma: bool = False
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
@@ -1650,6 +1792,11 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
     bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
+    # the tensor cores read the K/V blocks as NWB = BTK / 16 groups of 16 positions, each on num_warps / NWB warps,
+    # and merge the groups' [16 num_warps / NWB, hd] outputs through the staging buffer
+    nwb = btk // 16
+    attn_mma = (kv_ring and sc.attn_mma and c.hd == 64 and nwb >= 1 and btk % 16 == 0 and sc.num_warps % nwb == 0
+                and 16 * sc.num_warps * c.hd * 4 <= stage_bytes)
     # attn_reduce_o_proj merges MB heads at a time into the staged chunks, which hold NCHQ * BK / hd heads
     heads = chunks["NCHQ"] * bk // c.hd
     if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
@@ -1660,7 +1807,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     cg = max(1, min(chunks["NCHH"], _pow2_floor(16384 // (nbp * bk))) if tile else
              min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
-            "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16, "KV_RING": kv_ring, "MB": min(8, heads),
+            "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
+            "KV_RING": 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": chunks["NCHH"] * bk}
 
@@ -1687,10 +1835,9 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
                        ) -> list[Any]:
     """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
     wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
-    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box."""
+    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box (`kv_box_layout`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     out = []
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
         box, wlayout = weight_box(geo, qkv=name == "wqkv")
@@ -1701,8 +1848,16 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), box, wlayout))
     for cache in (k_cache, v_cache):
         t2 = cache.reshape(-1, c.hd)
-        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd], layout))
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd],
+                                    kv_box_layout(geo)))
     return out
+
+
+def kv_box_layout(geo: dict[str, Any]) -> Any:
+    """The K/V boxes' shared layout: 128 B swizzle where attention reads them on the tensor cores (`KV_MMA`: 64-dim
+    heads, 128 B rows), unswizzled otherwise."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128 if geo["KV_RING"] == KV_MMA else 0, element_bitwidth=16,
+                                rank=2)
 
 
 def weight_box(geo: dict[str, Any], qkv: bool = False) -> tuple[list[int], Any]:
