@@ -857,6 +857,11 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
         LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
         LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
+        # the merge's layout: each (head, dim) output has one owner thread
+        LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
+                                                                            num_warps // min(GP, num_warps)],
+                                            [2, 1, 0])
+        LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
         gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
         dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
         q = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + gq, 1), gl.expand_dims(dq, 0), gl.expand_dims(gq < G, 1), nq,
@@ -870,31 +875,33 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         acc = gl.zeros([GP, BT, HD], gl.float32, L3)
         if KV_RING:
             kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-            # this step's own row (written by QKV, ordered by the wait) replaces the stale one the loader streamed
-            cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, dk, NH, HD, EPS,
+            # The loop skips the row at pos (the split's last, when it holds pos): the loader may have streamed it
+            # stale, and this step's own row (written by QKV, ordered by the wait) is folded in after the merge, once
+            # per instruction instead of a select on every slot's K and V. The slots are still those of [lo, hi).
+            hl = gl.where(cur, pos, hi)
+            # its q and rows in the merge's layout, loaded now (masked off unless cur) so the loop hides their latency
+            go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+            do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
+            qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
+                         gl.expand_dims((go < G) & cur, 1), nq, SCALE, HD, EPS, QK_NORM, 1)
+            cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
-            cur_k = gl.expand_dims(cur_k, 0)
-            cur_v = gl.expand_dims(cur_v, 0)
             for b0 in range(lo, hi, BTK):
                 s = t % NS
                 mbarrier.wait(ready.index(s), (t // NS) & 1)
                 kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
                 vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
                 if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
-                    nowa = gl.expand_dims(b0 + tk == pos, 1)
-                    nowb = gl.expand_dims(b0 + BT + tk == pos, 1)
-                    ka = gl.where(nowa, cur_k, kbox.slice(0, BT).load(LKV).to(gl.float32))
-                    va = gl.where(nowa, cur_v, vbox.slice(0, BT).load(LKV).to(gl.float32))
-                    kb = gl.where(nowb, cur_k, kbox.slice(BT, BT).load(LKV).to(gl.float32))
-                    vb = gl.where(nowb, cur_v, vbox.slice(BT, BT).load(LKV).to(gl.float32))
-                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hi, m_i, l_i, acc, ts_s, BT)
+                    ka = kbox.slice(0, BT).load(LKV).to(gl.float32)
+                    va = vbox.slice(0, BT).load(LKV).to(gl.float32)
+                    kb = kbox.slice(BT, BT).load(LKV).to(gl.float32)
+                    vb = vbox.slice(BT, BT).load(LKV).to(gl.float32)
+                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT)
                 else:
                     for hb in gl.static_range(BTK // BT):
-                        t0 = b0 + hb * BT
-                        now = gl.expand_dims(t0 + tk == pos, 1)
-                        k = gl.where(now, cur_k, kbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                        v = gl.where(now, cur_v, vbox.slice(hb * BT, BT).load(LKV).to(gl.float32))
-                        m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                        k = kbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
+                        v = vbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
+                        m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s)
                 t = _release(t, empty, NS)
         else:
             if QK_NORM:  # the row at pos is not in the cache yet
@@ -915,10 +922,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory
         # (the staging buffer, free between instructions) into a layout where each (head, dim) output has one owner
         # thread: Triton's reduction over the warp axis would leave the result replicated in every warp.
-        LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
-                                                                            num_warps // min(GP, num_warps)],
-                                            [2, 1, 0])
-        LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
         mx = gl.max(m_i, axis=1)  # [GP]
         w = gl.exp(m_i - gl.expand_dims(mx, 1))
         den = gl.sum(l_i * w, axis=1)
@@ -928,12 +931,23 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         parts.store(part)
         gl.thread_barrier()
         o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+        do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
+        mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
+        den = gl.convert_layout(den, gl.SliceLayout(1, LO))
+        if KV_RING:
+            if cur:  # the row at pos, left out of the ring loop: one more position for each head
+                sc = gl.sum(qo * gl.expand_dims(cur_k, 0), axis=1)
+                m_new = gl.maximum(mx, sc)
+                alpha = gl.exp(mx - m_new)
+                pc = gl.exp(sc - m_new)
+                den = den * alpha + pc
+                o = o * gl.expand_dims(alpha, 1) + gl.expand_dims(pc, 1) * gl.expand_dims(cur_v, 0)
+                mx = m_new
         safe, lse = _split_lse(den, mx, hi <= lo)
-        o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(gl.convert_layout(safe, gl.SliceLayout(1, LO)), 1))
-        _store_heads(opart_ptr, o, gl.arange(0, GP, layout=gl.SliceLayout(1, LO)),
-                     gl.arange(0, HD, layout=gl.SliceLayout(0, LO)), split, h0, NH, G, HD)
-        gs = gl.arange(0, GP, layout=gl.SliceLayout(1, LS))
-        gl.store(lse_ptr + split * NH + h0 + gs, lse, mask=gs < G)
+        o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(safe, 1))
+        _store_heads(opart_ptr, o, go, do, split, h0, NH, G, HD)
+        gl.store(lse_ptr + split * NH + h0 + go, lse, mask=go < G)
     return t
 
 
