@@ -9,6 +9,11 @@ default; `KernelConfig` with --kernel v9), e.g.
     python scripts/compile_check.py --batch 8
     python scripts/compile_check.py --model qwen3-0.6b mma=mma=True
 
+--loops lists each build's innermost loops from its machine code (nvdisasm) with their instructions per iteration;
+--loops OP,OP keeps those holding every opcode named (prefixes), e.g. long-context attention's ring loop:
+
+    python scripts/compile_check.py --loops MUFU.EX2,LDS
+
 --model takes a named model (megasynth/lowering/models.py: the Llama, Qwen2.5, Qwen3 and Mistral rows) or a
 checkpoint folder; --config a model config of your own, as JSON text or a file (ModelConfig's fields, HF names), e.g.
 a tiny QK-norm model with a head_dim of its own:
@@ -29,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megasynth.ir.model import ModelConfig  # noqa: E402
-from megasynth.kernels.gpu.offline import compile_v9, compile_v10  # noqa: E402
+from megasynth.kernels.gpu.offline import compile_v9, compile_v10, sass, sass_loops  # noqa: E402
 from megasynth.kernels.gpu.runtime import config_with  # noqa: E402
 from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
 from megasynth.kernels.gpu.v9 import KernelConfig  # noqa: E402
@@ -50,6 +55,8 @@ def main() -> int:
                     help="KV cache positions (default: the model's; 4096 with --config)")
     ap.add_argument("--kernel", choices=["v10", "v9"], default="v10")
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (a batch build)")
+    ap.add_argument("--loops", nargs="?", const="", default=None, metavar="OP,OP",
+                    help="print the innermost loops of each build (those holding every opcode prefix named)")
     ap.add_argument("variants", nargs="*", help="NAME=key=value,... (StreamConfig / KernelConfig fields)")
     args = ap.parse_args()
     if args.config:
@@ -65,12 +72,17 @@ def main() -> int:
         ap.error(str(exc))
     for vname, cfg in variants:
         try:
-            _, res = (compile_v10(model, seq, cfg, batch=args.batch) if args.kernel == "v10"
-                      else compile_v9(model, seq, cfg, args.batch))
+            kernel, res = (compile_v10(model, seq, cfg, batch=args.batch) if args.kernel == "v10"
+                           else compile_v9(model, seq, cfg, args.batch))
         except ValueError as exc:  # a config the interpreter refuses for this model or batch
             print(f"{vname:12s} refused: {exc}", flush=True)
             continue
         print(f"{vname:12s} {res}", flush=True)
+        if args.loops is not None:
+            ops = [op for op in args.loops.split(",") if op]
+            for loop in sass_loops(sass(kernel)):
+                if loop.has(ops):
+                    print(f"  {loop}", flush=True)
     return 0
 
 

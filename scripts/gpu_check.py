@@ -91,6 +91,7 @@ VARIANTS: dict[str, Any] = {
     "v10s11": StreamConfig(slots=11),  # the ring a 12 KB shared-memory reserve left
     "v10b4": StreamConfig(boxes=4),  # 4 boxes (32 KB) per slot: half the handshakes per byte
     "v10kv0": StreamConfig(kv_ring=False),  # attention loads its K/V history itself
+    "v10e2": StreamConfig(attn_exp2=True),  # attention's softmax in base 2, one MUFU.EX2 an exp
     "v10i0": StreamConfig(inflight=0),  # no bound on the loader's backlog (the first v10)
     "v10i2": StreamConfig(inflight=2),
     "v10i3": StreamConfig(inflight=3),  # = v10

@@ -255,18 +255,20 @@ def test_v10_is_the_default_and_v9_stays_selectable(llama):
     assert not mk9.v10
 
 
-@pytest.mark.parametrize("kv_ring, attn_mma", [(True, True), (True, False), (False, False)])
-def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring, attn_mma):
+@pytest.mark.parametrize("kv_ring, attn_mma, attn_exp2", [(True, True, False), (True, False, False),
+                                                           (True, False, True), (False, False, False),
+                                                           (False, False, True)])
+def test_v10_qkv_pair_tiles_and_kv_ring(llama, kv_ring, attn_mma, attn_exp2):
     """The v10 best-schedule shape (QKV tiles of 16 RoPE pairs, down K-split 2) with and without the loader
-    streaming attention's K/V history, read on the tensor cores or on the CUDA cores; on a tiny config, pair tiles
-    that straddle heads."""
+    streaming attention's K/V history, read on the tensor cores or on the CUDA cores (softmax in base e, or in base 2
+    with the flush-to-zero ex2); on a tiny config, pair tiles that straddle heads."""
     from megasynth.kernels.gpu.stream import StreamConfig
 
     spec, w = llama
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     tiles = {"attn_norm_qkv_rope": 32, "mlp_norm_gate_up": 64, "down_proj_residual": 32, "final_norm_lm_head": 972}
     strat = Strategy(tiles=tiles, attn_splits=16, k_splits={"down_proj_residual": 2})
-    cfg = StreamConfig(kv_ring=kv_ring, attn_mma=attn_mma)
+    cfg = StreamConfig(kv_ring=kv_ring, attn_mma=attn_mma, attn_exp2=attn_exp2)
     mk = _decode_and_compare(spec, lower(spec, sms, strat), w, range(3000, 3008), 3000, config=cfg)
     assert mk.geo["KV_RING"] == (2 if attn_mma else int(kv_ring))
     tiny = get_model("tiny-gqa4")
@@ -491,10 +493,10 @@ def test_tiny_qwen3_qk_norm_apart():
 
 def test_tiny_qwen3_qk_norm_in_attention():
     """QK-norm applied by attention on v10 (attn_partial qk_norm 1, then qk_norm_apply k_only after the layer's
-    attention): 12-pair QKV tiles, 3 splits, from position 0 (the new row alone) and past half the cache;
-    per-instruction counters with the fused attn_reduce_o_proj; attention loading its K/V itself instead of from the
-    ring; the tensor-core consumer. Each step's cache row at pos is checked too (`_decode_and_compare`), so the k row
-    written after attention is the one attention used."""
+    attention): 12-pair QKV tiles, 3 splits, from position 0 (the new row alone) and past half the cache; per-
+    instruction counters with the fused attn_reduce_o_proj; attention loading its K/V itself instead of from the
+    ring; the tensor-core consumer; the softmax in base 2 (attn_exp2). Each step's cache row at pos is checked too
+    (`_decode_and_compare`), so the k row written after attention is the one attention used."""
     from megasynth.kernels.gpu.stream import StreamConfig
 
     spec = _tiny_qwen("qwen3")
@@ -512,6 +514,7 @@ def test_tiny_qwen3_qk_norm_in_attention():
     _decode_and_compare(spec, _variant(spec, 7, fine, seed=4), w, range(hist, hist + 3), hist, mk=mk)
     _decode_and_compare(spec, sched, w, range(hist, hist + 3), hist, config=StreamConfig(kv_ring=False))
     _decode_and_compare(spec, sched, w, range(hist, hist + 3), hist, config=StreamConfig(mma=True))
+    _decode_and_compare(spec, sched, w, range(0, 2), 0, config=StreamConfig(attn_exp2=True))
 
 
 def test_qwen3_full_size_qk_norm_in_attention():

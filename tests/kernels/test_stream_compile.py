@@ -222,6 +222,50 @@ def test_tensor_core_attention_geometry_and_build() -> None:
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
 
 
+def test_sass_loops_keeps_the_innermost_loops() -> None:
+    """`sass_loops` reads nvdisasm's listing: a backward branch closes a loop, and only loops with no other loop
+    inside are kept, each with its body's opcodes (predicates dropped)."""
+    from megasynth.kernels.gpu.offline import sass_loops
+
+    listing = """
+.L_x_0:
+        /*0000*/                   MOV R1, R2 ;
+.L_x_1:
+        /*0010*/                   FFMA R3, R4, R5, R3 ;
+        /*0020*/              @!P0 FMUL R3, R3, 0.5 ;
+        /*0030*/               @P1 BRA `(.L_x_1) ;
+        /*0040*/                   BRA `(.L_x_0) ;
+        /*0050*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0060*/                   EXIT ;
+"""
+    (loop,) = sass_loops(listing)
+    assert (loop.start, loop.end, loop.size) == (0x10, 0x30, 3)
+    assert loop.ops == {"FFMA": 1, "FMUL": 1, "BRA": 1}
+    assert loop.has(["FF", "BRA"]) and not loop.has(["MUFU"])
+
+
+def test_attention_ring_loop_in_machine_code() -> None:
+    """llama-1b's CUDA-core attention loop, read from the machine code: one innermost loop holds the ring wait, the
+    shared loads and the exps, 12 of them a slot (the rescale and both blocks' weights, 4 heads). With attn_exp2 each
+    is one MUFU.EX2 without the range check of `gl.exp` (no FSETP.GEU left), so the slot's loop is 4 instructions an
+    exp shorter (`python scripts/compile_check.py --loops MUFU.EX2,LDS`)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10, sass, sass_loops
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import get_model
+
+    spec = get_model("llama-1b")
+    loops = {}
+    for exp2 in (False, True):
+        kernel, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(attn_exp2=exp2))
+        assert res.stack == 0
+        (loops[exp2],) = [lp for lp in sass_loops(sass(kernel)) if lp.has(["SYNCS.PHASECHK", "LDS", "MUFU.EX2"])]
+    assert loops[False].ops["MUFU.EX2"] == loops[True].ops["MUFU.EX2"] == 12
+    assert loops[False].ops["FSETP.GEU.AND"] == 12 and "FSETP.GEU.AND" not in loops[True].ops
+    assert loops[False].size - loops[True].size >= 4 * 12 - 6, (loops[False], loops[True])
+
+
 @pytest.mark.parametrize("model", ["tiny", "tiny-mha", "tiny-gqa4", "llama-1b", "llama-3b", "llama-8b"])
 def test_staging_buffer_holds_attentions_lane_partials(model: str) -> None:
     """Attention merges its position lanes through the staging buffer ([GP, num_warps, hd] fp32 per instruction), so

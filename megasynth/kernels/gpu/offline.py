@@ -1,6 +1,8 @@
 """Compile the interpreters for sm_90 on a machine without a GPU, and read their registers, spill stack and shared
 memory: Triton ships ptxas and cuobjdump, so a kernel change can be checked for register pressure before it spends
-device time (docs/perf-notes.md: the preloads that spilled were the ones that were slow)."""
+device time (docs/perf-notes.md: the preloads that spilled were the ones that were slow). Its nvdisasm gives the
+machine code too: `sass_loops` counts each innermost loop's instructions, which is what a loop bound by issue
+(long-context attention) costs an iteration."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import re
 import subprocess
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +65,61 @@ def resources(kernel: Any, seconds: float = 0.0) -> Resources:
     line = next(ln for ln in out.splitlines() if "REG:" in ln)
     regs, stack = (int(re.search(rf"{k}:(\d+)", line).group(1)) for k in ("REG", "STACK"))  # type: ignore[union-attr]
     return Resources(regs, stack, int(kernel.metadata.shared), seconds)
+
+
+@dataclass(frozen=True)
+class SassLoop:
+    """One innermost loop of a kernel's machine code: from its head to its backward branch."""
+
+    start: int  # byte address of the loop head
+    end: int  # byte address of the backward branch
+    ops: Counter[str]  # opcode (with modifiers, without a predicate) -> instructions of one iteration's body
+
+    @property
+    def size(self) -> int:
+        return sum(self.ops.values())
+
+    def has(self, prefixes: list[str]) -> bool:
+        """Whether the body holds an instruction starting with each of `prefixes` (e.g. MUFU.EX2, LDS)."""
+        return all(any(op.startswith(p) for op in self.ops) for p in prefixes)
+
+    def __str__(self) -> str:
+        mix = ", ".join(f"{op} {n}" for op, n in self.ops.most_common(16)) + (", ..." if len(self.ops) > 16 else "")
+        return f"loop {self.start:#x}-{self.end:#x}: {self.size} instructions ({mix})"
+
+
+_SASS_INS = re.compile(r"\s*/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_BRANCH = re.compile(r"BRA\s+.*`\((\.L_x_\d+)\)")
+
+
+def sass(kernel: Any) -> str:
+    """The kernel's machine code as nvdisasm prints it."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+def sass_loops(text: str) -> list[SassLoop]:
+    """The innermost loops (no other loop inside) of nvdisasm output: every backward branch to a label before it."""
+    ins: list[tuple[int, str]] = []
+    labels: dict[str, int] = {}
+    for line in text.splitlines():
+        if m := _SASS_LABEL.match(line):
+            labels[m.group(1)] = len(ins)
+        elif m := _SASS_INS.match(line):
+            ins.append((int(m.group(1), 16), m.group(2)))
+    spans = []
+    for i, (_, text_i) in enumerate(ins):
+        m = _SASS_BRANCH.search(text_i)
+        if m and labels.get(m.group(1), i + 1) <= i:
+            spans.append((labels[m.group(1)], i))
+    inner = [(a, b) for a, b in spans if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
+    return [SassLoop(ins[a][0], ins[b][0], Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins[a:b + 1]))
+            for a, b in sorted(set(inner))]
 
 
 def _compile(fn: Any, source_cls: Any, consts: dict[str, Any], types: dict[str, str], num_warps: int,

@@ -22,6 +22,7 @@ from triton.experimental.gluon import language as gl
 
 # constexpr: a jit function may only read constexpr globals
 ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
+ASM_EX2_FTZ = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
 ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
 ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
 #: The same load by the first warp of the CTA only; every other thread reads INT32_MAX (so never waits) and waits at
@@ -98,6 +99,13 @@ else:
 def gl_globaltimer():
     """Nanoseconds from the GPU's global timer (`%globaltimer`)."""
     return gl.inline_asm_elementwise(ASM_GLOBALTIMER, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gl_exp2_ftz(x):
+    """2^x (fp32) in one MUFU.EX2: flush-to-zero, so without the range check and the two rescales `gl.exp2` compiles
+    to; a result below 2^-126 reads 0, which a softmax weight that small is anyway."""
+    return gl.inline_asm_elementwise(ASM_EX2_FTZ, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -750,13 +750,22 @@ def _op_embed(embed_ptr, x_ptr, token, start, end, H: gl.constexpr, BE: gl.const
 
 
 @gluon.jit
-def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s):
-    """Fold positions t0 + [0, BT) (those below hi) into every position lane's online softmax."""
+def _exp(x, EXP2: gl.constexpr):
+    """e^x, or with EXP2 (scores already in base 2: `StreamConfig.attn_exp2`) 2^x in one flush-to-zero MUFU.EX2."""
+    if EXP2:
+        return ptx.gl_exp2_ftz(x)
+    else:
+        return gl.exp(x)
+
+
+@gluon.jit
+def _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s, EXP2: gl.constexpr):
+    """Fold positions t0 + [0, BT) (those below hi) into every position lane's online softmax (base 2 with EXP2)."""
     s = gl.sum(q3 * gl.expand_dims(k, 0), axis=2)  # [GP, BT]
     s = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), s, float("-inf"))
     m_new = gl.maximum(m_i, s)
-    alpha = gl.exp(m_i - m_new)
-    p = gl.exp(s - m_new)
+    alpha = _exp(m_i - m_new, EXP2)
+    p = _exp(s - m_new, EXP2)
     l_i = l_i * alpha + p
     acc = acc * gl.expand_dims(alpha, 2) + gl.expand_dims(p, 2) * gl.expand_dims(v, 0)
     return m_new, l_i, acc
@@ -821,7 +830,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
                      GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
                      NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     ATTN_EXP2: gl.constexpr, num_warps: gl.constexpr):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
     With KV_RING the loader has already streamed the split's K/V history into the ring (BTK positions per slot:
@@ -864,8 +873,10 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
         gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
         dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
+        # scores in base 2 with ATTN_EXP2: q times log2(e) as well
+        QS: gl.constexpr = SCALE * 1.4426950408889634 if ATTN_EXP2 else SCALE
         q = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + gq, 1), gl.expand_dims(dq, 0), gl.expand_dims(gq < G, 1), nq,
-                    SCALE, HD, EPS, QK_NORM, 1)
+                    QS, HD, EPS, QK_NORM, 1)
         tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
         dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
         ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
@@ -883,7 +894,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
             do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
             qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
-                         gl.expand_dims((go < G) & cur, 1), nq, SCALE, HD, EPS, QK_NORM, 1)
+                         gl.expand_dims((go < G) & cur, 1), nq, QS, HD, EPS, QK_NORM, 1)
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
             for b0 in range(lo, hi, BTK):
@@ -896,12 +907,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                     va = vbox.slice(0, BT).load(LKV).to(gl.float32)
                     kb = kbox.slice(BT, BT).load(LKV).to(gl.float32)
                     vb = vbox.slice(BT, BT).load(LKV).to(gl.float32)
-                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT)
+                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT, ATTN_EXP2)
                 else:
                     for hb in gl.static_range(BTK // BT):
                         k = kbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
                         v = vbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
-                        m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s)
+                        m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s, ATTN_EXP2)
                 t = _release(t, empty, NS)
         else:
             if QK_NORM:  # the row at pos is not in the cache yet
@@ -918,12 +929,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                 km = gl.expand_dims(t0 + BT + tk < hi, 1)
                 kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
                 vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s)
+                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s, ATTN_EXP2)
         # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory
         # (the staging buffer, free between instructions) into a layout where each (head, dim) output has one owner
         # thread: Triton's reduction over the warp axis would leave the result replicated in every warp.
         mx = gl.max(m_i, axis=1)  # [GP]
-        w = gl.exp(m_i - gl.expand_dims(mx, 1))
+        w = _exp(m_i - gl.expand_dims(mx, 1), ATTN_EXP2)
         den = gl.sum(l_i * w, axis=1)
         part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
         flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
@@ -939,11 +950,13 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             if cur:  # the row at pos, left out of the ring loop: one more position for each head
                 sc = gl.sum(qo * gl.expand_dims(cur_k, 0), axis=1)
                 m_new = gl.maximum(mx, sc)
-                alpha = gl.exp(mx - m_new)
-                pc = gl.exp(sc - m_new)
+                alpha = _exp(mx - m_new, ATTN_EXP2)
+                pc = _exp(sc - m_new, ATTN_EXP2)
                 den = den * alpha + pc
                 o = o * gl.expand_dims(alpha, 1) + gl.expand_dims(pc, 1) * gl.expand_dims(cur_v, 0)
                 mx = m_new
+        if ATTN_EXP2:  # the split's log-sum-exp in base e, as attn_reduce merges it
+            mx = mx * 0.6931471805599453
         safe, lse = _split_lse(den, mx, hi <= lo)
         o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(safe, 1))
         _store_heads(opart_ptr, o, go, do, split, h0, NH, G, HD)
@@ -1042,7 +1055,7 @@ def _attn_ring_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, 
 
 
 @gluon.jit
-def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constexpr):
+def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constexpr, EXP2: gl.constexpr):
     """`_attn_block` for positions t0 + [0, 2 BT): position lane i takes positions t0 + i and t0 + BT + i in one
     online-softmax update (one rescale of the lane's sum for two positions, and both dot products in flight)."""
     sa = gl.sum(q3 * gl.expand_dims(ka, 0), axis=2)  # [GP, BT]
@@ -1050,9 +1063,9 @@ def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constex
     sa = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), sa, float("-inf"))
     sb = gl.where(gl.expand_dims(t0 + BT + ts_s < hi, 0), sb, float("-inf"))
     m_new = gl.maximum(m_i, gl.maximum(sa, sb))
-    alpha = gl.exp(m_i - m_new)
-    pa = gl.exp(sa - m_new)
-    pb = gl.exp(sb - m_new)
+    alpha = _exp(m_i - m_new, EXP2)
+    pa = _exp(sa - m_new, EXP2)
+    pb = _exp(sb - m_new, EXP2)
     l_i = l_i * alpha + pa + pb
     acc = (acc * gl.expand_dims(alpha, 2) + gl.expand_dims(pa, 2) * gl.expand_dims(va, 0)
            + gl.expand_dims(pb, 2) * gl.expand_dims(vb, 0))
@@ -1405,8 +1418,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
-              SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
-              CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
+              ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+              CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
               TRACE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
@@ -1428,7 +1441,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
                              gl.load(rt_ptr + NB + a3), 0, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP,
-                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, num_warps)
+                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, ATTN_EXP2, num_warps)
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr + a3 * seq_splits * (NH * HD), lse_ptr + a3 * seq_splits * NH,
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
@@ -1515,8 +1528,9 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
              GP: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr,
              SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
-             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr,
-             ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr,
+             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr,
+             TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr,
+             BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
@@ -1546,7 +1560,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
-                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, SP, BE, NB, NBP, CG, CPS,
+                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
+                          NBP, CG, CPS,
                           TILE, KT, num_warps, tr, TRACE)
         elif op == OP_EMBED:
             _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
@@ -1557,7 +1572,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         elif op == OP_PARTIAL:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
                                  pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
-                                 NS, SB, BTK, KV_RING, num_warps)
+                                 NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
         elif op == OP_REDUCE:
             _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
         elif op == OP_OPROJ:
@@ -1618,8 +1633,9 @@ def stream_megakernel(
     V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
     QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
-    BTK: gl.constexpr, KV_RING: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr,
-    SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr, MMA: gl.constexpr,
+    BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
+    WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
+    MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr,
 ):
@@ -1653,8 +1669,8 @@ def stream_megakernel(
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
-                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, TRACE, ROWW, WB, SP, MB, BE,
-                    MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
+                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, TRACE, ROWW, WB,
+                    SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
@@ -1692,6 +1708,11 @@ class StreamConfig:
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
     attn_mma: bool = False
+    #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
+    #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
+    #: `gl.exp`), 48 of the ring loop's 391 instructions a slot on llama-1b (`compile_check.py --loops`). Not yet run
+    #: on a GPU, so off by default (docs/perf-notes.md)
+    attn_exp2: bool = False
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
@@ -1838,7 +1859,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
+        ATTN_EXP2=sc.attn_exp2, TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
