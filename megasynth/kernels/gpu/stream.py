@@ -871,6 +871,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                                                                             num_warps // min(GP, num_warps)],
                                             [2, 1, 0])
         LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
+        go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+        do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
         gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
         dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
         # scores in base 2 with ATTN_EXP2: q times log2(e) as well
@@ -891,8 +893,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             # per instruction instead of a select on every slot's K and V. The slots are still those of [lo, hi).
             hl = gl.where(cur, pos, hi)
             # its q and rows in the merge's layout, loaded now (masked off unless cur) so the loop hides their latency
-            go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
-            do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
             qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
                          gl.expand_dims((go < G) & cur, 1), nq, QS, HD, EPS, QK_NORM, 1)
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
@@ -942,8 +942,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         parts.store(part)
         gl.thread_barrier()
         o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
-        go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
-        do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
         mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
         den = gl.convert_layout(den, gl.SliceLayout(1, LO))
         if KV_RING:
