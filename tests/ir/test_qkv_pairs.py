@@ -88,8 +88,10 @@ def test_pair_tiles_match_the_reference(model: str, workers: int, tile: int, gra
         want = decode_step(cfg, weights, ref_k, ref_v, token, pos)
         got = run_program(prog, weights, k, v, token, pos, seed=pos)
         assert float((got - want).norm() / want.norm()) <= 1e-5
-        assert torch.allclose(k[:, :, :pos + 1], ref_k[:, :, :pos + 1], atol=1e-6)
-        assert torch.allclose(v[:, :, :pos + 1], ref_v[:, :, :pos + 1], atol=1e-6)
+        # fp32 rows summed in another order than the reference's whole matmul (and in another order on another
+        # CPU's BLAS): a few ulps of O(1) values; an element no tile writes, or a wrong one, is off by far more
+        assert torch.allclose(k[:, :, :pos + 1], ref_k[:, :, :pos + 1], atol=1e-5)
+        assert torch.allclose(v[:, :, :pos + 1], ref_v[:, :, :pos + 1], atol=1e-5)
 
 
 @pytest.mark.parametrize("granularity", ["all", "head", "tile"])
