@@ -53,15 +53,19 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def resources(kernel: Any, seconds: float = 0.0) -> Resources:
-    """Registers and stack of a compiled kernel's cubin (cuobjdump), and its shared memory."""
+def _cubin_tool(kernel: Any, tool: str, *args: str) -> str:
+    """The output of one of Triton's bundled CUDA tools run on the kernel's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
     try:
-        out = subprocess.run([_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([_tool(tool), *args, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def resources(kernel: Any, seconds: float = 0.0) -> Resources:
+    """Registers and stack of a compiled kernel's cubin (cuobjdump), and its shared memory."""
+    out = _cubin_tool(kernel, "cuobjdump", "-res-usage")
     line = next(ln for ln in out.splitlines() if "REG:" in ln)
     regs, stack = (int(re.search(rf"{k}:(\d+)", line).group(1)) for k in ("REG", "STACK"))  # type: ignore[union-attr]
     return Resources(regs, stack, int(kernel.metadata.shared), seconds)
@@ -95,12 +99,7 @@ _SASS_BRANCH = re.compile(r"BRA\s+.*`\((\.L_x_\d+)\)")
 
 def sass(kernel: Any) -> str:
     """The kernel's machine code as nvdisasm prints it."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        return subprocess.run([_tool("nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
+    return _cubin_tool(kernel, "nvdisasm", "-c")
 
 
 def sass_loops(text: str) -> list[SassLoop]:
