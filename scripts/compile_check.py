@@ -1,7 +1,7 @@
 """Compile the megakernel for sm_90 on a machine without a GPU and print registers, spill stack and shared memory.
 
 Each extra argument adds a variant: NAME=field=value,... of the interpreter's config (`StreamConfig` for v10, the
-default; `KernelConfig` with --kernel v9), e.g.
+default, from the model's defaults `stream_config`; `KernelConfig` with --kernel v9), e.g.
 
     python scripts/compile_check.py --model llama-8b s8=slots=8 b4=boxes=4
     python scripts/compile_check.py --kernel v9 ns3=num_stages=3
@@ -36,15 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.kernels.gpu.offline import compile_v9, compile_v10, sass, sass_loops  # noqa: E402
 from megasynth.kernels.gpu.runtime import config_with  # noqa: E402
-from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.stream import stream_config  # noqa: E402
 from megasynth.kernels.gpu.v9 import KernelConfig  # noqa: E402
 from megasynth.lowering.models import get_model  # noqa: E402
 
 
-def parse_variant(text: str, cls: type) -> tuple[str, Any]:
-    """'name=k1=v1,k2=v2' -> (name, cls() with k1=v1, k2=v2): the items of `synth bench --kernel-option`."""
+def parse_variant(text: str, base: Any) -> tuple[str, Any]:
+    """'name=k1=v1,k2=v2' -> (name, base with k1=v1, k2=v2): the items of `synth bench --kernel-option`."""
     name, _, body = text.partition("=")
-    return name, config_with(cls(), [item for item in body.split(",") if item])
+    return name, config_with(base, [item for item in body.split(",") if item])
 
 
 def main() -> int:
@@ -65,9 +65,9 @@ def main() -> int:
     else:
         spec = get_model(args.model)
         model, seq = spec.config, args.max_seq_len or spec.max_seq_len
-    cls = StreamConfig if args.kernel == "v10" else KernelConfig
+    base = stream_config(model) if args.kernel == "v10" else KernelConfig()
     try:
-        variants = [("default", cls())] + [parse_variant(v, cls) for v in args.variants]
+        variants = [("default", base)] + [parse_variant(v, base) for v in args.variants]
     except ValueError as exc:
         ap.error(str(exc))
     for vname, cfg in variants:

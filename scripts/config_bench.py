@@ -20,7 +20,7 @@ from compile_check import parse_variant  # noqa: E402
 
 from megasynth.ir.schedule import load_schedule  # noqa: E402
 from megasynth.kernels.gpu import Megakernel  # noqa: E402
-from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.stream import stream_config  # noqa: E402
 from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.reference import decode_step  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> int:
     cfg = spec.config
     sched = load_schedule(args.schedule)
     w = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
-    variants = [parse_variant(v, StreamConfig) for v in args.variants]
+    variants = [parse_variant(v, stream_config(cfg)) for v in args.variants]
     rows = []
     for rnd in range(args.rounds):
         for name, sc in variants:

@@ -25,7 +25,7 @@ from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.ir.schedule import load_schedule  # noqa: E402
 from megasynth.kernels.gpu import Megakernel  # noqa: E402
 from megasynth.kernels.gpu.runtime import config_with  # noqa: E402
-from megasynth.kernels.gpu.stream import StreamConfig  # noqa: E402
+from megasynth.kernels.gpu.stream import stream_config  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402
 
 
@@ -73,9 +73,9 @@ def main() -> int:
     assert sched.model is not None
     msl = args.max_seq_len or sched.model.max_seq_len
     ctx = args.ctx or msl
-    w = random_weights(ModelConfig.from_hf(sched.model.config), seed=0, dtype=torch.bfloat16, device="cuda",
-                       draw_on="cuda")
-    mk = Megakernel(sched, w, max_seq_len=msl, trace=True, config=config_with(StreamConfig(), args.options))
+    cfg = ModelConfig.from_hf(sched.model.config)
+    w = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
+    mk = Megakernel(sched, w, max_seq_len=msl, trace=True, config=config_with(stream_config(cfg), args.options))
     for _ in range(3):  # the last of three steps: warm caches and clocks
         mk.traced_step(1, ctx - 1)
     print(summary(mk, f"{args.schedule} ctx {ctx} {' '.join(args.options)}"))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from megasynth.ir.model import DoesNotFit, ModelConfig, check_fits, kv_cache_part
@@ -287,7 +287,8 @@ def _v_megakernel(st: State) -> tuple[Callable[[], Any], dict[str, Any]]:
         mk.check()
         rec["step_call"] = time_fn(lambda: mk.step(*_mk_inputs(st)), reps=opts.reps, warmup=2, device=st.device)
         rec["kernel"] = {"workers": mk.packed.workers, "instructions": mk.packed.n,
-                         "occupancy": {str(k): v for k, v in mk.occupancy.items()}}
+                         "occupancy": {str(k): v for k, v in mk.occupancy.items()},
+                         "settings": asdict(mk.kcfg)}  # the interpreter's, defaults included
 
     how = f" on interpreter {'v10' if mk.v10 else 'v9'}" if st.batch > 1 else ""
     if st.kernel_options:

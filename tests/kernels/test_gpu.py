@@ -545,3 +545,26 @@ def test_qwen3_full_size_qk_norm_apart():
     sched = lower(spec, sms, strat)
     assert _cuts_heads(sched, c.hd)
     _decode_and_compare(spec, sched, w, range(1500, 1506), 1500)
+
+
+def test_bf16_unpack_is_exact_and_in_order():
+    """`ptx.gl_bf16_to_f32` (the weights' and the K/V ring's widening: a shift and an AND a pair) gives each element
+    its own value, bit for bit as PyTorch's conversion, signs, subnormals, infinities and NaN included: a swapped pair
+    would read as a permutation of the row."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from megasynth.kernels.gpu import ptx
+
+    @gluon.jit
+    def widen(src, dst, BLOCK: gl.constexpr, PER: gl.constexpr):
+        lay: gl.constexpr = gl.BlockedLayout([PER], [32], [4], [0])
+        offs = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=lay)
+        gl.store(dst + offs, ptx.gl_bf16_to_f32(gl.load(src + offs)))
+
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32, device="cuda").to(torch.int16)
+    x = bits.view(torch.bfloat16)  # every bf16 bit pattern once, in order
+    for per in (2, 8):
+        y = torch.empty(x.numel(), dtype=torch.float32, device="cuda")
+        widen[(x.numel() // 1024,)](x, y, BLOCK=1024, PER=per, num_warps=4)
+        assert torch.equal(y.view(torch.int32), x.float().view(torch.int32)), f"{per} elements a thread"

@@ -249,7 +249,8 @@ def test_attention_ring_loop_in_machine_code() -> None:
     """llama-1b's CUDA-core attention loop, read from the machine code: one innermost loop holds the ring wait, the
     shared loads and the exps, 12 of them a slot (the rescale and both blocks' weights, 4 heads). With attn_exp2 each
     is one MUFU.EX2 without the range check of `gl.exp` (no FSETP.GEU left), so the slot's loop is 4 instructions an
-    exp shorter (`python scripts/compile_check.py --loops MUFU.EX2,LDS`)."""
+    exp shorter (`python scripts/compile_check.py --loops MUFU.EX2,LDS`). The weight loops and the K/V slots widen
+    bf16 pairs with a shift and an AND each (`ptx.gl_bf16_to_f32`): no PRMT, at most one instruction an element."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10, sass, sass_loops
     from megasynth.kernels.gpu.stream import StreamConfig
@@ -260,10 +261,34 @@ def test_attention_ring_loop_in_machine_code() -> None:
     for exp2 in (False, True):
         kernel, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(attn_exp2=exp2))
         assert res.stack == 0
-        (loops[exp2],) = [lp for lp in sass_loops(sass(kernel)) if lp.has(["SYNCS.PHASECHK", "LDS", "MUFU.EX2"])]
+        found = sass_loops(sass(kernel))
+        (loops[exp2],) = [lp for lp in found if lp.has(["SYNCS.PHASECHK", "LDS", "MUFU.EX2"])]
+        weights = [lp for lp in found if lp.has(["FFMA", "LDS.128", "BAR.SYNC"]) and not lp.has(["MUFU"])]
+        assert len(weights) >= 4, [str(lp) for lp in found]
+        for lp in weights + [loops[exp2]]:
+            assert "PRMT" not in lp.ops, str(lp)
+        for lp in weights:  # 16 rows x 8 K elements a thread: 32 products, 32 widenings
+            widen = lp.ops["LOP3.LUT"] + lp.ops["SHF.L.U32"] + lp.ops["IMAD.U32"]
+            assert lp.ops["FFMA"] == 32 and widen <= 34, str(lp)
     assert loops[False].ops["MUFU.EX2"] == loops[True].ops["MUFU.EX2"] == 12
     assert loops[False].ops["FSETP.GEU.AND"] == 12 and "FSETP.GEU.AND" not in loops[True].ops
     assert loops[False].size - loops[True].size >= 4 * 12 - 6, (loops[False], loops[True])
+
+
+def test_base2_softmax_is_the_default_where_it_pays() -> None:
+    """`stream_config` turns the base-2 softmax on by model shape: llama-1b (64-dim heads) and qwen3-1.7b (2 query
+    heads a KV head) measured faster with it, llama-8b (128 dims, 4 heads a group) slower; a plain StreamConfig()
+    and settings given on top stay as given."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_config
+    from megasynth.lowering.models import get_model
+
+    want = {"llama-1b": True, "qwen3-1.7b": True, "qwen3-0.6b": True, "llama-8b": False, "qwen3-8b": False,
+            "qwen2.5-7b": False}
+    assert {m: stream_config(get_model(m).config).attn_exp2 for m in want} == want
+    assert stream_config(None) == StreamConfig() and not StreamConfig().attn_exp2
+    assert not stream_config(get_model("llama-1b").config, attn_exp2=False).attn_exp2
+    assert stream_config(get_model("llama-8b").config, inflight=4).inflight == 4
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-mha", "tiny-gqa4", "llama-1b", "llama-3b", "llama-8b"])

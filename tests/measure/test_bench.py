@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -360,6 +361,13 @@ def test_gpu_variants_tiny() -> None:
     assert data["results"][0]["pytorch_best"]["variant"] in PYTORCH
 
 
+@dataclass(frozen=True)
+class FakeSettings:
+    """The interpreter settings a Megakernel carries (`kcfg`), recorded in the bench JSON."""
+
+    num_warps: int = 4
+
+
 class FakeMegakernel:
     """The interface of megasynth.kernels.gpu.Megakernel on the CPU: instructions run in ascending id order with the
     catalogue's compute; each packed table has its own attention scratch, as on the GPU."""
@@ -374,6 +382,7 @@ class FakeMegakernel:
         self.ws = {n: torch.full((size,), float("nan")) for n, size in prog.buffers.items()
                    if n not in ("k_cache", "v_cache", "attn_o_part", "attn_lse")}
         self.occupancy: dict = {}
+        self.kcfg = FakeSettings()
         self.launches = 0
         self.packed = self.pack(schedule)
 
@@ -451,6 +460,7 @@ def test_megakernel_and_per_op_plumbing_on_a_fake(monkeypatch: pytest.MonkeyPatc
         notes["_after"](rec, opts)
         if name == "megakernel":
             assert rec["step_call"]["reps"] == 2 and rec["kernel"]["instructions"] == len(st.schedule.instructions)
+            assert rec["kernel"]["settings"] == {"num_warps": 4}
         else:
             assert notes["stages"] == 2 + 6 * spec.config.num_hidden_layers
 

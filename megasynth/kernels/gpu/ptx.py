@@ -24,6 +24,9 @@ from triton.experimental.gluon import language as gl
 ASM_GLOBALTIMER = tl.constexpr("mov.u64 $0, %globaltimer;")
 ASM_EX2_FTZ = tl.constexpr("ex2.approx.ftz.f32 $0, $1;")
 ASM_SMID = tl.constexpr("mov.u32 $0, %smid;")
+#: Two bf16 (one 32-bit register, element 0 in the low half) widened to fp32 bit patterns: a shift and an AND, where
+#: the compiler's conversion spends a PRMT and a shift on the high half.
+ASM_BF16X2_TO_F32 = tl.constexpr("{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xffff0000; }")
 ASM_LOAD_ACQUIRE = tl.constexpr("ld.acquire.gpu.global.b32 $0, [$1];")
 #: The same load by the first warp of the CTA only; every other thread reads INT32_MAX (so never waits) and waits at
 #: the CTA barrier that must follow. Interpreter v10 polls this way: one request per SM and poll round on a counter
@@ -106,6 +109,14 @@ def gl_exp2_ftz(x):
     """2^x (fp32) in one MUFU.EX2: flush-to-zero, so without the range check and the two rescales `gl.exp2` compiles
     to; a result below 2^-126 reads 0, which a softmax weight that small is anyway."""
     return gl.inline_asm_elementwise(ASM_EX2_FTZ, "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def gl_bf16_to_f32(x):
+    """x (bf16) as fp32, two elements per `ASM_BF16X2_TO_F32`: exact, as `x.to(gl.float32)`, in two instructions a
+    pair."""
+    bits = gl.inline_asm_elementwise(ASM_BF16X2_TO_F32, "=r,=r,r", [x], dtype=gl.int32, is_pure=True, pack=2)
+    return bits.to(gl.float32, bitcast=True)
 
 
 @gluon.jit

@@ -46,10 +46,10 @@ def default_config(device: torch.device, cfg: ModelConfig | None = None, batch: 
     (for a batch: where `stream.batch_limits` allows it for the model `cfg`); interpreter v9 (`KernelConfig`)
     elsewhere, Triton's CPU interpreter included (it cannot run Gluon)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        from megasynth.kernels.gpu.stream import StreamConfig, batch_limits
+        from megasynth.kernels.gpu.stream import batch_limits, stream_config
 
-        if batch == 1 or (cfg is not None and batch_limits(cfg, StreamConfig(), batch) is None):
-            return StreamConfig()
+        if batch == 1 or (cfg is not None and batch_limits(cfg, stream_config(cfg), batch) is None):
+            return stream_config(cfg)
     return KernelConfig()
 
 
@@ -105,9 +105,9 @@ def kernel_config(items: Sequence[str], *, batch: int = 1, device: str | torch.d
     if named == ["v9"]:
         base: Any = KernelConfig()
     elif named == ["v10"]:
-        from megasynth.kernels.gpu.stream import StreamConfig
+        from megasynth.kernels.gpu.stream import stream_config
 
-        base = StreamConfig()
+        base = stream_config(cfg)
     else:
         base = default_config(torch.device(device), cfg, batch)
     return config_with(base, rest)

@@ -40,7 +40,7 @@ drains, so the kernel always ends. The host then raises `WatchdogError`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from triton.experimental import gluon
@@ -384,9 +384,9 @@ def _consume_pair(t, acc1, acc2, ring, ready, empty, vbuf, kb, nkb, okb, blk: gl
     for j in gl.static_range(SB // 2):
         if kb + j < nkb:
             v = gl.expand_dims(_vchunk(vbuf, kb + j, blk), 0)
-            acc1 += ring.index(SB * s + 2 * j).load(blk).to(gl.float32) * v
+            acc1 += ptx.gl_bf16_to_f32(ring.index(SB * s + 2 * j).load(blk)) * v
             if okb:
-                acc2 += ring.index(SB * s + 2 * j + 1).load(blk).to(gl.float32) * v
+                acc2 += ptx.gl_bf16_to_f32(ring.index(SB * s + 2 * j + 1).load(blk)) * v
     return _release(t, empty, NS), acc1, acc2
 
 
@@ -903,15 +903,15 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                 kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
                 vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
                 if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
-                    ka = kbox.slice(0, BT).load(LKV).to(gl.float32)
-                    va = vbox.slice(0, BT).load(LKV).to(gl.float32)
-                    kb = kbox.slice(BT, BT).load(LKV).to(gl.float32)
-                    vb = vbox.slice(BT, BT).load(LKV).to(gl.float32)
+                    ka = ptx.gl_bf16_to_f32(kbox.slice(0, BT).load(LKV))
+                    va = ptx.gl_bf16_to_f32(vbox.slice(0, BT).load(LKV))
+                    kb = ptx.gl_bf16_to_f32(kbox.slice(BT, BT).load(LKV))
+                    vb = ptx.gl_bf16_to_f32(vbox.slice(BT, BT).load(LKV))
                     m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT, ATTN_EXP2)
                 else:
                     for hb in gl.static_range(BTK // BT):
-                        k = kbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
-                        v = vbox.slice(hb * BT, BT).load(LKV).to(gl.float32)
+                        k = ptx.gl_bf16_to_f32(kbox.slice(hb * BT, BT).load(LKV))
+                        v = ptx.gl_bf16_to_f32(vbox.slice(hb * BT, BT).load(LKV))
                         m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s, ATTN_EXP2)
                 t = _release(t, empty, NS)
         else:
@@ -1708,8 +1708,10 @@ class StreamConfig:
     attn_mma: bool = False
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
-    #: `gl.exp`), 48 of the ring loop's 391 instructions a slot on llama-1b (`compile_check.py --loops`). Not yet run
-    #: on a GPU, so off by default (docs/perf-notes.md)
+    #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
+    #: the H200: llama-1b 7 % faster at ctx 32768 and 14 % at 131072, qwen3-1.7b 2-3 % at 1024; llama-8b 4 % slower
+    #: at 32768, where the compiler then serialises the score reductions' shuffle chains. `stream_config` turns it
+    #: on where it pays (`attn_exp2_pays`); a plain StreamConfig() leaves it off (docs/perf-notes.md)
     attn_exp2: bool = False
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
@@ -1755,6 +1757,20 @@ def qk_groups(c: ModelConfig) -> int:
 def _group_lanes(c: ModelConfig) -> int:
     """GP: the query heads of one KV head, padded to a power of two (at least 2) for attention's layouts."""
     return max(2, _pow2_ceil(c.group_size))
+
+
+def attn_exp2_pays(c: ModelConfig) -> bool:
+    """Whether the base-2 softmax (`StreamConfig.attn_exp2`) is this model's default: everywhere but heads of 128
+    dims with 4 or more query heads to a KV head (GP >= 4: llama-8b measured 4 % slower at ctx 32768 with it, 0.2 %
+    at 1024; qwen3-8b's and Qwen2.5-7B's loops compile to the same serialised shuffle chains)."""
+    return c.hd < 128 or _group_lanes(c) < 4
+
+
+def stream_config(c: ModelConfig | None = None, **changes: Any) -> StreamConfig:
+    """Interpreter v10's defaults for model `c` (`StreamConfig()` with the settings that depend on its shape), then
+    `changes`."""
+    base = StreamConfig() if c is None else StreamConfig(attn_exp2=attn_exp2_pays(c))
+    return replace(base, **changes)
 
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
