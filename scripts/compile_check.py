@@ -9,8 +9,9 @@ default, from the model's defaults `stream_config`; `KernelConfig` with --kernel
     python scripts/compile_check.py --batch 8
     python scripts/compile_check.py --model qwen3-0.6b mma=mma=True
 
---loops lists each build's innermost loops from its machine code (nvdisasm) with their instructions per iteration;
---loops OP,OP keeps those holding every opcode named (prefixes), e.g. long-context attention's ring loop:
+--loops lists each build's innermost loops from its machine code (nvdisasm) with their instructions and estimated
+cycles per iteration (two warps, in order, waiting on their registers: `SassLoop.cycles`); --loops OP,OP keeps those
+holding every opcode named (prefixes), e.g. long-context attention's ring loop:
 
     python scripts/compile_check.py --loops MUFU.EX2,LDS
 

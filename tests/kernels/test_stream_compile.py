@@ -245,6 +245,37 @@ def test_sass_loops_keeps_the_innermost_loops() -> None:
     assert loop.has(["FF", "BRA"]) and not loop.has(["MUFU"])
 
 
+def _listing(body: list[str]) -> str:
+    lines = [".L_x_0:"] + [f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body)]
+    return "\n".join(lines + [f"        /*{16 * len(body):04x}*/                   BRA `(.L_x_0) ;", ""])
+
+
+def test_loop_cycles_follow_dependency_chains() -> None:
+    """`SassLoop.cycles` issues one instruction a cycle once its registers are ready: independent products take a
+    cycle each; the same shuffle reductions cost more one value after another than interleaved (what made the
+    base-2 softmax slower on llama-8b); a second warp fills the first one's stalls; an LDS.128 writes 4 registers."""
+    from megasynth.kernels.gpu.offline import LATENCY, _dataflow, sass_loops
+
+    (fma,) = sass_loops(_listing([f"FFMA R{10 + i}, R1, R2, R{10 + i}" for i in range(8)]))
+    assert fma.cycles(warps=1) == 9  # 8 products and the branch
+
+    def reduce(value: int) -> list[str]:
+        return [ins for lane in (8, 4, 2, 1) for ins in (f"SHFL.BFLY PT, R{value + 1}, R{value}, {lane:#x}, 0x1f",
+                                                          f"FADD R{value}, R{value}, R{value + 1}")]
+
+    serial = sass_loops(_listing(reduce(20) + reduce(30)))[0]
+    a, b = reduce(20), reduce(30)
+    mixed = sass_loops(_listing([ins for pair in zip(a, b, strict=True) for ins in pair]))[0]
+    assert serial.ops == mixed.ops
+    chain = 4 * (LATENCY["SHFL"] + 5)  # one value's four levels, shuffle then add
+    assert serial.cycles(warps=1) >= 2 * chain - 10 and mixed.cycles(warps=1) <= chain + 10
+    assert serial.cycles(warps=2) < 2 * serial.cycles(warps=1)
+    assert _dataflow("LDS.128 R40, [R197+0x2000]") == ("LDS.128", [40, 41, 42, 43], [197])
+    assert _dataflow("@!P4 FFMA R1, R2.reuse, -R3, R1") == ("FFMA", [1], [2, 3, 1])
+    assert _dataflow("ISETP.GE.AND P4, PT, R40, R191, PT") == ("ISETP.GE.AND", [], [40, 191])
+    assert _dataflow("STS [R3+0x10], R4") == ("STS", [], [3, 4])
+
+
 def test_attention_ring_loop_in_machine_code() -> None:
     """llama-1b's CUDA-core attention loop, read from the machine code: one innermost loop holds the ring wait, the
     shared loads and the exps, 12 of them a slot (the rescale and both blocks' weights, 4 heads). With attn_exp2 each
@@ -273,6 +304,8 @@ def test_attention_ring_loop_in_machine_code() -> None:
     assert loops[False].ops["MUFU.EX2"] == loops[True].ops["MUFU.EX2"] == 12
     assert loops[False].ops["FSETP.GEU.AND"] == 12 and "FSETP.GEU.AND" not in loops[True].ops
     assert loops[False].size - loops[True].size >= 4 * 12 - 6, (loops[False], loops[True])
+    # and its dependency chains shorter (measured 7-14 % faster at long contexts; docs/perf-notes.md)
+    assert loops[True].cycles() < 0.9 * loops[False].cycles(), (loops[False].cycles(), loops[True].cycles())
 
 
 def test_base2_softmax_is_the_default_where_it_pays() -> None:

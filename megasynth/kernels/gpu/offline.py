@@ -1,8 +1,9 @@
 """Compile the interpreters for sm_90 on a machine without a GPU, and read their registers, spill stack and shared
 memory: Triton ships ptxas and cuobjdump, so a kernel change can be checked for register pressure before it spends
 device time (docs/perf-notes.md: the preloads that spilled were the ones that were slow). Its nvdisasm gives the
-machine code too: `sass_loops` counts each innermost loop's instructions, which is what a loop bound by issue
-(long-context attention) costs an iteration."""
+machine code too: `sass_loops` counts each innermost loop's instructions (what a loop bound by issue costs an
+iteration) and estimates its cycles from its dependency chains (what a loop bound by latency costs: long-context
+attention, docs/perf-notes.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 import subprocess
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import triton
@@ -71,6 +72,29 @@ def resources(kernel: Any, seconds: float = 0.0) -> Resources:
     return Resources(regs, stack, int(kernel.metadata.shared), seconds)
 
 
+#: Rough Hopper result latencies in cycles by opcode family for `SassLoop.cycles`; everything else 5. Public figures of
+#: the order of what microbenchmarks report, not measured here: the model ranks loops, it does not time them.
+LATENCY = {"LDS": 33, "LDG": 400, "SHFL": 27, "MUFU": 20, "BAR": 20, "SYNCS": 20, "MEMBAR": 20}
+_PRED = re.compile(r"^!?U?P(T|\d+)$")
+_REG = re.compile(r"\bR(\d+)\b")
+
+
+def _dataflow(text: str) -> tuple[str, list[int], list[int]]:
+    """(opcode, registers written, registers read) of one SASS instruction; predicates and uniform registers are
+    left out. The destination is the first operand when it is a register (SHFL: the second, after its predicate
+    out); a .64 / .128 / .WIDE result spans 2 / 4 / 2 registers."""
+    body = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op, _, rest = body.partition(" ")
+    operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
+    k = 1 if op.startswith("SHFL") and operands and _PRED.match(operands[0]) else 0
+    dst: list[int] = []
+    if len(operands) > k and (m := re.fullmatch(r"-?R(\d+)(\.reuse)?", operands[k])):
+        width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+        dst = list(range(int(m.group(1)), int(m.group(1)) + width))
+        operands = operands[:k] + operands[k + 1:]
+    return op, dst, [int(r) for o in operands for r in _REG.findall(o)]
+
+
 @dataclass(frozen=True)
 class SassLoop:
     """One innermost loop of a kernel's machine code: from its head to its backward branch."""
@@ -78,6 +102,7 @@ class SassLoop:
     start: int  # byte address of the loop head
     end: int  # byte address of the backward branch
     ops: Counter[str]  # opcode (with modifiers, without a predicate) -> instructions of one iteration's body
+    body: tuple[str, ...] = field(default=(), compare=False, repr=False)  # the iteration's instructions, in order
 
     @property
     def size(self) -> int:
@@ -87,9 +112,38 @@ class SassLoop:
         """Whether the body holds an instruction starting with each of `prefixes` (e.g. MUFU.EX2, LDS)."""
         return all(any(op.startswith(p) for op in self.ops) for p in prefixes)
 
+    def cycles(self, warps: int = 2, iterations: int = 4) -> float:
+        """Estimated cycles an iteration takes on one scheduler running `warps` warps of this loop: each cycle one
+        instruction issues, in order within a warp, once the registers it reads are ready (`LATENCY`). Fewer
+        instructions do not make a loop faster when its dependency chains are what sets the pace: the model
+        says which (the base-2 softmax in docs/perf-notes.md: llama-1b's attention loop 1140 -> 853 cycles,
+        llama-8b's 1292 -> 1618; measured faster and slower)."""
+        flow = [_dataflow(t) for t in self.body]
+        if not flow:
+            return 0.0
+        lat = [next((v for k, v in LATENCY.items() if op.startswith(k)), 5) for op, _, _ in flow]
+        total = len(flow) * iterations
+        pc = [0] * warps
+        ready: list[dict[int, int]] = [{} for _ in range(warps)]
+        t = 0
+        while min(pc) < total:
+            for w in sorted(range(warps), key=lambda w: pc[w]):
+                if pc[w] >= total:
+                    continue
+                i = pc[w] % len(flow)
+                _, dst, src = flow[i]
+                if all(ready[w].get(r, 0) <= t for r in src):
+                    for r in dst:
+                        ready[w][r] = t + lat[i]
+                    pc[w] += 1
+                    break
+            t += 1
+        return t / iterations
+
     def __str__(self) -> str:
         mix = ", ".join(f"{op} {n}" for op, n in self.ops.most_common(16)) + (", ..." if len(self.ops) > 16 else "")
-        return f"loop {self.start:#x}-{self.end:#x}: {self.size} instructions ({mix})"
+        est = f", ~{self.cycles():.0f} cycles (2 warps)" if self.body else ""
+        return f"loop {self.start:#x}-{self.end:#x}: {self.size} instructions{est} ({mix})"
 
 
 _SASS_INS = re.compile(r"\s*/\*([0-9a-f]+)\*/\s*(.*?)\s*;")
@@ -117,7 +171,8 @@ def sass_loops(text: str) -> list[SassLoop]:
         if m and labels.get(m.group(1), i + 1) <= i:
             spans.append((labels[m.group(1)], i))
     inner = [(a, b) for a, b in spans if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
-    return [SassLoop(ins[a][0], ins[b][0], Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins[a:b + 1]))
+    return [SassLoop(ins[a][0], ins[b][0], Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins[a:b + 1]),
+                     tuple(t for _, t in ins[a:b + 1]))
             for a, b in sorted(set(inner))]
 
 
