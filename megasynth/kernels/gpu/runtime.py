@@ -42,9 +42,10 @@ ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 
 
 
 def default_config(device: torch.device, cfg: ModelConfig | None = None, batch: int = 1) -> Any:
-    """Interpreter v10 (`megasynth.kernels.gpu.stream.StreamConfig`: TMA, warp specialization) on Hopper and newer GPUs
-    (for a batch: where `stream.batch_limits` allows it for the model `cfg`); interpreter v9 (`KernelConfig`)
-    elsewhere, Triton's CPU interpreter included (it cannot run Gluon)."""
+    """Interpreter v10 (`megasynth.kernels.gpu.stream.StreamConfig`: TMA, warp specialization; `stream_config(cfg)`,
+    the defaults for the model's shape) on Hopper and newer GPUs (for a batch: where `stream.batch_limits` allows it
+    for the model `cfg`); interpreter v9 (`KernelConfig`) elsewhere, Triton's CPU interpreter included (it cannot run
+    Gluon)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
         from megasynth.kernels.gpu.stream import batch_limits, stream_config
 

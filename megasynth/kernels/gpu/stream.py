@@ -40,7 +40,7 @@ drains, so the kernel always ends. The host then raises `WatchdogError`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from triton.experimental import gluon
@@ -1766,11 +1766,9 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
     return c.hd < 128 or _group_lanes(c) < 4
 
 
-def stream_config(c: ModelConfig | None = None, **changes: Any) -> StreamConfig:
-    """Interpreter v10's defaults for model `c` (`StreamConfig()` with the settings that depend on its shape), then
-    `changes`."""
-    base = StreamConfig() if c is None else StreamConfig(attn_exp2=attn_exp2_pays(c))
-    return replace(base, **changes)
+def stream_config(c: ModelConfig | None = None) -> StreamConfig:
+    """Interpreter v10's defaults for model `c`: `StreamConfig()` with the settings that depend on its shape."""
+    return StreamConfig() if c is None else StreamConfig(attn_exp2=attn_exp2_pays(c))
 
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
