@@ -77,14 +77,14 @@ def resources(kernel: Any, seconds: float = 0.0) -> Resources:
 LATENCY = {"LDS": 33, "LDG": 400, "SHFL": 27, "MUFU": 20, "BAR": 20, "SYNCS": 20, "MEMBAR": 20}
 _PRED = re.compile(r"^!?U?P(T|\d+)$")
 _REG = re.compile(r"\bR(\d+)\b")
+_GUARD = re.compile(r"^@!?U?P\w+\s+")  # an instruction's predicate guard, e.g. `@!P4 `
 
 
 def _dataflow(text: str) -> tuple[str, list[int], list[int]]:
     """(opcode, registers written, registers read) of one SASS instruction; predicates and uniform registers are
     left out. The destination is the first operand when it is a register (SHFL: the second, after its predicate
     out); a .64 / .128 / .WIDE result spans 2 / 4 / 2 registers."""
-    body = re.sub(r"^@!?U?P\w+\s+", "", text)
-    op, _, rest = body.partition(" ")
+    op, _, rest = _GUARD.sub("", text).partition(" ")
     operands = [o.strip() for o in rest.split(",")] if rest.strip() else []
     k = 1 if op.startswith("SHFL") and operands and _PRED.match(operands[0]) else 0
     dst: list[int] = []
@@ -171,7 +171,7 @@ def sass_loops(text: str) -> list[SassLoop]:
         if m and labels.get(m.group(1), i + 1) <= i:
             spans.append((labels[m.group(1)], i))
     inner = [(a, b) for a, b in spans if not any((c, d) != (a, b) and a <= c and d <= b for c, d in spans)]
-    return [SassLoop(ins[a][0], ins[b][0], Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in ins[a:b + 1]),
+    return [SassLoop(ins[a][0], ins[b][0], Counter(_GUARD.sub("", t).split()[0] for _, t in ins[a:b + 1]),
                      tuple(t for _, t in ins[a:b + 1]))
             for a, b in sorted(set(inner))]
 
