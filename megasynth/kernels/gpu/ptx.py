@@ -14,6 +14,7 @@ functions are only compiled for the GPU.
 from __future__ import annotations
 
 import os
+import re
 
 import triton
 import triton.language as tl
@@ -137,3 +138,24 @@ def gl_signal_release(ptr, add):
     """`*ptr += add` once per CTA (thread 0, which is in the compute partition), release at GPU scope; call after a
     CTA barrier."""
     return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
+
+
+
+_FUNC_START = re.compile(r"^(\.visible\s+|\.weak\s+)?\.func\b")
+_ENTRY_START = re.compile(r"^(\.visible\s+|\.weak\s+)?\.entry\b")
+_CTA_BARRIER = re.compile(r"\b(bar|barrier)\.sync(\.aligned)?\s+0\s*;")
+
+
+def partition_barriers(ptx: str, threads: int) -> str:
+    """`ptx` with every CTA-wide barrier (`bar.sync 0;`) inside a called function (`.func`) made the named barrier
+    of `threads` threads (`bar.sync 0, threads;`). Triton knows which warp-specialize partition code runs in only
+    where the code is inlined: in a function called from the compute partition it emits CTA barriers, which the loader
+    warp never reaches. Used for the megakernel only, whose functions are all called from its compute partition."""
+    out, in_func = [], False
+    for line in ptx.splitlines(keepends=True):
+        if _FUNC_START.match(line):
+            in_func = True
+        elif _ENTRY_START.match(line):
+            in_func = False
+        out.append(_CTA_BARRIER.sub(f"bar.sync 0, {threads};", line) if in_func else line)
+    return "".join(out)

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -861,11 +862,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                            BTK, num_warps)
     else:
         LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
-        BT: gl.constexpr = (32 // LD) * num_warps
         L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
-        LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
-        LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
-        LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
         # the merge's layout: each (head, dim) output has one owner thread
         LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
                                                                             num_warps // min(GP, num_warps)],
@@ -873,77 +870,27 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
         go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
         do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
-        gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
-        dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
         # scores in base 2 with ATTN_EXP2: q times log2(e) as well
         QS: gl.constexpr = SCALE * 1.4426950408889634 if ATTN_EXP2 else SCALE
-        q = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + gq, 1), gl.expand_dims(dq, 0), gl.expand_dims(gq < G, 1), nq,
-                    QS, HD, EPS, QK_NORM, 1)
-        tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
-        dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
-        ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
-        q3 = gl.expand_dims(q, 1)
-        m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
-        l_i = gl.zeros([GP, BT], gl.float32, LS)
-        acc = gl.zeros([GP, BT, HD], gl.float32, L3)
         if KV_RING:
-            kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
-            # The loop skips the row at pos (the split's last, when it holds pos): the loader may have streamed it
-            # stale, and this step's own row (written by QKV, ordered by the wait) is folded in after the merge, once
-            # per instruction instead of a select on every slot's K and V. The slots are still those of [lo, hi).
-            hl = gl.where(cur, pos, hi)
             # its q and rows in the merge's layout, loaded now (masked off unless cur) so the loop hides their latency
             qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
                          gl.expand_dims((go < G) & cur, 1), nq, QS, HD, EPS, QK_NORM, 1)
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
-            for b0 in range(lo, hi, BTK):
-                s = t % NS
-                mbarrier.wait(ready.index(s), (t // NS) & 1)
-                kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-                vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-                if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
-                    ka = ptx.gl_bf16_to_f32(kbox.slice(0, BT).load(LKV))
-                    va = ptx.gl_bf16_to_f32(vbox.slice(0, BT).load(LKV))
-                    kb = ptx.gl_bf16_to_f32(kbox.slice(BT, BT).load(LKV))
-                    vb = ptx.gl_bf16_to_f32(vbox.slice(BT, BT).load(LKV))
-                    m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT, ATTN_EXP2)
-                else:
-                    for hb in gl.static_range(BTK // BT):
-                        k = ptx.gl_bf16_to_f32(kbox.slice(hb * BT, BT).load(LKV))
-                        v = ptx.gl_bf16_to_f32(vbox.slice(hb * BT, BT).load(LKV))
-                        m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s, ATTN_EXP2)
-                t = _release(t, empty, NS)
-        else:
-            if QK_NORM:  # the row at pos is not in the cache yet
-                new_k = gl.expand_dims(_new_k(sq_ptr, knew_ptr, g, cur, nq, dk, NH, HD, EPS), 0)
-            kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
-            km = gl.expand_dims(lo + tk < hi, 1)
-            kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-            vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-            for t0 in range(lo, hi, BT):
-                k = kn.to(gl.float32)
-                v = vn.to(gl.float32)
-                if QK_NORM:
-                    k = gl.where(gl.expand_dims(t0 + tk == pos, 1) & nq, new_k, k)
-                km = gl.expand_dims(t0 + BT + tk < hi, 1)
-                kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-                vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
-                m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s, ATTN_EXP2)
-        # The merge of the position lanes: within each warp by shuffles, then across warps through shared memory
-        # (the staging buffer, free between instructions) into a layout where each (head, dim) output has one owner
-        # thread: Triton's reduction over the warp axis would leave the result replicated in every warp.
-        mx = gl.max(m_i, axis=1)  # [GP]
-        w = _exp(m_i - gl.expand_dims(mx, 1), ATTN_EXP2)
-        den = gl.sum(l_i * w, axis=1)
-        part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, BT // num_warps, HD]), axis=2)
-        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        parts = scratch._reinterpret(gl.float32, [GP, num_warps, HD], flat)
-        parts.store(part)
+        t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready, empty,
+                        scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3, num_warps)
+        # the warps' (max, denominator, weighted sum), which `_attn_lanes` left in the staging buffer, merged by one
+        # owner thread per (head, dim)
         gl.thread_barrier()
-        o = gl.sum(parts.load(LR), axis=1)  # [GP, HD] in LO
+        pv, mv, dv = _lane_views(scratch, GP, HD, num_warps)
+        mw = gl.sum(mv.load(LR), axis=2)  # [GP, num_warps] in LW
+        dw = gl.sum(dv.load(LR), axis=2)
+        mx = gl.max(mw, axis=1)  # [GP]
+        ww = _exp(mw - gl.expand_dims(mx, 1), ATTN_EXP2)
+        den = gl.convert_layout(gl.sum(dw * ww, axis=1), gl.SliceLayout(1, LO))
+        o = gl.sum(pv.load(LR) * gl.expand_dims(ww, 2), axis=1)  # [GP, HD] in LO
         mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
-        den = gl.convert_layout(den, gl.SliceLayout(1, LO))
         if KV_RING:
             if cur:  # the row at pos, left out of the ring loop: one more position for each head
                 sc = gl.sum(qo * gl.expand_dims(cur_k, 0), axis=1)
@@ -960,6 +907,111 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         _store_heads(opart_ptr, o, go, do, split, h0, NH, G, HD)
         gl.store(lse_ptr + split * NH + h0 + go, lse, mask=go < G)
     return t
+
+
+@gluon.jit
+def _lane_views(scratch, GP: gl.constexpr, HD: gl.constexpr, num_warps: gl.constexpr):
+    """The staging buffer as each warp's [GP, HD] weighted sums of attention's position lanes and its [GP] maxima and
+    denominators beside them: [GP, num_warps, HD], [GP, num_warps, 1] and [GP, num_warps, 1] fp32 views."""
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+    v = scratch._reinterpret(gl.float32, [GP, num_warps, 2 * HD], flat)  # power-of-two shapes, as views need
+    return v.slice(0, HD, dim=2), v.slice(HD, 1, dim=2), v.slice(HD + 1, 1, dim=2)
+
+
+@gluon.jit
+def _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready, empty,
+                scratch, NH: gl.constexpr, HD: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QS: gl.constexpr,
+                EPS: gl.constexpr, QK_NORM: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
+                KV_RING: gl.constexpr, EXP2: gl.constexpr, L3: gl.constexpr, num_warps: gl.constexpr):
+    """The CUDA-core attention's position lanes over [lo, hi) (see `_op_attn_partial`), merged within each warp by
+    shuffles and left in `scratch` (`_lane_views`) for the caller's merge across warps."""
+    LKV: gl.constexpr = gl.SliceLayout(0, L3)  # [BT, HD]
+    LQ: gl.constexpr = gl.SliceLayout(1, L3)  # [GP, HD]
+    LS: gl.constexpr = gl.SliceLayout(2, L3)  # [GP, BT]
+    BT: gl.constexpr = (32 // min(32, HD // 8)) * num_warps  # as the caller's L3
+    if QK_NORM:
+        nq = qkn != 0
+    else:
+        nq = False
+    cur = (pos >= lo) & (pos < hi)
+    gq = gl.arange(0, GP, layout=gl.SliceLayout(1, LQ))
+    dq = gl.arange(0, HD, layout=gl.SliceLayout(0, LQ))
+    q = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + gq, 1), gl.expand_dims(dq, 0), gl.expand_dims(gq < G, 1), nq,
+                QS, HD, EPS, QK_NORM, 1)
+    tk = gl.arange(0, BT, layout=gl.SliceLayout(1, LKV))
+    dk = gl.arange(0, HD, layout=gl.SliceLayout(0, LKV))
+    ts_s = gl.arange(0, BT, layout=gl.SliceLayout(0, LS))
+    q3 = gl.expand_dims(q, 1)
+    m_i = gl.full([GP, BT], -1.0e30, gl.float32, LS)
+    l_i = gl.zeros([GP, BT], gl.float32, LS)
+    acc = gl.zeros([GP, BT, HD], gl.float32, L3)
+    if KV_RING:
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+        # The loop skips the row at pos (the split's last, when it holds pos): the loader may have streamed it
+        # stale, and this step's own row (written by QKV, ordered by the wait) is folded in after the merge, once
+        # per instruction instead of a select on every slot's K and V. The slots are still those of [lo, hi).
+        hl = gl.where(cur, pos, hi)
+        for b0 in range(lo, hi, BTK):
+            s = t % NS
+            mbarrier.wait(ready.index(s), (t // NS) & 1)
+            kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
+            if BTK == 2 * BT:  # both blocks in one update: one rescale per two positions (docs/perf-notes.md)
+                ka = ptx.gl_bf16_to_f32(kbox.slice(0, BT).load(LKV))
+                va = ptx.gl_bf16_to_f32(vbox.slice(0, BT).load(LKV))
+                kb = ptx.gl_bf16_to_f32(kbox.slice(BT, BT).load(LKV))
+                vb = ptx.gl_bf16_to_f32(vbox.slice(BT, BT).load(LKV))
+                m_i, l_i, acc = _attn_block2(q3, ka, va, kb, vb, b0, hl, m_i, l_i, acc, ts_s, BT, EXP2)
+            else:
+                for hb in gl.static_range(BTK // BT):
+                    k = ptx.gl_bf16_to_f32(kbox.slice(hb * BT, BT).load(LKV))
+                    v = ptx.gl_bf16_to_f32(vbox.slice(hb * BT, BT).load(LKV))
+                    m_i, l_i, acc = _attn_block(q3, k, v, b0 + hb * BT, hl, m_i, l_i, acc, ts_s, EXP2)
+            t = _release(t, empty, NS)
+    else:
+        if QK_NORM:  # the row at pos is not in the cache yet
+            new_k = gl.expand_dims(_new_k(sq_ptr, knew_ptr, g, cur, nq, dk, NH, HD, EPS), 0)
+        kvoff = gl.expand_dims(tk, 1) * HD + gl.expand_dims(dk, 0)
+        km = gl.expand_dims(lo + tk < hi, 1)
+        kn = gl.load(kc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        vn = gl.load(vc_ptr + base + lo * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+        for t0 in range(lo, hi, BT):
+            k = kn.to(gl.float32)
+            v = vn.to(gl.float32)
+            if QK_NORM:
+                k = gl.where(gl.expand_dims(t0 + tk == pos, 1) & nq, new_k, k)
+            km = gl.expand_dims(t0 + BT + tk < hi, 1)
+            kn = gl.load(kc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            vn = gl.load(vc_ptr + base + (t0 + BT) * HD + kvoff, mask=km, other=0.0, cache_modifier=".cg")
+            m_i, l_i, acc = _attn_block(q3, k, v, t0, hi, m_i, l_i, acc, ts_s, EXP2)
+    # each warp's lanes merged by shuffles: its max, its denominator and weighted sum at that max
+    NWL: gl.constexpr = BT // num_warps
+    m3 = gl.reshape(m_i, [GP, num_warps, NWL])
+    mw = gl.max(m3, axis=2)  # [GP, num_warps]
+    w3 = _exp(m3 - gl.expand_dims(mw, 2), EXP2)
+    dw = gl.sum(gl.convert_layout(gl.reshape(l_i, [GP, num_warps, NWL]), w3.type.layout) * w3, axis=2)
+    w = gl.convert_layout(gl.reshape(w3, [GP, BT]), LS)
+    part = gl.sum(gl.reshape(acc * gl.expand_dims(w, 2), [GP, num_warps, NWL, HD]), axis=2)
+    pv, mv, dv = _lane_views(scratch, GP, HD, num_warps)
+    pv.store(part)
+    mv.store(gl.expand_dims(mw, 2))
+    dv.store(gl.expand_dims(dw, 2))
+    return t
+
+
+@gluon.jit(noinline=True)
+def _attn_partial_call(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits, pos, qkn,
+                       t, ring, ready, empty, scratch,
+                       NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
+                       GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                       NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
+                       ATTN_EXP2: gl.constexpr, num_warps: gl.constexpr):
+    """`_op_attn_partial` as a function of its own: inlined into the instruction loop, the compiler keeps every op's
+    loop-invariant index arithmetic in registers across it and schedules the ring loop's reductions one after
+    another (docs/perf-notes.md). Its CTA barriers become the compute partition's (`ptx.partition_barriers`)."""
+    return _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits,
+                            pos, qkn, t, ring, ready, empty, scratch, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM, NS,
+                            SB, BTK, KV_RING, ATTN_EXP2, num_warps)
 
 
 @gluon.jit
@@ -1053,11 +1105,50 @@ def _attn_ring_mma(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, 
 
 
 @gluon.jit
+def _add8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The combine of an eight-operand sum (`_scores2`)."""
+    return a0 + b0, a1 + b1, a2 + b2, a3 + b3, a4 + b4, a5 + b5, a6 + b6, a7 + b7
+
+
+@gluon.jit
+def _heads4(x):
+    """[4, BT, HD] (the heads in-thread) -> its four heads, each [BT, HD]."""
+    y = gl.reshape(gl.permute(x, [1, 2, 0]), [x.shape[1], x.shape[2], 2, 2])
+    y0, y1 = gl.split(y)  # g = 2 i + j: j = 0, 1
+    h0, h2 = gl.split(y0)
+    h1, h3 = gl.split(y1)
+    return h0, h1, h2, h3
+
+
+@gluon.jit
+def _join4(h0, h1, h2, h3, layout: gl.constexpr):
+    """Four [BT] -> [4, BT] in `layout`."""
+    y = gl.join(gl.join(h0, h1), gl.join(h2, h3))  # [BT, j, i]
+    return gl.convert_layout(gl.reshape(gl.permute(y, [2, 1, 0]), [4, h0.shape[0]]), layout)
+
+
+@gluon.jit
+def _scores2(q3, ka, kb):
+    """Scores [GP, BT] of two blocks: with 4 heads one reduction of all eight dot products, so their lane shuffles
+    go out level by level, eight at a time."""
+    GP: gl.constexpr = q3.shape[0]
+    pa = q3 * gl.expand_dims(ka, 0)
+    pb = q3 * gl.expand_dims(kb, 0)
+    if GP == 4:
+        a0, a1, a2, a3 = _heads4(pa)
+        b0, b1, b2, b3 = _heads4(pb)
+        r = gl.reduce((a0, a1, a2, a3, b0, b1, b2, b3), 1, _add8)
+        LS: gl.constexpr = gl.SliceLayout(2, pa.type.layout)
+        return _join4(r[0], r[1], r[2], r[3], LS), _join4(r[4], r[5], r[6], r[7], LS)
+    else:
+        return gl.sum(pa, axis=2), gl.sum(pb, axis=2)
+
+
+@gluon.jit
 def _attn_block2(q3, ka, va, kb, vb, t0, hi, m_i, l_i, acc, ts_s, BT: gl.constexpr, EXP2: gl.constexpr):
     """`_attn_block` for positions t0 + [0, 2 BT): position lane i takes positions t0 + i and t0 + BT + i in one
     online-softmax update (one rescale of the lane's sum for two positions, and both dot products in flight)."""
-    sa = gl.sum(q3 * gl.expand_dims(ka, 0), axis=2)  # [GP, BT]
-    sb = gl.sum(q3 * gl.expand_dims(kb, 0), axis=2)
+    sa, sb = _scores2(q3, ka, kb)
     sa = gl.where(gl.expand_dims(t0 + ts_s < hi, 0), sa, float("-inf"))
     sb = gl.where(gl.expand_dims(t0 + BT + ts_s < hi, 0), sb, float("-inf"))
     m_new = gl.maximum(m_i, gl.maximum(sa, sb))
@@ -1527,8 +1618,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              GP: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr,
              SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr,
-             TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr,
-             BE: gl.constexpr,
+             ATTN_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr,
+             MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
@@ -1568,7 +1659,12 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                         kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
                         EPS, QKV_BIAS, QK_NORM, False, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
         elif op == OP_PARTIAL:
-            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
+            if ATTN_CALL:  # a function of its own (`StreamConfig.attn_call`)
+                t = _attn_partial_call(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1,
+                                       a2, pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS,
+                                       QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
+            else:
+                t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
                                  pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
                                  NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
         elif op == OP_REDUCE:
@@ -1631,7 +1727,8 @@ def stream_megakernel(
     V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
     QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
-    BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
+    BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr, TRACE: gl.constexpr,
+    ROWW: gl.constexpr,
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
@@ -1667,8 +1764,8 @@ def stream_megakernel(
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
-                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, TRACE, ROWW, WB,
-                    SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
+                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, TRACE,
+                    ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
@@ -1685,6 +1782,48 @@ SMEM_RESERVE = 2 * 1024
 TILE_LOADER_REGS = 40
 #: the fewest 32 KB tile slots (`StreamConfig.tile_k` 128) a ring may have; with fewer, tiles take 16 KB slots
 MIN_TILE_SLOTS = 4
+
+
+def _named_barrier_stage(backend: Any, stages: dict[str, Any], options: Any, language: Any, capability: Any,
+                         prev: Any = None) -> None:
+    """Triton's stage hook (`triton.knobs.runtime.add_stages_inspection_hook`): the megakernel's PTX gets its called
+    functions' CTA barriers named for the compute partition (`ptx.partition_barriers`); other kernels pass as they
+    are."""
+    if prev is not None:
+        prev(backend, stages, options, language, capability)
+    make_ptx = stages.get("ptx")
+    if make_ptx is None:
+        return
+
+    def ptx_stage(src: Any, metadata: Any) -> str:
+        text = make_ptx(src, metadata)
+        if ".entry stream_megakernel(" in text:
+            text = ptx.partition_barriers(text, options.num_warps * 32)
+        return text
+
+    stages["ptx"] = ptx_stage
+
+
+def _install_barrier_stage() -> bool:
+    """Installs `_named_barrier_stage` (once, after any hook already there); False where this Triton has no stage hook,
+    and then attention stays inlined (`StreamConfig.attn_call`)."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None or not hasattr(runtime, "add_stages_inspection_hook"):
+        return False
+    prev = runtime.add_stages_inspection_hook
+    if getattr(prev, "megasynth_barriers", False):
+        return True
+
+    def hook(backend: Any, stages: dict[str, Any], options: Any, language: Any, capability: Any) -> None:
+        _named_barrier_stage(backend, stages, options, language, capability, prev)
+
+    hook.megasynth_barriers = True  # type: ignore[attr-defined]
+    runtime.add_stages_inspection_hook = hook
+    return True
+
+
+#: whether attention may run as a function of its own (`StreamConfig.attn_call`): Triton's stage hook is installed
+FUNCTIONS_OK = _install_barrier_stage()
 
 
 @dataclass(frozen=True)
@@ -1710,9 +1849,15 @@ class StreamConfig:
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
     #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
     #: the H200: llama-1b 7 % faster at ctx 32768 and 14 % at 131072, qwen3-1.7b 2-3 % at 1024; llama-8b 4 % slower
-    #: at 32768, where the compiler then serialises the score reductions' shuffle chains. `stream_config` turns it
-    #: on where it pays (`attn_exp2_pays`); a plain StreamConfig() leaves it off (docs/perf-notes.md)
+    #: at 32768 with attention inlined, 7 % faster with `attn_call`. `stream_config` turns it on where it pays
+    #: (`attn_exp2_pays`); a plain StreamConfig() leaves it off (docs/perf-notes.md)
     attn_exp2: bool = False
+    #: attention (`_op_attn_partial`) as a function of its own rather than inlined into the instruction loop, where
+    #: the compiler keeps every op's loop-invariant index arithmetic in registers across it and then serialises the
+    #: ring loop's lane shuffles: llama-8b 5.34 -> 5.10 ms at ctx 32768 with the base-2 softmax, llama-1b -1.2 % at
+    #: 32768 and -3.9 % at 131072 (docs/perf-notes.md). Needs Triton's stage hook, which names the function's
+    #: barriers for the compute partition (`ptx.partition_barriers`); without it attention stays inlined
+    attn_call: bool = True
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
@@ -1760,10 +1905,11 @@ def _group_lanes(c: ModelConfig) -> int:
 
 
 def attn_exp2_pays(c: ModelConfig) -> bool:
-    """Whether the base-2 softmax (`StreamConfig.attn_exp2`) is this model's default: everywhere but heads of 128
-    dims with 4 or more query heads to a KV head (GP >= 4: llama-8b measured 4 % slower at ctx 32768 with it, 0.2 %
-    at 1024; qwen3-8b's and Qwen2.5-7B's loops compile to the same serialised shuffle chains)."""
-    return c.hd < 128 or _group_lanes(c) < 4
+    """Whether the base-2 softmax (`StreamConfig.attn_exp2`) is this model's default: everywhere attention runs as a
+    function of its own (`StreamConfig.attn_call`, which needs Triton's stage hook); inlined, everywhere but heads of
+    128 dims with 4 or more query heads to a KV head (GP >= 4: llama-8b measured 4 % slower at ctx 32768 with it, its
+    loop's lane shuffles serialised)."""
+    return FUNCTIONS_OK or c.hd < 128 or _group_lanes(c) < 4
 
 
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
@@ -1817,9 +1963,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     if batch > 1:  # o_proj and down stage at most the hidden size's chunks; attention's lane merge fits the rest
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
-        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * c.hd * 4 // row_bytes))
+        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
     else:
-        nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * c.hd // bk))
+        nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * (2 * c.hd) // bk))
     kt = sc.tile_k // 64 if tile else 1  # wgmma tiles per ring slot
     slot_bytes = sc.boxes * 16 * bk * 2 * kt
     stage_bytes = nch * row_bytes
@@ -1871,7 +2017,8 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        ATTN_EXP2=sc.attn_exp2, TRACE=trace, ROWW=ROW, WB=16, SP=max(1, sc.reduce_splits), MB=geo["MB"],
+        ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
+        SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
