@@ -1838,7 +1838,8 @@ class StreamConfig:
     slots: int = 0  # ring slots; 0: as many as fit
     #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. Every SM's fills in flight are what
     #: the chain's releases and polls queue behind: 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster,
-    #: llama-8b 0.5 % slower; 2 cost llama-8b 5.6 % (docs/perf-notes.md)
+    #: llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost llama-8b
+    #: 5.6 % (docs/perf-notes.md)
     inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
@@ -1912,9 +1913,16 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
     return FUNCTIONS_OK or c.hd < 128 or _group_lanes(c) < 4
 
 
+#: hidden sizes from which the loader keeps 4 fills in flight rather than 3 (`StreamConfig.inflight`): llama-8b
+#: measured 0.5 % faster with 4 at ctx 1024 and at 32768, llama-1b and llama-3b slower (docs/perf-notes.md)
+INFLIGHT4_HIDDEN = 4096
+
+
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
     """Interpreter v10's defaults for model `c`: `StreamConfig()` with the settings that depend on its shape."""
-    return StreamConfig() if c is None else StreamConfig(attn_exp2=attn_exp2_pays(c))
+    if c is None:
+        return StreamConfig()
+    return StreamConfig(attn_exp2=attn_exp2_pays(c), inflight=4 if c.hidden_size >= INFLIGHT4_HIDDEN else 3)
 
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
