@@ -189,7 +189,8 @@ def test_tensor_core_path_geometry() -> None:
     assert geo["MMA"] and geo["BK"] == 256 and geo["NCH"] >= 2 * geo["NCHQ"]
     assert weight_box(geo)[0] == [16, 4, 64]
     tiny = stream_geometry(get_model("tiny").config, StreamConfig(mma=True))  # hidden 128 < BK: zero-filled
-    assert tiny["MMA"] and tiny["BK"] == 256 and tiny["NCH"] == 2
+    # two chunks of activations; attention's lane partials ([GP, 8 warps, 2 hd] fp32) take four
+    assert tiny["MMA"] and tiny["BK"] == 256 and tiny["NCH"] == 4
     assert not stream_geometry(get_model("tiny-mha").config, StreamConfig(mma=True))["MMA"]  # intermediate 160
     assert not stream_geometry(get_model("llama-1b").config, StreamConfig(mma=True, boxes=4))["MMA"]
     assert not stream_geometry(get_model("llama-1b").config, StreamConfig())["MMA"]  # off by default
