@@ -884,7 +884,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         # owner thread per (head, dim)
         gl.thread_barrier()
         pv, mv, dv = _lane_views(scratch, GP, HD, num_warps)
-        mw = gl.sum(mv.load(LR), axis=2)  # [GP, num_warps] in LW
+        mw = gl.sum(mv.load(LR), axis=2)  # [GP, num_warps]: one value each, summed over a length-1 axis
         dw = gl.sum(dv.load(LR), axis=2)
         mx = gl.max(mw, axis=1)  # [GP]
         ww = _exp(mw - gl.expand_dims(mx, 1), ATTN_EXP2)
@@ -1855,9 +1855,10 @@ class StreamConfig:
     attn_exp2: bool = False
     #: attention (`_op_attn_partial`) as a function of its own rather than inlined into the instruction loop, where
     #: the compiler keeps every op's loop-invariant index arithmetic in registers across it and then serialises the
-    #: ring loop's lane shuffles: llama-8b 5.34 -> 5.10 ms at ctx 32768 with the base-2 softmax, llama-1b -1.2 % at
-    #: 32768 and -3.9 % at 131072 (docs/perf-notes.md). Needs Triton's stage hook, which names the function's
-    #: barriers for the compute partition (`ptx.partition_barriers`); without it attention stays inlined
+    #: ring loop's lane shuffles: llama-8b at ctx 32768 5.48 ms inlined -> 5.10 as a function with the base-2
+    #: softmax (5.34 without), llama-1b -1.2 % at 32768 and -3.9 % at 131072 (docs/perf-notes.md). Needs Triton's
+    #: stage hook, which names the function's barriers for the compute partition (`ptx.partition_barriers`);
+    #: without it attention stays inlined
     attn_call: bool = True
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
