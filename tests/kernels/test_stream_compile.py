@@ -355,6 +355,7 @@ def test_attention_function_holds_only_partition_barriers() -> None:
     at least a quarter faster than inlined on llama-8b (5.48 -> 5.10 ms measured at ctx 32768)."""
     pytest.importorskip("triton.experimental.gluon")
     import re
+    from dataclasses import replace
 
     from megasynth.kernels.gpu.offline import compile_v10, sass, sass_loops
     from megasynth.kernels.gpu.stream import stream_config
@@ -363,8 +364,7 @@ def test_attention_function_holds_only_partition_barriers() -> None:
     spec = get_model("llama-8b")
     cycles = {}
     for call in (True, False):
-        sc = stream_config(spec.config)
-        kernel, res = compile_v10(spec.config, spec.max_seq_len, type(sc)(**{**sc.__dict__, "attn_call": call}))
+        kernel, res = compile_v10(spec.config, spec.max_seq_len, replace(stream_config(spec.config), attn_call=call))
         assert res.stack == 0
         ptx_text = kernel.asm["ptx"]
         assert ("_attn_partial_call" in ptx_text) == call
