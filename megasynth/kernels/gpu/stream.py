@@ -999,19 +999,11 @@ def _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, 
     return t
 
 
-@gluon.jit(noinline=True)
-def _attn_partial_call(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits, pos, qkn,
-                       t, ring, ready, empty, scratch,
-                       NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
-                       GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
-                       NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
-                       ATTN_EXP2: gl.constexpr, num_warps: gl.constexpr):
-    """`_op_attn_partial` as a function of its own: inlined into the instruction loop, the compiler keeps every op's
-    loop-invariant index arithmetic in registers across it and schedules the ring loop's reductions one after
-    another (docs/perf-notes.md). Its CTA barriers become the compute partition's (`ptx.partition_barriers`)."""
-    return _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr, layer, g, split, splits,
-                            pos, qkn, t, ring, ready, empty, scratch, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM, NS,
-                            SB, BTK, KV_RING, ATTN_EXP2, num_warps)
+#: `_op_attn_partial` as a function of its own (`StreamConfig.attn_call`): inlined into the instruction loop, the
+#: compiler keeps every op's loop-invariant index arithmetic in registers across it and schedules the ring loop's
+#: reductions one after another (docs/perf-notes.md). Its CTA barriers become the compute partition's
+#: (`ptx.partition_barriers`).
+_attn_partial_call = gluon.jit(noinline=True)(_op_attn_partial.fn)
 
 
 @gluon.jit
@@ -1553,6 +1545,62 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
 
 
 @gluon.jit
+def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage, embed_ptr,
+               attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
+               opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr,
+               H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+               S: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
+               QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
+               NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr,
+               KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr, SP: gl.constexpr,
+               MB: gl.constexpr, BE: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr,
+               TRACE: gl.constexpr):
+    """One instruction of a batch-1 schedule: the op `op` with its row's arguments."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    if op == OP_EMBED:
+        _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
+    elif op == OP_QKV:
+        t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
+                    kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
+                    EPS, QKV_BIAS, QK_NORM, False, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+    elif op == OP_PARTIAL:
+        if ATTN_CALL:  # a function of its own (`StreamConfig.attn_call`)
+            t = _attn_partial_call(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1,
+                                   a2, pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS,
+                                   QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
+        else:
+            t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
+                                 pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
+                                 NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
+    elif op == OP_REDUCE:
+        _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
+    elif op == OP_OPROJ:
+        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
+                        True, H, EPS, NS, SB, NCHQ, BK, blk, MMA, num_warps, tr, TRACE)
+    elif op == OP_FUSED:
+        t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
+                             NH, HD, NS, SB, NCHQ, BK, SP, MB, blk, MMA, num_warps, tr, TRACE)
+    elif op == OP_GATE_UP:
+        t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
+                        NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+    elif op == OP_DOWN:
+        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
+                        True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE)
+    elif op == OP_LM_HEAD:
+        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
+                        a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+    # QK-norm applied apart from QKV: compiled into QK_NORM builds only (the Llama build has neither branch)
+    elif QK_NORM and op == OP_QKV_SQ:
+        t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
+                    kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
+                    EPS, QKV_BIAS, False, True, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
+    elif QK_NORM and op == OP_QK_APPLY:
+        _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, a1, pos, NH, NKV, HD, S, EPS, G, GP,
+                     num_warps)
+    return t
+
+
+@gluon.jit
 def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB: gl.constexpr,
           num_warps: gl.constexpr):
     """Spin until every wait of the instruction holds; on a timeout (or another worker's abort) report and return 0,
@@ -1608,6 +1656,10 @@ def _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, time
     return ok
 
 
+#: `_single_op` as a function of its own (`StreamConfig.op_call`)
+_single_op_call = gluon.jit(noinline=True)(_single_op.fn)
+
+
 @gluon.jit
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
              embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
@@ -1618,13 +1670,13 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              GP: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr,
              SB: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr,
              BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr,
-             ATTN_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr, WB: gl.constexpr, SP: gl.constexpr,
+             ATTN_CALL: gl.constexpr, OP_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
+             WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr):
-    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (a batch's
-    ops: `_batch_op`)."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
+    """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
+    `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
     gl.store(smid_ptr + pid, ptx.gl_smid())
     qi = gl.load(qoff_ptr + pid)
@@ -1650,48 +1702,20 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS,
-                          TILE, KT, num_warps, tr, TRACE)
-        elif op == OP_EMBED:
-            _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
-        elif op == OP_QKV:
-            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
-                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
-                        EPS, QKV_BIAS, QK_NORM, False, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
-        elif op == OP_PARTIAL:
-            if ATTN_CALL:  # a function of its own (`StreamConfig.attn_call`)
-                t = _attn_partial_call(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1,
-                                       a2, pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS,
-                                       QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
-            else:
-                t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
-                                 pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
-                                 NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
-        elif op == OP_REDUCE:
-            _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
-        elif op == OP_OPROJ:
-            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHQ, BK, blk, MMA, num_warps, tr, TRACE)
-        elif op == OP_FUSED:
-            t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
-                                 NH, HD, NS, SB, NCHQ, BK, SP, MB, blk, MMA, num_warps, tr, TRACE)
-        elif op == OP_GATE_UP:
-            t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
-                            NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
-        elif op == OP_DOWN:
-            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                            True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE)
-        elif op == OP_LM_HEAD:
-            t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
-                            a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
-        # QK-norm applied apart from QKV: compiled into QK_NORM builds only (the Llama build has neither branch)
-        elif QK_NORM and op == OP_QKV_SQ:
-            t = _op_qkv(ring, ready, empty, vbuf, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr,
-                        kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
-                        EPS, QKV_BIAS, False, True, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
-        elif QK_NORM and op == OP_QK_APPLY:
-            _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, a1, pos, NH, NKV, HD, S, EPS, G, GP,
-                         num_warps)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
+        elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
+            t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
+                                embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
+                                q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
+                                sin_ptr, qk_sq_ptr, k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS,
+                                QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB,
+                                BE, MMA, num_warps, tr, TRACE)
+        else:
+            t = _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage, embed_ptr,
+                           attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr,
+                           vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr,
+                           k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS, QK_NORM, QG, NS, SB, NCHH,
+                           NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB, BE, MMA, num_warps, tr, TRACE)
         gl.thread_barrier()
         if TRACE:
             gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
@@ -1727,8 +1751,8 @@ def stream_megakernel(
     V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
     QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
-    BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr, TRACE: gl.constexpr,
-    ROWW: gl.constexpr,
+    BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr,
+    OP_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
@@ -1764,8 +1788,8 @@ def stream_megakernel(
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
-                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, TRACE,
-                    ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
+                    QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
@@ -1860,6 +1884,14 @@ class StreamConfig:
     #: stage hook, which names the function's barriers for the compute partition (`ptx.partition_barriers`);
     #: without it attention stays inlined
     attn_call: bool = True
+    #: at batch 1, every instruction's op runs in one function of its own (`_single_op`) called from the instruction
+    #: loop, so no op's loop-invariant arithmetic is held in registers across the others: attention's lane merge
+    #: loop models at 587 cycles instead of 1,325 (`compile_check.py --loops`), and qwen3-8b's spill goes. Measured
+    #: on the H200 (alternating rounds): llama-1b -1.2 % at ctx 1024, -1.3 % at 32768, -3.2 % at 131072; llama-8b
+    #: -1.2 % at 1024, -3.5 % at 32768; qwen3-1.7b -5.1 %, qwen3-0.6b -1.8 %, qwen3-8b -0.3 % at 1024. Batches keep
+    #: their ops inlined: as a function llama-1b's batch 8 and 16 took 6 % longer, llama-8b's batch 8 1.5 %
+    #: (docs/perf-notes.md). Needs the stage hook, as `attn_call` does
+    op_call: bool = True
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
@@ -2026,7 +2058,8 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
+        ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
+        OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
