@@ -265,9 +265,8 @@ class SearchSpace:
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
-    data; measured within 1 % on v10, docs/search.md). A batch's space holds what its interpreter runs: on v10 the
-    batch-1 knobs but the QK-norm's (which has no batched form), on v9 (the QK-norm models) whole-head QKV tiles, no
-    folded merge and the QK-norm inside QKV."""
+    data; measured within 1 % on v10, docs/search.md). A batch's space holds what both interpreters run a batch
+    with (v10, and v9 for the QK-norm models): whole-head QKV tiles, no folded merge, the QK-norm inside QKV."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
@@ -277,7 +276,7 @@ class SearchSpace:
                   for op in K_SPLIT_OPS]
         knobs.append(Knob("attn_splits", attn_split_choices(spec, workers), True,
                           "flash-decode splits of the KV sequence: attention on more SMs, one more merge"))
-        if not whole_head_qkv(spec):  # interpreter v10, at every batch
+        if spec.batch == 1:
             knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                               "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
                               "repeated per o_proj row tile (interpreter v10)"))

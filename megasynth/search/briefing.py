@@ -189,7 +189,7 @@ def _batch_lines(spec: ModelSpec) -> list[str]:
         runs = (f"It runs on interpreter v9: QKV tiles of whole heads (multiples of head_dim {spec.config.hd}), "
                 f"fuse_attn_reduce false, qk_norm in_qkv.")
     else:
-        runs = ("It runs on interpreter v10: QKV tiles of RoPE pairs as at batch 1, fuse_attn_reduce either way; from "
+        runs = ("It runs on interpreter v10: QKV tiles of RoPE pairs as at batch 1, fuse_attn_reduce false; from "
                 "batch 8 a ring slot is a tile of 128 weight rows (gate/up: 64 gate and 64 up rows), so o_proj and "
                 "down tiles of 128 rows and gate/up tiles of multiples of 64 fill it.")
     return [f"Batch: {spec.batch} sequences per step, each at its own position (attn_partial and attn_reduce "

@@ -145,12 +145,11 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
 def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     """A batch runs on interpreter v10, or on v9 where v10 cannot build it (a QK-norm model): the lowering rounds
     QKV tiles to whole heads only for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half
-    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers the folded merge on v10
-    only and the QK-norm apart at no batch (and only whole-head QKV tiles for v9), and a proposal that asks for what
-    its interpreter cannot run is refused when it is built, naming the interpreter and the instruction, not after
-    the search picked it."""
+    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers no folded merge and no
+    QK-norm apart at any batch (and only whole-head QKV tiles for v9), and a proposal that asks for either anyway is
+    refused when it is built, naming the interpreter and the instruction, not after the search picked it."""
     from megasynth.ir.errors import ScheduleError
-    from megasynth.kernels.gpu.pack import check_runs_on_v9, pack
+    from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
     from megasynth.search.evaluate import build
     from megasynth.search.proposers.base import Proposal
@@ -158,7 +157,7 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     qwen = with_batch(get_model("qwen3-8b"), 2)
     check_runs_on_v9(pack(lower(qwen, 132), "v9"), qwen.config.hd, "")  # the naive lowering: 64-row tiles rounded
     pairs = lower(with_batch(get_model("llama-8b"), 2), 132)  # v10's batch keeps the naive 64-row (half-head) tiles
-    pack(pairs, "v10")
+    check_runs_batched_on_v10(pack(pairs, "v10"))
     assert {i.args["end"] - i.args["start"] for i in pairs.instructions if i.op == "attn_norm_qkv_rope"} == {64}
     with pytest.raises(ScheduleError, match="whole heads"):
         check_runs_on_v9(pack(pairs, "v9"), 128, "")
@@ -167,7 +166,7 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
         spec = with_batch(get_model(name), 3)
         space = SearchSpace(spec, workers)
         names = {k.name for k in space.knobs}
-        assert ("fuse_attn_reduce" in names) != v9 and "qk_norm" not in names
+        assert "fuse_attn_reduce" not in names and "qk_norm" not in names
         qkv = tile_choices(spec, workers, "attn_norm_qkv_rope")
         assert all(t % spec.config.hd == 0 for t in qkv) == v9 and all(t % 2 == 0 for t in qkv)
         assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
@@ -176,7 +175,7 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
             build(spec, workers, Proposal(st, [], "random", "test"))
         for bad, where in ((Strategy(fuse_attn_reduce=True), "attn_reduce_o_proj"),
                            (Strategy(qk_norm="apart"), "qk_norm")):
-            if (where == "qk_norm" and not spec.config.qk_norm) or (where == "attn_reduce_o_proj" and not v9):
+            if where == "qk_norm" and not spec.config.qk_norm:
                 continue
             with pytest.raises(ScheduleError, match=where):
                 build(spec, workers, Proposal(bad, [], "asked for it", "llm"))

@@ -209,29 +209,6 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000)
 
 
-@pytest.mark.parametrize("name, batch, workers, splits, k_split", [
-    ("tiny", 3, 8, 3, 2), ("tiny-qwen2", 3, 8, 2, 2), ("tiny-gqa4", 8, 16, 2, 2), ("llama-1b", 4, None, 4, 4),
-    ("llama-1b", 8, None, 2, 8), ("llama-1b", 16, None, 1, 8)])
-def test_batched_fused_merge_on_interpreter_v10(name, batch, workers, splits, k_split):
-    """attn_reduce folded into o_proj at a batch (`attn_reduce_o_proj`): each o_proj instruction merges every
-    sequence's splits of its K range's heads as it stages them, on row-pair slots (batches below 8) and on tiles,
-    with one, two, or more splits than the merge has loads in flight at once (3, 4), and a K range that starts off a
-    64-column box (tiny-qwen2's split at 96); every sequence matches the reference decoding it alone, and the
-    schedule has no attn_reduce left."""
-    from megasynth.kernels.gpu import Megakernel
-    from megasynth.lowering.models import with_batch
-
-    spec = with_batch(get_model(name), batch)
-    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
-    w = _weights(spec.config, seed=9)
-    sched = lower(spec, sms, Strategy(attn_splits=splits, fuse_attn_reduce=True,
-                                      k_splits={"o_proj_residual": k_split}))
-    assert "attn_reduce" not in {i.op for i in sched.instructions}
-    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len)
-    assert mk.v10 and mk.batch == batch
-    _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000, TOL_BF16)
-
-
 @pytest.mark.parametrize("name, batch, workers, splits, hilo, qkv", [
     ("tiny", 3, 8, 4, False, None), ("tiny-qwen2", 3, 8, 2, False, None), ("tiny-gqa4", 8, 16, 3, False, None),
     ("llama-1b", 8, None, 2, False, None), ("llama-1b", 3, None, 4, True, None), ("llama-1b", 16, None, 1, False, None),
@@ -242,7 +219,8 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, hilo, q
     (on row-pair slots and on tiles), each sequence's attention streams its own history, and K spans longer than
     the staged window (tiny-qwen2's down) or starting off a 64-column box (its o_proj K split at 96) go in windows;
     every sequence matches the reference decoding it alone (QKV bias included). A model with the QK-norm falls back
-    to v9."""
+    to v9; the fused attn_reduce_o_proj is refused by name."""
+    from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu import Megakernel
     from megasynth.kernels.gpu.stream import StreamConfig
     from megasynth.lowering.models import with_batch
@@ -257,6 +235,9 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, hilo, q
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000,
                    TOL if hilo else TOL_BF16)
     if name == "tiny":
+        fused = lower(spec, sms, Strategy(attn_splits=splits, fuse_attn_reduce=True))
+        with pytest.raises(ScheduleError, match="no batched attn_reduce_o_proj"):
+            mk.set_schedule(fused)
         qk = with_batch(get_model("tiny-qwen3"), batch)
         mk3 = Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len)
         assert not mk3.v10

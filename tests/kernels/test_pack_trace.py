@@ -194,17 +194,16 @@ def test_layer_chain_of_a_gzipped_trace(tmp_path) -> None:
     assert layer_chain([{"op": "a", "layer": 0, "ts": 0.0, "dur": 1.0}]) is None
 
 
-def test_a_batch_folds_the_merge_on_v10_and_v9_refuses_it_by_json_path() -> None:
-    """A batch's schedule that folds attn_reduce into o_proj packs for v10 (the fold merges every sequence's splits);
-    interpreter v9, which a QK-norm model's batch runs on, refuses it with the first such instruction's JSON path."""
+def test_v10_batch_refuses_the_folded_merge_by_json_path() -> None:
+    """A batch's schedule packs for v10 (attention per sequence); one that folds attn_reduce into o_proj is refused
+    with the first such instruction's JSON path."""
     from megasynth.lowering.models import with_batch
 
     spec = with_batch(get_model("tiny"), 3)
+    P.check_runs_batched_on_v10(P.pack(lower(spec, 6, Strategy(attn_splits=2)), "v10"))
     fused = lower(spec, 6, Strategy(attn_splits=2, fuse_attn_reduce=True))
-    p = P.pack(fused, "v10")
-    assert (p.ins[:, P.F_OP] == P.OPCODES["attn_reduce_o_proj"]).sum() > 0
-    with pytest.raises(ScheduleError, match="attn_reduce_o_proj") as info:
-        P.check_runs_on_v9(P.pack(fused, "v9"), spec.config.hd, "")
+    with pytest.raises(ScheduleError, match="no batched attn_reduce_o_proj yet") as info:
+        P.check_runs_batched_on_v10(P.pack(fused, "v10"))
     at = next(i for i, ins in enumerate(fused.instructions) if ins.op == "attn_reduce_o_proj")
     assert info.value.path == f"$.instructions[{at}].op"
 

@@ -39,7 +39,7 @@ QK_APART_OPS = frozenset({"attn_norm_qkv_rope_sq", "qk_norm_apply"})
 #: no attn_reduce_o_proj).
 INTERPRETER_OPS: dict[str, frozenset[str]] = {"v10": frozenset(OPS), "v9": frozenset(OPS) - QK_APART_OPS}
 #: The interpreters that run a batched schedule (`model.batch` > 1), one sequence's attention per instruction: v9, and
-#: v10 within its batch limits (`stream.batch_limits`).
+#: v10 within its batch limits (`check_runs_batched_on_v10`, `stream.batch_limits`).
 BATCH_INTERPRETERS = frozenset({"v9", "v10"})
 #: The ops some GPU interpreter executes.
 GPU_OPS = frozenset().union(*INTERPRETER_OPS.values())
@@ -211,6 +211,15 @@ def batch_model_limits(c: ModelConfig, batch: int) -> str | None:
     if any(k % 64 for k in (c.hidden_size, c.q_size, c.intermediate_size)):
         return "a batch runs on the tensor cores, which need hidden, q and intermediate sizes that are multiples of 64"
     return None
+
+
+def check_runs_batched_on_v10(p: Packed) -> None:
+    """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
+    batched schedule `p`: attn_reduce is not folded into o_proj for a batch yet."""
+    fused = p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]
+    _refuse(p, "v10", "", (
+        (fused, f"has no batched {FUSED_OPROJ} yet, which {{}} is: lower the batch with fuse_attn_reduce off",
+         "op"),))
 
 
 def check_mma_k_starts(p: Packed) -> None:

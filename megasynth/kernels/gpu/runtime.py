@@ -31,6 +31,7 @@ from megasynth.kernels.gpu.pack import (
     TRACE_FIELDS,
     Packed,
     check_mma_k_starts,
+    check_runs_batched_on_v10,
     check_runs_on_v9,
     pack,
 )
@@ -237,7 +238,9 @@ class Megakernel:
         if not self.v10:
             check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
                              "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
-        elif self.batch == 1 and self.geo["MMA"]:
+        elif self.batch > 1:
+            check_runs_batched_on_v10(p)
+        elif self.geo["MMA"]:
             check_mma_k_starts(p)
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "

@@ -1233,61 +1233,21 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 
 
 @gluon.jit
-def _batch_vals(src_ptr, sstride, seq, col, m, lse_ptr, splits, MERGE: gl.constexpr, NH: gl.constexpr,
-                HD: gl.constexpr):
-    """A batch staging's values: src[seq * sstride + col] where m holds (zero elsewhere), or with MERGE sequence
-    seq's attention output at columns col merged from its `splits` split partials (`_merge_heads` per element: src
-    the partials, sstride one sequence's share of them, lse_ptr the splits' log-sum-exps, one per head). The first
-    two splits' loads are in flight together; a batch's schedules split attention once or twice per sequence."""
-    if MERGE:
-        o_at = src_ptr + seq * sstride + col
-        l_at = lse_ptr + seq * (sstride // HD) + col // HD
-        mx = gl.where(m, -1.0e30, -1.0e30)
-        den = mx * 0.0
-        acc = mx * 0.0
-        for s in gl.static_range(2):
-            ok = m & (s < splits)
-            ls = gl.load(l_at + s * NH, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(o_at + s * (NH * HD), mask=ok, other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(mx, ls)
-            alpha = gl.exp(mx - m_new)
-            wgt = gl.exp(ls - m_new)  # an empty split (lse = -inf) or a masked element weighs 0
-            den = den * alpha + wgt
-            acc = acc * alpha + wgt * o
-            mx = m_new
-        for s in range(2, splits):
-            ls = gl.load(l_at + s * NH, mask=m, other=float("-inf"), cache_modifier=".cg")
-            o = gl.load(o_at + s * (NH * HD), mask=m, other=0.0, cache_modifier=".cg")
-            m_new = gl.maximum(mx, ls)
-            alpha = gl.exp(mx - m_new)
-            wgt = gl.exp(ls - m_new)
-            den = den * alpha + wgt
-            acc = acc * alpha + wgt * o
-            mx = m_new
-        return acc / gl.where(den > 0, den, 1.0)
-    else:
-        return gl.load(src_ptr + seq * sstride + col, mask=m, other=0.0, cache_modifier=".cg")
-
-
-@gluon.jit
 def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
-                 TRACE: gl.constexpr, lse_ptr=None, splits=1, MERGE: gl.constexpr = False, NH: gl.constexpr = 1,
-                 HD: gl.constexpr = 1):
+                 TRACE: gl.constexpr):
     """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
     the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`). With
     NORM the values are times the norm weight and each sequence's rstd: the returned [NBP] on tiles (the epilogue
     applies them), in the operand itself on row-pair slots (which return ones). CG is the staging's load group:
-    chunks of every sequence on tiles, sequences on row-pair slots. With MERGE the values are the attention output
-    merged from its splits (`_batch_vals`): src the split partials, on tiles one chunk of every sequence at a time,
-    as the merge holds several values and two addresses where a plain load holds one."""
+    chunks of every sequence on tiles, sequences on row-pair slots."""
     if TILE:
-        rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP,
-                          1 if MERGE else CG, CPS, num_warps, lse_ptr, splits, MERGE, NH, HD)
+        rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
+                          num_warps)
     else:
         rs = _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                             num_warps, lse_ptr, splits, MERGE, NH, HD)
+                             num_warps)
     fence_async_shared()
     gl.thread_barrier()
     if TRACE:
@@ -1298,8 +1258,7 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
 @gluon.jit
 def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, lse_ptr, splits, MERGE: gl.constexpr,
-                 NH: gl.constexpr, HD: gl.constexpr):
+                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
     """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
     and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
@@ -1318,7 +1277,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     for c0 in gl.static_range(0, NCHK, CG):
         idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
         m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
-        v = _batch_vals(src_ptr, sstride, seq, k0 + idx, m & (seq < NB), lse_ptr, splits, MERGE, NH, HD)
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
@@ -1336,8 +1295,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
 @gluon.jit
 def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                     EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                    GB: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, lse_ptr, splits,
-                    MERGE: gl.constexpr, NH: gl.constexpr, HD: gl.constexpr):
+                    GB: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
     """`_stage_batch` for row-pair slots, GB sequences' vectors at a time (one L2 round trip per GB sequences), the
     norm (weight and each sequence's own rstd) applied here: per chunk of BK, row CPS b + q is sequence b's
     sub-chunk q in bf16 and, with hi/lo pairs (CPS = 8), row 8 b + 4 + q what bf16 left of it (`_store_operand`'s
@@ -1354,7 +1312,7 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
     rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
     for g0 in gl.static_range(0, NBP, GB):
         seq = g0 + gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [GB, 1, 1]
-        v = _batch_vals(src_ptr, sstride, seq, k0 + idx, m & (seq < NB), lse_ptr, splits, MERGE, NH, HD)
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
         if NORM:
             ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # [GB]
             rstd = 1.0 / gl.sqrt(ss / H + EPS)
@@ -1425,22 +1383,19 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                      lse_ptr=None, splits=1, MERGE: gl.constexpr = False, NH: gl.constexpr = 1,
-                      HD: gl.constexpr = 1):
+                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
-    the LM head (each sequence's own final norm; plain stores into its logits); with MERGE, attn_reduce folded into
-    o_proj (src the attention split partials, merged as they are staged: `_batch_vals`). K goes in windows of at
-    most KW (the staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied
-    one window at a time, each window's products added into x (residual ops only: the LM head's K is the hidden
-    size). Rows go 2 RG at a time (`_load_k`'s slots)."""
+    the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
+    staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
+    at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size). Rows go
+    2 RG at a time (`_load_k`'s slots)."""
     RG: gl.constexpr = GR if TILE else BR  # rows per half of a slot
     KS: gl.constexpr = SUB * KT if TILE else BK  # K per slot
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
         rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                          TILE, num_warps, tr, TRACE, lse_ptr, splits, MERGE, NH, HD)
+                          TILE, num_warps, tr, TRACE)
         nkb = (w1 - w0 + KS - 1) // KS
         for r in range(a0, a1, 2 * RG):
             t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
@@ -1537,7 +1492,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
 
 
 @gluon.jit
-def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
+def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
               mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr,
               act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
               H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
@@ -1550,8 +1505,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_p
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
-    partial buffers, as the catalogue's footprints place them. attn_reduce folded into o_proj merges every
-    sequence's a4 splits as it stages them."""
+    partial buffers, as the catalogue's footprints place them."""
     # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
     # (`_pair_rows_batch`); `ep` is one half
     ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32, num_warps * 32 // GR],
@@ -1576,10 +1530,6 @@ def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_p
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE)
-    elif op == OP_FUSED:
-        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, seq_splits * (NH * HD), attn_ptr, x_ptr, H,
-                              a0, a1, a2, a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE,
-                              KT, ep, num_warps, tr, TRACE, lse_ptr, a4, True, NH, HD)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
                               NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
@@ -1748,11 +1698,11 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         if TRACE:
             t_start = ptx.gl_globaltimer()
         if NB > 1:
-            t = _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_ptr, embed_ptr,
-                          attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
-                          opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH,
-                          NKV, HD, S, V, EPS, SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING,
-                          ATTN_EXP2, SP, BE, NB, NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
+            t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
+                          mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
+                          attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
+                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
