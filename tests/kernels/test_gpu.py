@@ -334,6 +334,24 @@ def test_v10_tensor_core_consumer(llama):
         _decode_and_compare(tiny, lower(tiny, 5, small), _weights(tiny.config, 8), range(20, 24), 20, config=cfg)
 
 
+@pytest.mark.parametrize("name, mma", [("llama-1b", False), ("llama-1b", True), ("qwen3-1.7b", False)])
+def test_v10_down_in_k_windows(name, mma):
+    """StreamConfig.down_window: the staging buffer holds what QKV, o_proj and attention's lane merge need (16 KB
+    here), so a down instruction whose K range is longer (no K split: llama-1b's 8192 columns, two whole windows of
+    4096; qwen3-1.7b's 6144, a whole window and a half) is staged and multiplied one window at a time, its products
+    added into x, on the CUDA cores and the tensor cores; the ring has the slot the buffer gave up."""
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    spec = get_model(name)
+    w = _weights(spec.config, seed=0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    strat = Strategy(tiles={"attn_norm_qkv_rope": 32, "down_proj_residual": 32}, attn_splits=16,
+                     k_splits={"down_proj_residual": 1})
+    mk = _decode_and_compare(spec, lower(spec, sms, strat), w, range(1500, 1503), 1500, config=StreamConfig(mma=mma))
+    assert mk.geo["stage_k"] == 4096 < spec.config.intermediate_size and mk.geo["stage_bytes"] == 16384
+    assert mk.geo["NS"] == 13
+
+
 @pytest.mark.parametrize("kernel", ["default", "v9"])
 @pytest.mark.parametrize("extra_wait", [False, True])
 def test_watchdog_turns_a_hang_into_an_error(kernel, extra_wait):

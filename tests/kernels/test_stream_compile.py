@@ -197,6 +197,30 @@ def test_tensor_core_path_geometry() -> None:
     assert weight_box(stream_geometry(get_model("llama-1b").config, StreamConfig()))[0] == [16, 256]
 
 
+def test_down_window_gives_the_staging_buffer_to_the_ring() -> None:
+    """StreamConfig.down_window: at batch 1 the staging buffer holds what QKV, o_proj and attention's lane merge need
+    and down's longer K goes in windows of it (KW), so the ring gains what the buffer gave up; where down's K fits
+    anyway nothing changes (no windows), and a batch keeps its hidden-size windows."""
+    from dataclasses import replace
+
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    for name, before, after, slots in (("llama-1b", 32, 16, (12, 13)), ("qwen3-1.7b", 32, 16, (12, 13)),
+                                       ("llama-8b", 64, 32, (10, 12))):
+        c = get_model(name).config
+        on, off = stream_geometry(c, StreamConfig()), stream_geometry(c, replace(StreamConfig(), down_window=False))
+        assert (off["stage_bytes"] // 1024, on["stage_bytes"] // 1024) == (before, after)
+        assert (off["NS"], on["NS"]) == slots
+        assert off["stage_k"] == 0 and on["stage_k"] == on["NCHI"] * on["BK"] < c.intermediate_size
+        assert on["stage_k"] >= max(c.hidden_size, c.q_size)  # o_proj and the LM head stay one window
+    for name in ("llama-3b", "qwen3-0.6b", "tiny"):  # down's K already fits what the rest needs
+        c = get_model(name).config
+        assert stream_geometry(c, StreamConfig()) == stream_geometry(c, replace(StreamConfig(), down_window=False))
+    c = get_model("llama-1b").config
+    assert stream_geometry(c, StreamConfig(), 8)["stage_k"] == c.hidden_size
+
+
 def test_tensor_core_attention_geometry_and_build() -> None:
     """attn_mma reads the ring's K/V on the tensor cores only where it can: 64-dim heads, K/V streamed into the
     ring, and its [16 num_warps, hd] fp32 group merge within the staging buffer as it is (llama-1b at batch 1, 8 and
@@ -369,7 +393,8 @@ def _function_barriers(ptx_text: str) -> dict[str, list[str]]:
 def test_attention_function_holds_only_partition_barriers() -> None:
     """With `attn_call` attention compiles to a function of its own whose every barrier is the compute partition's
     (8 warps: `bar.sync 0, 256`), a CTA barrier there would wait for the loader warp forever, and its ring loop models
-    at least a quarter faster than inlined on llama-8b (5.48 -> 5.10 ms measured at ctx 32768)."""
+    at least a quarter faster than inlined on llama-8b, on the build it was measured on (5.48 -> 5.10 ms at ctx
+    32768; down's K staged whole: with `down_window` the inlined loop models 887 cycles, the function's 766)."""
     pytest.importorskip("triton.experimental.gluon")
     from dataclasses import replace
 
@@ -380,7 +405,7 @@ def test_attention_function_holds_only_partition_barriers() -> None:
     spec = get_model("llama-8b")
     cycles = {}
     for call in (True, False):
-        sc = replace(stream_config(spec.config), attn_call=call, op_call=False)
+        sc = replace(stream_config(spec.config), attn_call=call, op_call=False, down_window=False)
         kernel, res = compile_v10(spec.config, spec.max_seq_len, sc)
         assert res.stack == 0
         funcs = _function_barriers(kernel.asm["ptx"])

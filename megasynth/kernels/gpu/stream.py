@@ -193,12 +193,13 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
             TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
-    while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. A batch build
-    (KW > 0) goes through K in windows of at most KW, all rows per window (`_op_kpaired_batch` stages each window
-    of every sequence's vector once), from k0 rounded down to 64 columns (a box starts at a multiple of 64; the
-    staged operand is zero below k0); with TILE, in `_issue_tile`'s [128, 64] tiles, 128 rows at a time."""
+    while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. With KW > 0
+    (a batch; at batch 1 `StreamConfig.down_window`) K goes in windows of at most KW, all rows per window (the
+    consumer stages each window once: `_op_kpaired_batch`, `_op_kpaired`); on the tensor cores from k0 rounded down
+    to 64 columns (a box starts at a multiple of 64; the staged operand is zero below k0); with TILE, in
+    `_issue_tile`'s [128, 64] tiles, 128 rows at a time."""
     if KW > 0:
-        for w0 in range(k0 // SUB * SUB, k1, KW):
+        for w0 in range(k0 // SUB * SUB if MMA else k0, k1, KW):
             w1 = gl.minimum(w0 + KW, k1)
             if TILE:
                 for r in range(a0, a1, 2 * GR):
@@ -686,9 +687,19 @@ def _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, nw_ptr, act_ptr, lay
 def _op_kpaired(ring, ready, empty, vbuf, vstage, t, src_ptr, nw_ptr, out_ptr, a0, a1, k0, k1, NORM: gl.constexpr,
                 RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
                 NCHK: gl.constexpr, BK: gl.constexpr, blk: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr,
-                tr, TRACE: gl.constexpr):
+                tr, TRACE: gl.constexpr, KW: gl.constexpr = 0):
     """out[a0:a1] (+)= W[a0:a1, k0:k1] @ v: o_proj/down (v = attn/act, residual atomics into x) and the LM head
-    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk)."""
+    (v = rmsnorm(x) * final_norm, plain stores); slots in `_load_k`'s order (rows r and r + 16 over one K chunk).
+    With KW > 0 (down under `StreamConfig.down_window`; residual, no norm) K goes in `_load_k`'s windows: each
+    staged into NCHK chunks and multiplied in turn, its products added into x."""
+    if KW > 0:
+        for w0 in range(k0, k1, KW):
+            w1 = gl.minimum(w0 + KW, k1)
+            _stage(vstage, src_ptr, nw_ptr, w0, w1, False, NCHK, BK, blk, MMA, tr, TRACE)
+            t = _matvec_k(ring, ready, empty, vbuf, vstage, t, out_ptr, a0, a1, w0, w1, 1.0, RESIDUAL, NS, SB, BK,
+                          blk, MMA, num_warps)
+            gl.thread_barrier()  # every warp is done with this window before the next is staged over it
+        return t
     ss = _stage(vstage, src_ptr, nw_ptr, k0, k1, NORM, NCHK, BK, blk, MMA, tr, TRACE)
     scale = 1.0
     if NORM:
@@ -1554,7 +1565,7 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
                NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr,
                KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr, SP: gl.constexpr,
                MB: gl.constexpr, BE: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr,
-               TRACE: gl.constexpr):
+               TRACE: gl.constexpr, KW: gl.constexpr):
     """One instruction of a batch-1 schedule: the op `op` with its row's arguments."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     if op == OP_EMBED:
@@ -1585,7 +1596,7 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
                         NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
     elif op == OP_DOWN:
         t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                        True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE)
+                        True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE, KW)
     elif op == OP_LM_HEAD:
         t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
                         a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
@@ -1674,7 +1685,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -1709,13 +1720,14 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                                 q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                                 sin_ptr, qk_sq_ptr, k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS,
                                 QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB,
-                                BE, MMA, num_warps, tr, TRACE)
+                                BE, MMA, num_warps, tr, TRACE, KW)
         else:
             t = _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage, embed_ptr,
                            attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr,
                            vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr,
                            k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS, QK_NORM, QG, NS, SB, NCHH,
-                           NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB, BE, MMA, num_warps, tr, TRACE)
+                           NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB, BE, MMA, num_warps, tr, TRACE,
+                           KW)
         gl.thread_barrier()
         if TRACE:
             gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
@@ -1789,7 +1801,7 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, num_warps)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
@@ -1892,6 +1904,13 @@ class StreamConfig:
     #: their ops inlined: as a function llama-1b's batch 8 and 16 took 6 % longer, llama-8b's batch 8 1.5 %
     #: (docs/perf-notes.md). Needs the stage hook, as `attn_call` does
     op_call: bool = True
+    #: at batch 1, down's K staged in windows of what QKV, o_proj and attention's lane merge stage anyway (down's
+    #: instructions with a longer K range multiply one window at a time), not the whole intermediate size: the
+    #: staging buffer shrinks (llama-1b, qwen3-1.7b 32 -> 16 KB; llama-8b, qwen3-8b 64 -> 32 KB) and the ring gains
+    #: those slots. The searched schedules split down's K 4 or 8 ways, within one window. Measured on the H200
+    #: (alternating rounds, ctx 1024): qwen3-1.7b -1.5 %, llama-1b -0.9 %, llama-8b -0.7 %, qwen3-8b -0.5 %
+    #: (docs/perf-notes.md)
+    down_window: bool = True
     reduce_splits: int = 16  # attention splits attn_reduce folds with all loads issued at once
     #: the compute warps multiply the ring's weights on the tensor cores (wgmma reads each slot where TMA put it, the
     #: activations as a bf16 hi/lo pair: ~16 mantissa bits) instead of loading them for CUDA-core FMAs. Alone it
@@ -2001,12 +2020,18 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     nbp = max(8, _pow2_ceil(batch)) if tile else _pow2_ceil(batch)
     cps = (2 if sc.batch_hilo or batch == 1 else 1) * (1 if tile else bk // 64)
     row_bytes = (bk // 64 if tile else 1) * cps * nbp * 128 if batch > 1 else bk * 4  # staged bytes per chunk
+    window = 0  # K columns of a K window (`_load_k`'s KW), in chunks; 0: none
     if batch > 1:  # o_proj and down stage at most the hidden size's chunks; attention's lane merge fits the rest
+        window = chunks["NCHH"]
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
         nch = max(chunks["NCHH"], -(-gp * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
     else:
-        nch = max(max(chunks.values()), 2 * chunks["NCHQ"] if mma else 0, -(-gp * sc.num_warps * (2 * c.hd) // bk))
+        nch = max(chunks["NCHH"], chunks["NCHQ"], 2 * chunks["NCHQ"] if mma else 0,
+                  -(-gp * sc.num_warps * (2 * c.hd) // bk), 16 * sc.num_warps * c.hd // bk if sc.attn_mma else 0)
+        if sc.down_window and chunks["NCHI"] > _pow2_floor(nch):  # down's K in windows of what the rest needs
+            window = chunks["NCHI"] = _pow2_floor(nch)
+        nch = max(nch, chunks["NCHI"])
     kt = sc.tile_k // 64 if tile else 1  # wgmma tiles per ring slot
     slot_bytes = sc.boxes * 16 * bk * 2 * kt
     stage_bytes = nch * row_bytes
@@ -2044,7 +2069,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": chunks["NCHH"] * bk}
+            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -2063,7 +2088,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
-        MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"] if batch > 1 else 0,
+        MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], num_warps=sc.num_warps)
 
 
