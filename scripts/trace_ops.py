@@ -77,7 +77,7 @@ def main() -> int:
     w = random_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda", draw_on="cuda")
     mk = Megakernel(sched, w, max_seq_len=msl, trace=True, config=config_with(stream_config(cfg), args.options))
     for _ in range(3):  # the last of three steps: warm caches and clocks
-        mk.traced_step(1, ctx - 1)
+        mk.traced_step(*mk.uniform_inputs(1, ctx - 1))  # a batch: every sequence at ctx - 1
     print(summary(mk, f"{args.schedule} ctx {ctx} {' '.join(args.options)}"))
     return 0
 
