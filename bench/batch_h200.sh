@@ -43,7 +43,7 @@ for b in map(int, batches):
             s["tiles"] = {**s["tiles"], "attn_norm_qkv_rope": -(-s["tiles"].get("attn_norm_qkv_rope", hd) // hd) * hd}
     if b >= 8:  # from batch 8 (StreamConfig.batch_tiles) a ring slot is a [128, 64] tile of two 64-row halves:
         # o_proj and down rows 128 at a time (K split as much finer, the same number of instructions), QKV 64 rows
-        # at least
+        # at least (32-row tiles of RoPE pairs run too and measured the same on llama-1b: docs/perf-notes.md)
         tiles, splits = dict(s["tiles"]), dict(s["k_splits"])
         for op in ("o_proj_residual", "down_proj_residual"):
             if tiles[op] < 128:

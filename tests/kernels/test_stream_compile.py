@@ -221,29 +221,6 @@ def test_down_window_gives_the_staging_buffer_to_the_ring() -> None:
     assert stream_geometry(c, StreamConfig(), 8)["stage_k"] == c.hidden_size
 
 
-def test_qkv_boxes_and_per_stream_fills_in_flight() -> None:
-    """A batch's QKV boxes are at most a head's half (`qkv_box_rows` overrides `tile_box_rows` for QKV alone), and
-    the loader's fills in flight for QKV and for attention's K/V default to `inflight` and are capped by the ring;
-    a value the kernel has no build for is a clear error."""
-    from dataclasses import replace
-
-    from megasynth.kernels.gpu.stream import StreamConfig, stream_constexprs, stream_geometry
-    from megasynth.lowering.models import get_model
-
-    c1, c8 = get_model("llama-1b").config, get_model("llama-8b").config  # heads of 64 and 128 dims
-    sc = StreamConfig()
-    assert stream_geometry(c1, sc, 8)["QXR"] == 32 and stream_geometry(c8, sc, 8)["QXR"] == 64
-    assert stream_geometry(c1, replace(sc, qkv_box_rows=16), 8)["QXR"] == 16
-    assert stream_geometry(c8, replace(sc, qkv_box_rows=32), 8)["XR"] == 64  # the other ops keep theirs
-    assert stream_geometry(c1, replace(sc, tile_box_rows=16), 8)["QXR"] == 16
-    with pytest.raises(ValueError, match="qkv_box_rows must be 0, 16, 32 or 64, got 48"):
-        stream_geometry(c1, replace(sc, qkv_box_rows=48), 8)
-    k = stream_constexprs(c1, 2048, sc, False, 8)
-    assert k["QIF"] == k["KIF"] == k["INFLIGHT"] == 3
-    k = stream_constexprs(c1, 2048, replace(sc, qkv_inflight=4, kv_inflight=999), False, 8)
-    assert (k["INFLIGHT"], k["QIF"], k["KIF"]) == (3, 4, k["NS"])
-
-
 def test_tensor_core_attention_geometry_and_build() -> None:
     """attn_mma reads the ring's K/V on the tensor cores only where it can: 64-dim heads, K/V streamed into the
     ring, and its [16 num_warps, hd] fp32 group merge within the staging buffer as it is (llama-1b at batch 1, 8 and

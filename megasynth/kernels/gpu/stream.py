@@ -283,8 +283,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
-            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr, QXR: gl.constexpr,
-            KT: gl.constexpr, QIF: gl.constexpr, KIF: gl.constexpr):
+            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -295,6 +294,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
     NKH: gl.constexpr = (H + BK - 1) // BK
+    QXR: gl.constexpr = (XR if XR < HALF else HALF) if XR > BR else BR  # QKV's tile boxes: at most a head's half
     pid = gl.program_id(0)
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
@@ -316,12 +316,12 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 head, j, n = _qkv_group(p, pend, HALF, GR if TILE else BR)
                 ra = base + head * HD + j
                 if TILE:
-                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIF,
+                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
                                         QXR, KT)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        QIF, SB, BK, BOX_BYTES, MMA)
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
@@ -351,7 +351,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 for b0 in range(lo, hi, BTK):
-                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, KIF, SB * KT, BTK, HD,
+                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
                                   BOX_BYTES, KV_RING)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
@@ -1768,8 +1768,7 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, QIF: gl.constexpr, KIF: gl.constexpr,
-    num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1805,7 +1804,7 @@ def stream_megakernel(
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
-                   KW, TILE, XR, QXR, KT, QIF, KIF)),
+                   KW, TILE, XR, KT)),
     ], [1], [LOADER_REGS])
 
 
@@ -1878,10 +1877,6 @@ class StreamConfig:
     #: llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost llama-8b
     #: 5.6 % (docs/perf-notes.md)
     inflight: int = 3
-    #: fills in flight while the loader streams QKV's weights (0: `inflight`'s)
-    qkv_inflight: int = 0
-    #: fills in flight while the loader streams attention's K/V history (0: `inflight`'s)
-    kv_inflight: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -1936,9 +1931,6 @@ class StreamConfig:
     #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused). 64 against 16: 4-5 %
     #: faster at batch 8 and 16 (docs/perf-notes.md)
     tile_box_rows: int = 64
-    #: rows of QKV's tile boxes (16, 32 or 64, at most a head's half); 0: `tile_box_rows`'s. A batch's QKV tiles of
-    #: RoPE pairs may cover fewer pairs than a box: 16-row boxes copy only the instruction's rows
-    qkv_box_rows: int = 0
     #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes;
     #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
     #: than 64 at batch 8 and 16 (docs/perf-notes.md)
@@ -2008,8 +2000,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         raise ValueError(f"tile_k must be 64 or 128, got {sc.tile_k}")
     if sc.tile_box_rows not in (16, 32, 64):
         raise ValueError(f"tile_box_rows must be 16, 32 or 64, got {sc.tile_box_rows}")
-    if sc.qkv_box_rows not in (0, 16, 32, 64):
-        raise ValueError(f"qkv_box_rows must be 0, 16, 32 or 64, got {sc.qkv_box_rows}")
     why = batch_limits(c, sc, batch)
     if why:
         raise ValueError(f"interpreter v10 cannot run this batch: {why}")
@@ -2043,7 +2033,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             window = chunks["NCHI"] = _pow2_floor(nch)
         nch = max(nch, chunks["NCHI"])
     kt = sc.tile_k // 64 if tile else 1  # wgmma tiles per ring slot
-    qxr = sc.qkv_box_rows or sc.tile_box_rows  # QKV's tile boxes: at most a head's half
     slot_bytes = sc.boxes * 16 * bk * 2 * kt
     stage_bytes = nch * row_bytes
     # a batch's epilogue brings both halves of a tile's products ([128, nbp] fp32) together through the compiler's
@@ -2080,7 +2069,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": min(qxr, c.hd // 2) if qxr > 16 else 16, "stage_k": window * bk}
+            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -2100,9 +2089,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"],
-        QIF=min(sc.qkv_inflight or sc.inflight or geo["NS"], geo["NS"]),
-        KIF=min(sc.kv_inflight or sc.inflight or geo["NS"], geo["NS"]), num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
