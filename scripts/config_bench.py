@@ -61,7 +61,7 @@ def main() -> int:
             pos = min(1500, spec.max_seq_len - 1)
             kref, vref = mk.k_cache.clone(), mk.v_cache.clone()
             if mk.batch > 1:  # every sequence its own token and position
-                positions = [pos - 97 * b for b in range(mk.batch)]
+                positions = [pos - pos * b // mk.batch for b in range(mk.batch)]
                 tokens = [77 + b for b in range(mk.batch)]
                 got = mk.step(tokens, positions)
                 ref = decode_batch(cfg, w, kref, vref, tokens, positions)
