@@ -265,8 +265,9 @@ class SearchSpace:
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
-    data; measured within 1 % on v10, docs/search.md). A batch's space holds what both interpreters run a batch
-    with (v10, and v9 for the QK-norm models): whole-head QKV tiles, no folded merge, the QK-norm inside QKV."""
+    data; measured within 1 % on v10, docs/search.md). A batch's space has no folded merge (measured slower at a
+    batch) and, where the batch runs on interpreter v9 (the QK-norm models: `whole_head_qkv`), whole-head QKV tiles
+    with the QK-norm inside QKV; on v10 a batch's QKV tiles are RoPE pairs, as at batch 1."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
