@@ -197,7 +197,8 @@ def _batch_lines(spec: ModelSpec) -> list[str]:
             f"instruction). {runs} Each weight instruction stages its K x {spec.batch} activations before "
             f"streaming its rows, so instructions of many rows pay (llama-1b at batch 8 on an H200: 1.215 ms with "
             f"64-row o_proj and down instructions, 1.090 with 128-row ones; attention split 2 per sequence beat 1 "
-            f"and 4; QKV tiles of 32 rows, on twice the SMs, measured the same as whole heads)."]
+            f"and 4, and at batch 16 1 split beat 2; QKV tiles of 32 rows, on twice the SMs, measured the same as "
+            f"whole heads)."]
 
 
 def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:

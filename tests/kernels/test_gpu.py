@@ -243,6 +243,27 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, hilo, q
         assert not mk3.v10
 
 
+@pytest.mark.parametrize("name, batch, splits, rows, exp2", [
+    ("llama-1b", 8, 2, True, True), ("llama-1b", 8, 3, True, False), ("llama-1b", 16, 1, True, True),
+    ("qwen2.5-0.5b", 8, 2, True, True), ("llama-1b", 8, 2, False, True)])
+def test_batched_attention_rows_and_lanes(name, batch, splits, rows, exp2):
+    """A batch's attention with positions as the tensor-core products' rows (`StreamConfig.attn_rows`, the default
+    where it applies: 128 positions a ring slot, 16 per warp; splits whose ranges end inside a slot and hold pos;
+    qwen2.5-0.5b's 7 query heads a KV head in 8 product columns), and on the CUDA cores' position lanes, matches the
+    reference decoding every sequence alone."""
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.stream import KV_ROWS, StreamConfig
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    w = _weights(spec.config, seed=9)
+    sched = lower(spec, torch.cuda.get_device_properties(0).multi_processor_count,
+                  Strategy(attn_splits=splits, k_splits={"o_proj_residual": 2}))
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(attn_rows=rows, attn_exp2=exp2))
+    assert mk.v10 and (mk.geo["KV_RING"] == KV_ROWS) == rows and mk.geo["BTK"] == (128 if rows else 64)
+    _batched_steps(mk, spec, w, batch, 3000, TOL_BF16)
+
+
 def test_v10_is_the_default_and_v9_stays_selectable(llama):
     """Megakernel runs interpreter v10 on this GPU unless given v9's KernelConfig; both match the reference."""
     from megasynth.kernels.gpu import KernelConfig

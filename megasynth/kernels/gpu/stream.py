@@ -83,6 +83,9 @@ MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bit
 #: `KV_RING` == KV_MMA: attention reads the ring's K/V blocks on the tensor cores (`_attn_ring_mma`), and TMA writes
 #: them with a 128 B swizzle (`kv_box_layout`), so that the operand loads (ldmatrix) meet no bank conflicts
 KV_MMA: gl.constexpr = gl.constexpr(2)
+#: `KV_RING` == KV_ROWS: a batch's attention on the tensor cores with the positions as the product's rows
+#: (`_attn_ring_rows`): BTK = 16 positions per compute warp, a K block and a V block of BTK rows each per slot
+KV_ROWS: gl.constexpr = gl.constexpr(3)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
 #: loop reading one more word each round is the kind of L2 hot spot the first-warp poll removes for the counters,
@@ -175,17 +178,26 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
 @gluon.jit
 def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
               BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr, KV_RING: gl.constexpr):
-    """Slot t % NS <- K and V rows [row, row + BTK) of the cache (a ring box reinterpreted as [BTK, HD])."""
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if KV_RING == KV_MMA else 0,
-                                                   element_bitwidth=16, rank=2)
+    """Slot t % NS <- K and V rows [row, row + BTK) of the cache: the slot's first two [BTK, HD] blocks
+    (`_kv_blocks`)."""
+    kv = _kv_blocks(ring, BTK, HD, KV_RING)
+    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * HD)  # [BTK, HD] blocks per slot
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    mbarrier.expect(bar, 2 * BOX_BYTES)
-    kbox = ring.index(SB * s)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-    vbox = ring.index(SB * s + 1)._reinterpret(gl.bfloat16, [BTK, HD], kv_layout)
-    tma.async_copy_global_to_shared(dk, [row, 0], bar, kbox)
-    tma.async_copy_global_to_shared(dv, [row, 0], bar, vbox)
+    mbarrier.expect(bar, 2 * BTK * HD * 2)
+    tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
+    tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
     return t + 1
+
+
+@gluon.jit
+def _kv_blocks(ring, BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr):
+    """The ring as [BTK, HD] bf16 K/V blocks, 128 B swizzled where the tensor cores read them (`kv_box_layout`): a
+    slot's K block is its first, its V block the next."""
+    layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128 if KV_RING >= KV_MMA else 0,
+                                                element_bitwidth=16, rank=2)
+    N: gl.constexpr = ring.shape[0] * ring.shape[1] * ring.shape[2] // (BTK * HD)
+    return ring._reinterpret(gl.bfloat16, [N, BTK, HD], layout)
 
 
 @gluon.jit
@@ -874,12 +886,14 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
     else:
         LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
         L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
+        # the merge's heads: GP, or the tensor-core rows' product columns (at least 8, a wgmma's N)
+        HN: gl.constexpr = max(8, GP) if KV_RING == KV_ROWS else GP
         # the merge's layout: each (head, dim) output has one owner thread
-        LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(GP, num_warps), 1,
-                                                                            num_warps // min(GP, num_warps)],
+        LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(HN, num_warps), 1,
+                                                                            num_warps // min(HN, num_warps)],
                                             [2, 1, 0])
-        LO: gl.constexpr = gl.SliceLayout(1, LR)  # [GP, HD]
-        go = gl.arange(0, GP, layout=gl.SliceLayout(1, LO))
+        LO: gl.constexpr = gl.SliceLayout(1, LR)  # [HN, HD]
+        go = gl.arange(0, HN, layout=gl.SliceLayout(1, LO))
         do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
         # scores in base 2 with ATTN_EXP2: q times log2(e) as well
         QS: gl.constexpr = SCALE * 1.4426950408889634 if ATTN_EXP2 else SCALE
@@ -889,18 +903,23 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                          gl.expand_dims((go < G) & cur, 1), nq, QS, HD, EPS, QK_NORM, 1)
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
-        t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready, empty,
-                        scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3, num_warps)
-        # the warps' (max, denominator, weighted sum), which `_attn_lanes` left in the staging buffer, merged by one
-        # owner thread per (head, dim)
+        if KV_RING == KV_ROWS:
+            t = _attn_ring_rows(q_ptr, sq_ptr, h0, nq, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS,
+                                EPS, QK_NORM, NS, SB, BTK, ATTN_EXP2, num_warps)
+        else:
+            t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
+                            empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
+                            num_warps)
+        # the warps' (max, denominator, weighted sum), which `_attn_lanes` (or `_attn_ring_rows`) left in the staging
+        # buffer, merged by one owner thread per (head, dim)
         gl.thread_barrier()
-        pv, mv, dv = _lane_views(scratch, GP, HD, num_warps)
-        mw = gl.sum(mv.load(LR), axis=2)  # [GP, num_warps]: one value each, summed over a length-1 axis
+        pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
+        mw = gl.sum(mv.load(LR), axis=2)  # [HN, num_warps]: one value each, summed over a length-1 axis
         dw = gl.sum(dv.load(LR), axis=2)
-        mx = gl.max(mw, axis=1)  # [GP]
+        mx = gl.max(mw, axis=1)  # [HN]
         ww = _exp(mw - gl.expand_dims(mx, 1), ATTN_EXP2)
         den = gl.convert_layout(gl.sum(dw * ww, axis=1), gl.SliceLayout(1, LO))
-        o = gl.sum(pv.load(LR) * gl.expand_dims(ww, 2), axis=1)  # [GP, HD] in LO
+        o = gl.sum(pv.load(LR) * gl.expand_dims(ww, 2), axis=1)  # [HN, HD] in LO
         mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
         if KV_RING:
             if cur:  # the row at pos, left out of the ring loop: one more position for each head
@@ -1007,6 +1026,64 @@ def _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, 
     pv.store(part)
     mv.store(gl.expand_dims(mw, 2))
     dv.store(gl.expand_dims(dw, 2))
+    return t
+
+
+@gluon.jit
+def _attn_ring_rows(q_ptr, sq_ptr, h0, nq, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr,
+                    G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                    NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, EXP2: gl.constexpr,
+                    num_warps: gl.constexpr):
+    """`_attn_lanes` on the tensor cores (mma.sync m16n8k16) with the positions as the products' rows: each warp
+    takes 16 of a slot's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
+    K q^T ([16, HN]: the query heads as the HN >= 8 columns, zero past G; q as bf16 hi + lo, K is bf16 in the
+    cache), its output V^T P^T ([HD, HN], P in bf16, as a batch's bf16 activations are). So every product row is a
+    real position, where `_attn_ring_mma`'s rows are query heads (4 of 16 real on llama-1b). The row at pos is
+    left out, as `_attn_lanes` leaves it; the warps' states go to `scratch` in `_lane_views`' form."""
+    gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per slot")
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
+                                                   instr_shape=[1, 16, 8])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
+    LM: gl.constexpr = gl.SliceLayout(1, MMA3)  # [num_warps, HN]: per warp and head
+    kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+    # q^T, the scores' second operand [num_warps, HD, HN] (the same for every warp)
+    d = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(2, LB)))
+    n = gl.arange(0, HN, layout=gl.SliceLayout(0, gl.SliceLayout(1, LB)))
+    d3 = gl.expand_dims(gl.expand_dims(d, 0), 2)  # [1, HD, 1]
+    n3 = gl.expand_dims(gl.expand_dims(n, 0), 1)  # [1, 1, HN]
+    q = _load_q(q_ptr, sq_ptr, h0 + n3, d3, (n3 < G) & (d3 < HD), nq, QS, HD, EPS, QK_NORM, 1)
+    q = q + gl.zeros([num_warps, HD, HN], gl.float32, LB)
+    qh = q.to(gl.bfloat16)
+    ql = (q - qh.to(gl.float32)).to(gl.bfloat16)
+    w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
+    prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, 16, 1]
+    m_i = gl.full([num_warps, HN], -1.0e30, gl.float32, LM)
+    l_i = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)  # summed over the rows after the loop
+    acc = gl.zeros([num_warps, HD, HN], gl.float32, MMA3)
+    hl = gl.where((pos >= lo) & (pos < hi), pos, hi)  # the row at pos left out, as `_attn_lanes` does
+    kv = _kv_blocks(ring, BTK, HD, KV_ROWS)
+    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * HD)
+    for b0 in range(lo, hi, BTK):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        k = kv.index(KPS * s)._reinterpret(gl.bfloat16, [num_warps, 16, HD], kv3).load(LA)
+        vt = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, HD], kv3).permute([0, 2, 1]).load(LA)
+        sc = mma_v2(k, qh, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
+        sc = mma_v2(k, ql, sc)
+        sc = gl.where(b0 + prow < hl, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
+        p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
+        l_i = l_i * alpha + p
+        acc = mma_v2(vt, gl.convert_layout(p.to(gl.bfloat16), LB), acc * alpha)
+        m_i = m_new
+        t = _release(t, empty, NS)
+    pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
+    pv.store(gl.permute(acc, [2, 0, 1]))
+    mv.store(gl.permute(gl.expand_dims(m_i, 1), [2, 0, 1]))
+    dv.store(gl.permute(gl.expand_dims(gl.sum(l_i, axis=1), 1), [2, 0, 1]))
     return t
 
 
@@ -1882,6 +1959,11 @@ class StreamConfig:
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
     attn_mma: bool = False
+    #: a batch's attention on the tensor cores with the positions as the products' rows (`_attn_ring_rows`: 16 per
+    #: compute warp, 128 a ring slot; 64-dim heads and slots of 32 KB, so llama-1b and qwen2.5-0.5b from batch 8),
+    #: where the CUDA cores' position lanes spend ~1 us a 64-position slot. Measured on llama-1b at ctx 1024
+    #: (alternating rounds): batch 8 1.046 -> 1.023 ms, batch 16 1.374 -> 1.337 (docs/perf-notes.md)
+    attn_rows: bool = True
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
     #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
@@ -2025,7 +2107,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         window = chunks["NCHH"]
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
-        nch = max(chunks["NCHH"], -(-gp * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
+        # heads of attention's lane merge: at least 8 where `_attn_ring_rows` may run (its product's columns)
+        hn = max(8, gp) if sc.attn_rows and not sc.attn_mma and tile and c.hd == 64 else gp
+        nch = max(chunks["NCHH"], -(-hn * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
     else:
         nch = max(chunks["NCHH"], chunks["NCHQ"], 2 * chunks["NCHQ"] if mma else 0,
                   -(-gp * sc.num_warps * (2 * c.hd) // bk), 16 * sc.num_warps * c.hd // bk if sc.attn_mma else 0)
@@ -2051,6 +2135,14 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
     bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
+    # a batch's attention on the tensor cores with positions as rows: 16 per compute warp, so a slot must hold a K and
+    # a V block of 16 num_warps positions with 128 B rows (64-dim heads), and the merge fit the staging buffer
+    # (attn_mma, asked for by name, keeps its own layout)
+    rows = (kv_ring and sc.attn_rows and not sc.attn_mma and batch > 1 and c.hd == 64
+            and 2 * 16 * sc.num_warps * c.hd * 2 <= slot_bytes
+            and max(8, gp) * sc.num_warps * (2 * c.hd) * 4 <= stage_bytes)
+    if rows:
+        btk = 16 * sc.num_warps
     # the tensor cores read the K/V blocks as NWB = BTK / 16 groups of 16 positions, each on num_warps / NWB warps,
     # and merge the groups' [16 num_warps / NWB, hd] outputs through the staging buffer
     nwb = btk // 16
@@ -2067,7 +2159,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
              min(nbp, _pow2_floor(16384 // (chunks["NCHH"] * bk))))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
-            "KV_RING": 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
+            "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk}
 
@@ -2115,9 +2207,9 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
 
 
 def kv_box_layout(geo: dict[str, Any]) -> Any:
-    """The K/V boxes' shared layout: 128 B swizzle where attention reads them on the tensor cores (`KV_MMA`: 64-dim
-    heads, 128 B rows), unswizzled otherwise."""
-    return gl.NVMMASharedLayout(swizzle_byte_width=128 if geo["KV_RING"] == KV_MMA else 0, element_bitwidth=16,
+    """The K/V boxes' shared layout: 128 B swizzle where attention reads them on the tensor cores (`KV_MMA`,
+    `KV_ROWS`: 64-dim heads, 128 B rows), unswizzled otherwise."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=128 if geo["KV_RING"] >= KV_MMA else 0, element_bitwidth=16,
                                 rank=2)
 
 
