@@ -245,12 +245,12 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, hilo, q
 
 @pytest.mark.parametrize("name, batch, splits, rows, exp2", [
     ("llama-1b", 8, 2, True, True), ("llama-1b", 8, 3, True, False), ("llama-1b", 16, 1, True, True),
-    ("qwen2.5-0.5b", 8, 2, True, True), ("llama-1b", 8, 2, False, True)])
+    ("qwen2.5-0.5b", 8, 2, True, True), ("llama-8b", 8, 2, True, True), ("llama-1b", 8, 2, False, True)])
 def test_batched_attention_rows_and_lanes(name, batch, splits, rows, exp2):
     """A batch's attention with positions as the tensor-core products' rows (`StreamConfig.attn_rows`, the default
     where it applies: 128 positions a ring slot, 16 per warp; splits whose ranges end inside a slot and hold pos;
-    qwen2.5-0.5b's 7 query heads a KV head in 8 product columns), and on the CUDA cores' position lanes, matches the
-    reference decoding every sequence alone."""
+    qwen2.5-0.5b's 7 query heads a KV head in 8 product columns; llama-8b's 128-dim heads, K and V in two slots),
+    and on the CUDA cores' position lanes, matches the reference decoding every sequence alone."""
     from megasynth.kernels.gpu import Megakernel
     from megasynth.kernels.gpu.stream import KV_ROWS, StreamConfig
     from megasynth.lowering.models import with_batch

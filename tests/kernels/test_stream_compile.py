@@ -249,10 +249,10 @@ def test_tensor_core_attention_geometry_and_build() -> None:
 
 def test_attention_rows_geometry_and_build() -> None:
     """attn_rows (the default) takes a batch's attention to the tensor cores with positions as rows only where a
-    32 KB slot holds a K and a V block of 16 positions per compute warp with 128 B rows (llama-1b at batch 8 and 16:
-    128 positions a slot, 128 B swizzled boxes), not at batch 1 or on row-pair slots, nor for 128-dim heads; the
-    batch-8 build issues
-    mma.sync without spills."""
+    slot holds a K and a V block of 16 positions per compute warp in 128 B rows, or two slots do (llama-1b at batch 8
+    and 16: 128 positions a slot, 128 B swizzled boxes; llama-8b's 128-dim heads at batch 8: K in one slot, V in the
+    next, [128, 64] boxes), not at batch 1 or on row-pair slots, nor where a K block would take more than a slot;
+    the batch-8 builds issue mma.sync without spills."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import KV_ROWS, SMEM_LIMIT, StreamConfig, kv_box_layout, stream_geometry
@@ -267,10 +267,14 @@ def test_attention_rows_geometry_and_build() -> None:
         assert stream_geometry(llama, StreamConfig(attn_rows=False), batch)["BTK"] == 64
     for batch in (1, 4):
         assert stream_geometry(llama, on, batch)["KV_RING"] == 1
-    assert stream_geometry(get_model("llama-8b").config, on, 8)["KV_RING"] == 1  # 128-dim heads
-    kernel, res = compile_v10(llama, 4096, on, batch=8)
-    assert res.stack == 0 and res.shared <= SMEM_LIMIT
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
+    big = get_model("llama-8b").config  # 128-dim heads: K in one 32 KB slot, V in the next
+    geo = stream_geometry(big, on, 8)
+    assert (geo["KV_RING"], geo["BTK"], geo["KVW"]) == (KV_ROWS, 128, 64)
+    assert stream_geometry(big, on, 16)["KV_RING"] == 1  # 16 KB slots: a K block would take two
+    for cfg in (llama, big):
+        kernel, res = compile_v10(cfg, 4096, on, batch=8)
+        assert res.stack == 0 and res.shared <= SMEM_LIMIT
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
 
 
 def test_sass_loops_keeps_the_innermost_loops() -> None:

@@ -212,7 +212,7 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
     geo = stream.stream_geometry(c, config, batch)
     wdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo))
     qdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, qkv=True))
-    kvdesc = f"tensordesc<bf16[{consts['BTK']}, {c.hd}],{stream.kv_box_layout(geo)!r}>"
+    kvdesc = f"tensordesc<bf16[{consts['BTK']}, {geo['KVW']}],{stream.kv_box_layout(geo)!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
              "d_v": kvdesc}
     return _compile(stream.stream_megakernel, GluonASTSource, consts, types, consts["num_warps"], {})

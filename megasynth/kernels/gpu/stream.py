@@ -84,7 +84,7 @@ MMA_BOX: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bit
 #: them with a 128 B swizzle (`kv_box_layout`), so that the operand loads (ldmatrix) meet no bank conflicts
 KV_MMA: gl.constexpr = gl.constexpr(2)
 #: `KV_RING` == KV_ROWS: a batch's attention on the tensor cores with the positions as the product's rows
-#: (`_attn_ring_rows`): BTK = 16 positions per compute warp, a K block and a V block of BTK rows each per slot
+#: (`_attn_ring_rows`): BTK = 16 positions per compute warp, K and V in [BTK, 64] blocks (`_issue_kv_rows`)
 KV_ROWS: gl.constexpr = gl.constexpr(3)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
@@ -188,6 +188,28 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
     tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
     tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
     return t + 1
+
+
+@gluon.jit
+def _issue_kv_rows(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+                   BTK: gl.constexpr, HD: gl.constexpr):
+    """`_attn_ring_rows`' K and V rows [row, row + BTK): HD / 64 [BTK, 64] chunks of K, then of V, in consecutive
+    [BTK, 64] blocks of the ring (`_kv_blocks`), one slot or two (a 128-dim head's 128 positions fill a 32 KB slot
+    with K alone, V takes the next)."""
+    kv = _kv_blocks(ring, BTK, 64, KV_ROWS)
+    DH: gl.constexpr = HD // 64
+    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * 64)  # blocks per slot
+    for j in gl.static_range(2 * DH // KPS):
+        s = _claim(t, ready, empty, NS, INFLIGHT)
+        bar = ready.index(s)
+        mbarrier.expect(bar, KPS * BTK * 64 * 2)
+        for i in gl.static_range(KPS):  # block j KPS + i of the pair: K's chunks, then V's
+            if j * KPS + i < DH:
+                tma.async_copy_global_to_shared(dk, [row, (j * KPS + i) * 64], bar, kv.index(KPS * s + i))
+            else:
+                tma.async_copy_global_to_shared(dv, [row, (j * KPS + i - DH) * 64], bar, kv.index(KPS * s + i))
+        t = t + 1
+    return t
 
 
 @gluon.jit
@@ -363,8 +385,12 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 for b0 in range(lo, hi, BTK):
-                    t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
-                                  BOX_BYTES, KV_RING)
+                    if KV_RING == KV_ROWS:
+                        t = _issue_kv_rows(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK,
+                                           HD)
+                    else:
+                        t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
+                                      BOX_BYTES, KV_RING)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, MMA, KW, TILE, XR, KT)
@@ -904,8 +930,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
         if KV_RING == KV_ROWS:
-            t = _attn_ring_rows(q_ptr, sq_ptr, h0, nq, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS,
-                                EPS, QK_NORM, NS, SB, BTK, ATTN_EXP2, num_warps)
+            t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB, BTK,
+                                ATTN_EXP2, num_warps)
         else:
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
                             empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
@@ -1030,58 +1056,92 @@ def _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, 
 
 
 @gluon.jit
-def _attn_ring_rows(q_ptr, sq_ptr, h0, nq, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr,
-                    G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
-                    NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, EXP2: gl.constexpr,
-                    num_warps: gl.constexpr):
+def _rows_q(q_ptr, h0, d0, G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, HD: gl.constexpr,
+            LB: gl.constexpr, num_warps: gl.constexpr):
+    """Dims [d0, d0 + 64) of q^T as `_attn_ring_rows`' scores operand ([num_warps, 64, HN], the same for every warp;
+    heads past G zero), a bf16 hi/lo pair."""
+    d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, LB)))
+    n = gl.arange(0, HN, layout=gl.SliceLayout(0, gl.SliceLayout(1, LB)))
+    d3 = gl.expand_dims(gl.expand_dims(d, 0), 2)  # [1, 64, 1]
+    n3 = gl.expand_dims(gl.expand_dims(n, 0), 1)  # [1, 1, HN]
+    q = gl.load(q_ptr + (h0 + n3) * HD + d0 + d3, mask=(n3 < G) & (d3 < 64), other=0.0, cache_modifier=".cg") * QS
+    q = q + gl.zeros([num_warps, 64, HN], gl.float32, LB)
+    qh = q.to(gl.bfloat16)
+    return qh, (q - qh.to(gl.float32)).to(gl.bfloat16)
+
+
+@gluon.jit
+def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr, G: gl.constexpr,
+                    HN: gl.constexpr, QS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
+                    EXP2: gl.constexpr, num_warps: gl.constexpr):
     """`_attn_lanes` on the tensor cores (mma.sync m16n8k16) with the positions as the products' rows: each warp
-    takes 16 of a slot's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
+    takes 16 of a block's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
     K q^T ([16, HN]: the query heads as the HN >= 8 columns, zero past G; q as bf16 hi + lo, K is bf16 in the
-    cache), its output V^T P^T ([HD, HN], P in bf16, as a batch's bf16 activations are). So every product row is a
-    real position, where `_attn_ring_mma`'s rows are query heads (4 of 16 real on llama-1b). The row at pos is
-    left out, as `_attn_lanes` leaves it; the warps' states go to `scratch` in `_lane_views`' form."""
-    gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per slot")
+    cache), its output V^T P^T ([HD, HN], P in bf16, as a batch's bf16 activations are), both a 64-dim chunk of
+    the head at a time (`_issue_kv_rows`' blocks: K and V in one slot, or a 128-dim head's K in one and V in the
+    next). So every product row is a real position, where `_attn_ring_mma`'s rows are query heads (4 of 16 real on
+    llama-1b). The row at pos is left out, as `_attn_lanes` leaves it; the warps' states go to `scratch` in
+    `_lane_views`' form. A batch has no QK-norm on v10, so q is taken as it is."""
+    gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per block")
+    gl.static_assert((HD == 64) | (HD == 128), "64- or 128-dim heads")
+    DH: gl.constexpr = HD // 64
+    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * 64)  # [BTK, 64] blocks per slot
+    SPP: gl.constexpr = 2 * DH // KPS  # slots per K/V block pair: 1 or 2
     MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
                                                    instr_shape=[1, 16, 8])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
     LM: gl.constexpr = gl.SliceLayout(1, MMA3)  # [num_warps, HN]: per warp and head
     kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    # q^T, the scores' second operand [num_warps, HD, HN] (the same for every warp)
-    d = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(2, LB)))
-    n = gl.arange(0, HN, layout=gl.SliceLayout(0, gl.SliceLayout(1, LB)))
-    d3 = gl.expand_dims(gl.expand_dims(d, 0), 2)  # [1, HD, 1]
-    n3 = gl.expand_dims(gl.expand_dims(n, 0), 1)  # [1, 1, HN]
-    q = _load_q(q_ptr, sq_ptr, h0 + n3, d3, (n3 < G) & (d3 < HD), nq, QS, HD, EPS, QK_NORM, 1)
-    q = q + gl.zeros([num_warps, HD, HN], gl.float32, LB)
-    qh = q.to(gl.bfloat16)
-    ql = (q - qh.to(gl.float32)).to(gl.bfloat16)
+    qh0, ql0 = _rows_q(q_ptr, h0, 0, G, HN, QS, HD, LB, num_warps)
+    if DH == 2:
+        qh1, ql1 = _rows_q(q_ptr, h0, 64, G, HN, QS, HD, LB, num_warps)
+        acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
     prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, 16, 1]
     m_i = gl.full([num_warps, HN], -1.0e30, gl.float32, LM)
     l_i = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)  # summed over the rows after the loop
-    acc = gl.zeros([num_warps, HD, HN], gl.float32, MMA3)
+    acc0 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     hl = gl.where((pos >= lo) & (pos < hi), pos, hi)  # the row at pos left out, as `_attn_lanes` does
-    kv = _kv_blocks(ring, BTK, HD, KV_ROWS)
-    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * HD)
+    kv = _kv_blocks(ring, BTK, 64, KV_ROWS)
     for b0 in range(lo, hi, BTK):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        k = kv.index(KPS * s)._reinterpret(gl.bfloat16, [num_warps, 16, HD], kv3).load(LA)
-        vt = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, HD], kv3).permute([0, 2, 1]).load(LA)
-        sc = mma_v2(k, qh, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
-        sc = mma_v2(k, ql, sc)
+        if SPP == 2:
+            s2 = (t + 1) % NS
+            mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
+        # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
+        k0 = kv.index(KPS * s)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3).load(LA)
+        sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
+        sc = mma_v2(k0, ql0, sc)
+        if DH == 2:
+            k1 = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3).load(LA)
+            sc = mma_v2(k1, qh1, sc)
+            sc = mma_v2(k1, ql1, sc)
+            v0 = kv.index(KPS * s2)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+            v1 = kv.index(KPS * s2 + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+        elif SPP == 2:
+            v0 = kv.index(KPS * s2)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+        else:
+            v0 = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
         sc = gl.where(b0 + prow < hl, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
         p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
         l_i = l_i * alpha + p
-        acc = mma_v2(vt, gl.convert_layout(p.to(gl.bfloat16), LB), acc * alpha)
+        pb = gl.convert_layout(p.to(gl.bfloat16), LB)
+        acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
+        if DH == 2:
+            acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
         m_i = m_new
         t = _release(t, empty, NS)
+        if SPP == 2:
+            t = _release(t, empty, NS)
     pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
-    pv.store(gl.permute(acc, [2, 0, 1]))
+    pv.slice(0, 64, dim=2).store(gl.permute(acc0, [2, 0, 1]))
+    if DH == 2:
+        pv.slice(64, 64, dim=2).store(gl.permute(acc1, [2, 0, 1]))
     mv.store(gl.permute(gl.expand_dims(m_i, 1), [2, 0, 1]))
     dv.store(gl.permute(gl.expand_dims(gl.sum(l_i, axis=1), 1), [2, 0, 1]))
     return t
@@ -1960,9 +2020,10 @@ class StreamConfig:
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
     attn_mma: bool = False
     #: a batch's attention on the tensor cores with the positions as the products' rows (`_attn_ring_rows`: 16 per
-    #: compute warp, 128 a ring slot; 64-dim heads and slots of 32 KB, so llama-1b and qwen2.5-0.5b from batch 8),
-    #: where the CUDA cores' position lanes spend ~1 us a 64-position slot. Measured on llama-1b at ctx 1024
-    #: (alternating rounds): batch 8 1.046 -> 1.023 ms, batch 16 1.374 -> 1.337 (docs/perf-notes.md)
+    #: compute warp, K and V in blocks of 128 positions, one 32 KB slot for both (64-dim heads) or one each
+    #: (128-dim); on tiles, from batch 8), where the CUDA cores' position lanes spend ~1 us a 64-position slot.
+    #: Measured at ctx 1024 (alternating rounds): llama-1b batch 8 1.046 -> 1.025 ms, batch 16 1.375 -> 1.338,
+    #: llama-8b batch 8 4.918 -> 4.882 (docs/perf-notes.md)
     attn_rows: bool = True
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
@@ -2108,7 +2169,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
         # heads of attention's lane merge: at least 8 where `_attn_ring_rows` may run (its product's columns)
-        hn = max(8, gp) if sc.attn_rows and not sc.attn_mma and tile and c.hd == 64 else gp
+        hn = max(8, gp) if sc.attn_rows and not sc.attn_mma and tile and c.hd in (64, 128) else gp
         nch = max(chunks["NCHH"], -(-hn * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
     else:
         nch = max(chunks["NCHH"], chunks["NCHQ"], 2 * chunks["NCHQ"] if mma else 0,
@@ -2135,11 +2196,14 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     btk = 16 * bk // c.hd if (16 * bk) % c.hd == 0 else 0
     bt = (32 // min(32, c.hd // 8)) * sc.num_warps if c.hd % 8 == 0 else 0
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
-    # a batch's attention on the tensor cores with positions as rows: 16 per compute warp, so a slot must hold a K and
-    # a V block of 16 num_warps positions with 128 B rows (64-dim heads), and the merge fit the staging buffer
+    # a batch's attention on the tensor cores with positions as rows (`_attn_ring_rows`): 16 per compute warp, K and V
+    # in [16 num_warps, 64] blocks (128 B rows), a K/V pair in one slot or two, and the merge in the staging buffer
     # (attn_mma, asked for by name, keeps its own layout)
-    rows = (kv_ring and sc.attn_rows and not sc.attn_mma and batch > 1 and c.hd == 64
-            and 2 * 16 * sc.num_warps * c.hd * 2 <= slot_bytes
+    kv_block = 16 * sc.num_warps * 64 * 2
+    kps = slot_bytes // kv_block  # blocks per slot
+    rows = (kv_ring and sc.attn_rows and not sc.attn_mma and batch > 1 and c.hd in (64, 128)
+            and slot_bytes % kv_block == 0 and kps >= 1 and (2 * c.hd // 64) % kps == 0
+            and (2 * c.hd // 64) // kps <= 2 and slots >= 2 * ((2 * c.hd // 64) // kps)
             and max(8, gp) * sc.num_warps * (2 * c.hd) * 4 <= stage_bytes)
     if rows:
         btk = 16 * sc.num_warps
@@ -2161,7 +2225,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk}
+            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk,
+            "KVW": 64 if rows else c.hd}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -2188,7 +2253,8 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
                        ) -> list[Any]:
     """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
     wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
-    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box (`kv_box_layout`)."""
+    caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box (`kv_box_layout`; [BTK, 64] for
+    `_attn_ring_rows`' chunks)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     out = []
@@ -2201,7 +2267,7 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), box, wlayout))
     for cache in (k_cache, v_cache):
         t2 = cache.reshape(-1, c.hd)
-        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], c.hd],
+        out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], geo["KVW"]],
                                     kv_box_layout(geo)))
     return out
 
