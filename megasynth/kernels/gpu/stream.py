@@ -177,7 +177,7 @@ def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.
 
 @gluon.jit
 def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-              BTK: gl.constexpr, HD: gl.constexpr, BOX_BYTES: gl.constexpr, KV_RING: gl.constexpr):
+              BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr):
     """Slot t % NS <- K and V rows [row, row + BTK) of the cache: the slot's first two [BTK, HD] blocks
     (`_kv_blocks`)."""
     kv = _kv_blocks(ring, BTK, HD, KV_RING)
@@ -390,7 +390,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                                            HD)
                     else:
                         t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
-                                      BOX_BYTES, KV_RING)
+                                      KV_RING)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
                         BOX_BYTES, MMA, KW, TILE, XR, KT)
@@ -912,7 +912,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
     else:
         LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
         L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
-        # the merge's heads: GP, or the tensor-core rows' product columns (at least 8, a wgmma's N)
+        # the merge's heads: GP, or `_attn_ring_rows`' product columns (at least 8, mma.sync's N)
         HN: gl.constexpr = max(8, GP) if KV_RING == KV_ROWS else GP
         # the merge's layout: each (head, dim) output has one owner thread
         LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(HN, num_warps), 1,
@@ -2130,6 +2130,12 @@ def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
     return why
 
 
+def _rows_wanted(c: ModelConfig, sc: StreamConfig, tile: bool) -> bool:
+    """Whether a batch's attention may take `_attn_ring_rows` (tile slots, 64- or 128-dim heads, `attn_rows` on and
+    `attn_mma`, asked for by name, off); `stream_geometry` then checks that its blocks fit the ring."""
+    return sc.attn_rows and not sc.attn_mma and tile and c.hd in (64, 128)
+
+
 def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[str, int]:
     """BK, chunks of the staged vector, ring slots and shared-memory bytes for one model config and batch.
 
@@ -2169,7 +2175,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         chunks["NCHQ"] = min(chunks["NCHQ"], chunks["NCHH"])
         chunks["NCHI"] = min(chunks["NCHI"], chunks["NCHH"])
         # heads of attention's lane merge: at least 8 where `_attn_ring_rows` may run (its product's columns)
-        hn = max(8, gp) if sc.attn_rows and not sc.attn_mma and tile and c.hd in (64, 128) else gp
+        hn = max(8, gp) if _rows_wanted(c, sc, tile) else gp
         nch = max(chunks["NCHH"], -(-hn * sc.num_warps * (2 * c.hd) * 4 // row_bytes))
     else:
         nch = max(chunks["NCHH"], chunks["NCHQ"], 2 * chunks["NCHQ"] if mma else 0,
@@ -2198,10 +2204,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
     # a batch's attention on the tensor cores with positions as rows (`_attn_ring_rows`): 16 per compute warp, K and V
     # in [16 num_warps, 64] blocks (128 B rows), a K/V pair in one slot or two, and the merge in the staging buffer
-    # (attn_mma, asked for by name, keeps its own layout)
     kv_block = 16 * sc.num_warps * 64 * 2
     kps = slot_bytes // kv_block  # blocks per slot
-    rows = (kv_ring and sc.attn_rows and not sc.attn_mma and batch > 1 and c.hd in (64, 128)
+    rows = (kv_ring and _rows_wanted(c, sc, tile)
             and slot_bytes % kv_block == 0 and kps >= 1 and (2 * c.hd // 64) % kps == 0
             and (2 * c.hd // 64) // kps <= 2 and slots >= 2 * ((2 * c.hd // 64) // kps)
             and max(8, gp) * sc.num_warps * (2 * c.hd) * 4 <= stage_bytes)
