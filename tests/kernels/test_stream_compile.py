@@ -277,6 +277,27 @@ def test_attention_rows_geometry_and_build() -> None:
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
 
 
+def test_batch_activations_in_bf16() -> None:
+    """A v10 batch keeps act and attn in bf16 (`StreamConfig.act_bf16`, the default): its products take the
+    operand in bf16 anyway. Batch 1, hi/lo operands (`batch_hilo`) and act_bf16 off keep them in fp32; both
+    batch-8 builds compile without spills."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    llama = get_model("llama-1b").config
+    assert all(stream_geometry(llama, StreamConfig(), b)["ACT_BF16"] for b in (2, 3, 8, 16))
+    assert not stream_geometry(llama, StreamConfig(), 1)["ACT_BF16"]
+    assert not stream_geometry(llama, StreamConfig(batch_hilo=True), 8)["ACT_BF16"]
+    assert not stream_geometry(llama, StreamConfig(act_bf16=False), 8)["ACT_BF16"]
+    for sc in (StreamConfig(), StreamConfig(act_bf16=False)):
+        kernel, res = compile_v10(llama, 4096, sc, batch=8)
+        assert res.stack == 0
+        for name in ("act_ptr", "attn_ptr"):  # the kernel's argument types
+            assert f"%{name}: !tt.ptr<{'bf16' if sc.act_bf16 else 'f32'}>" in kernel.asm["ttgir"]
+
+
 def test_sass_loops_keeps_the_innermost_loops() -> None:
     """`sass_loops` reads nvdisasm's listing: a backward branch closes a loop, and only loops with no other loop
     inside are kept, each with its body's opcodes (predicates dropped)."""

@@ -181,6 +181,14 @@ class Megakernel:
         self.kcfg = config or default_config(self.device, self.cfg, b)
         self.v10 = not isinstance(self.kcfg, KernelConfig)  # a megasynth.kernels.gpu.stream.StreamConfig
         c = self.cfg
+        self.geo: dict[str, Any] = {}  # v10: the build's geometry (`stream_geometry`)
+        if self.v10:
+            from megasynth.kernels.gpu.stream import stream_geometry
+
+            try:
+                self.geo = stream_geometry(c, self.kcfg, b)
+            except ValueError as exc:  # a batch this interpreter cannot build for the model
+                raise ScheduleError(f"{exc}; interpreter v9 (KernelConfig) runs it", "$.model.batch") from None
         # On the CPU (Triton's interpreter, TRITON_INTERPRET=1) programs run one after another: one worker only.
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                         if self.device.type == "cuda" else 1)
@@ -191,8 +199,10 @@ class Megakernel:
         f32 = dict(dtype=torch.float32, device=self.device)
         self.x = torch.zeros(b * c.hidden_size, **f32)
         self.q = torch.zeros(b * c.q_size, **f32)
-        self.attn = torch.zeros(b * c.q_size, **f32)
-        self.act = torch.zeros(b * c.intermediate_size, **f32)
+        # attn and act in bf16 where a v10 batch stages them in bf16 anyway (`StreamConfig.act_bf16`)
+        acts = dict(f32, dtype=torch.bfloat16) if self.v10 and self.geo["ACT_BF16"] else f32
+        self.attn = torch.zeros(b * c.q_size, **acts)
+        self.act = torch.zeros(b * c.intermediate_size, **acts)
         self.logits = torch.zeros(b * c.vocab_size, **f32)
         # QK-norm applied apart from QKV (v10): per-pair sums of squares of every q and k head, and the new k rows
         # before their per-head scale (the catalogue's `qk_sq` and `k_new`); other models pass `q` as a stand-in the
@@ -214,12 +224,8 @@ class Megakernel:
         self.vs = torch.zeros(self.num_sms * vsw, dtype=torch.bfloat16, device=self.device) if vsw else self.k_cache
         self.descs: list[Any] = []  # v10: TMA descriptors of the weights and the KV cache (built once: they never move)
         if self.v10:
-            from megasynth.kernels.gpu.stream import stream_descriptors, stream_geometry
+            from megasynth.kernels.gpu.stream import stream_descriptors
 
-            try:
-                self.geo = stream_geometry(c, self.kcfg, b)
-            except ValueError as exc:  # a batch this interpreter cannot build for the model
-                raise ScheduleError(f"{exc}; interpreter v9 (KernelConfig) runs it", "$.model.batch") from None
             self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo)
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}

@@ -1374,7 +1374,8 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
         hs = hc + hb
         hm = hs < end
         o = _merge_heads(lse_ptr, opart_ptr, hs, hm, splits, d, NH, HD, HB, SP, L2)
-        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), o, mask=gl.expand_dims(hm, 1))
+        gl.store(attn_ptr + gl.expand_dims(hs, 1) * HD + gl.expand_dims(d, 0), o.to(attn_ptr.dtype.element_ty),
+                 mask=gl.expand_dims(hm, 1))
 
 
 # -- batches (NB > 1 sequences per step; the tensor-core path) ---------------------------------------------------
@@ -1425,7 +1426,8 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     for c0 in gl.static_range(0, NCHK, CG):
         idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
         m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
-        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
+                    cache_modifier=".cg").to(gl.float32)
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
@@ -1460,7 +1462,8 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
     rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
     for g0 in gl.static_range(0, NBP, GB):
         seq = g0 + gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [GB, 1, 1]
-        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0, cache_modifier=".cg")
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
+                    cache_modifier=".cg").to(gl.float32)
         if NORM:
             ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # [GB]
             rstd = 1.0 / gl.sqrt(ss / H + EPS)
@@ -1522,8 +1525,8 @@ def _seq_rows(out_ptr, ostride, rows, y, a1, NB: gl.constexpr, RESIDUAL: gl.cons
     m = (gl.expand_dims(rows, 1) < a1) & (bs < NB)
     if RESIDUAL:
         gl.atomic_add(ptrs, y, mask=m, sem="relaxed", scope="gpu")
-    else:
-        gl.store(ptrs, y, mask=m)
+    else:  # logits in fp32; act in bf16 with `StreamConfig.act_bf16`
+        gl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @gluon.jit
@@ -2078,6 +2081,10 @@ class StreamConfig:
     #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
     #: than 64 at batch 8 and 16 (docs/perf-notes.md)
     tile_k: int = 128
+    #: a batch's act (gate/up -> down) and attn (attn_reduce -> o_proj) buffers in bf16 rather than fp32: the
+    #: products take their operand in bf16 anyway (without `batch_hilo`), so the staged values are the same bits
+    #: and down's and o_proj's stages read half the bytes
+    act_bf16: bool = True
     be: int = 1024  # embedding copy block
 
 
@@ -2231,7 +2238,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk,
-            "KVW": 64 if rows else c.hd}
+            "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
