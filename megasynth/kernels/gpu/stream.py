@@ -448,10 +448,11 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr):
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False):
     """acc += slot t + kb's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
     (transposed), kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the loader once
-    slot t's are issued and t - 1's have completed."""
+    slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps (the caller
+    releases it: `_slot_exchange`)."""
     M: gl.constexpr = acc.shape[0]
     slots = ring._reinterpret(gl.bfloat16, [NS * KT, M, SUB], MMA_SMEM)
     for kb in range(0, nkb):
@@ -464,9 +465,28 @@ def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.con
         mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
         t += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    gl.thread_barrier()
-    mbarrier.arrive(empty.index((t + NS - 1) % NS))
+    if not KEEP:
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index((t + NS - 1) % NS))
     return t, acc
+
+
+@gluon.jit
+def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: gl.constexpr):
+    """z ([2, GR, N] fp32, N <= 16, any layout) in layout `out`, exchanged through slot t - 1 of the ring (KT [128,
+    64] bf16 tiles), whose weights the products have consumed (`_mma_slots` with KEEP), and the slot handed back to
+    the loader: a layout conversion without the compiler's shared scratch, which would cost a batch build a ring
+    slot."""
+    N: gl.constexpr = z.shape[2]
+    Q: gl.constexpr = KT * 2 * GR * SUB * 2 // (2 * GR * N * 4)  # such [2, GR, N] blocks per slot
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    buf = ring._reinterpret(gl.float32, [NS * Q, 2 * GR, N], flat).index(Q * ((t + NS - 1) % NS)).reshape([2, GR, N])
+    gl.thread_barrier()  # every warp's products have read the slot
+    buf.store(z)
+    gl.thread_barrier()
+    z = buf.load(out)
+    _release(t - 1, empty, NS)
+    return z
 
 
 @gluon.jit
@@ -1493,11 +1513,11 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
                                                    instr_shape=[16, 8, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
     t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
-                        KT if TILE else 1)
+                        KT if TILE else 1, TILE)
     if TILE:
         if CPS > 1:  # hi + lo
             acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
-        z = gl.convert_layout(gl.reshape(acc, [2, GR, NBP]), BOXES)  # [half, row, sequence]
+        z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, NBP]), BOXES, NS, KT)  # [half, row, sequence]
     else:
         NQ: gl.constexpr = 2 * GR // (2 * BR)  # sub-chunks per box row
         rows = gl.arange(0, 2 * GR, layout=gl.SliceLayout(1, accl))
@@ -2193,13 +2213,12 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     kt = sc.tile_k // 64 if tile else 1  # wgmma tiles per ring slot
     slot_bytes = sc.boxes * 16 * bk * 2 * kt
     stage_bytes = nch * row_bytes
-    # a batch's epilogue brings both halves of a tile's products ([128, nbp] fp32) together through the compiler's
-    # shared scratch (`_pair_rows_batch`'s layout conversion)
-    scratch = 128 * nbp * 4 if tile else 0
-    fit = (SMEM_LIMIT - SMEM_RESERVE - scratch - stage_bytes) // slot_bytes
+    # (a batch's epilogue brings both halves of a tile's products together through the slot it has just consumed,
+    # `_slot_exchange`, not through the compiler's shared scratch)
+    fit = (SMEM_LIMIT - SMEM_RESERVE - stage_bytes) // slot_bytes
     if kt > 1 and fit < MIN_TILE_SLOTS and not sc.slots:  # a large staged operand (llama-8b at batch 16): 16 KB slots
         kt, slot_bytes = 1, slot_bytes // kt
-        fit = (SMEM_LIMIT - SMEM_RESERVE - scratch - stage_bytes) // slot_bytes
+        fit = (SMEM_LIMIT - SMEM_RESERVE - stage_bytes) // slot_bytes
     slots = sc.slots or fit
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
