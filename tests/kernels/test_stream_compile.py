@@ -298,6 +298,27 @@ def test_batch_activations_in_bf16() -> None:
             assert f"%{name}: !tt.ptr<{'bf16' if sc.act_bf16 else 'f32'}>" in kernel.asm["ttgir"]
 
 
+def test_batch_epilogue_takes_no_shared_scratch() -> None:
+    """A tile batch's epilogue meets its halves in the slot it consumed (`_slot_exchange`), so the build needs no
+    compiler scratch beyond the reserve and the ring takes what the staged operand leaves: 6 slots of 32 KB for
+    llama-1b at batch 8, 5 at 16 and for llama-8b at 8, 6 of 16 KB for llama-8b at 16."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, SMEM_RESERVE, StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    sc = StreamConfig()
+    for name, batch, slots, kt, build in (("llama-1b", 8, 6, 2, True), ("llama-1b", 16, 5, 2, False),
+                                          ("llama-8b", 8, 5, 2, False), ("llama-8b", 16, 6, 1, True)):
+        cfg = get_model(name).config
+        geo = stream_geometry(cfg, sc, batch)
+        assert (geo["NS"], geo["KT"]) == (slots, kt), name
+        if build:
+            _, res = compile_v10(cfg, 4096, sc, batch=batch)
+            assert res.shared <= SMEM_LIMIT
+            assert res.shared - geo["ring_bytes"] - geo["stage_bytes"] <= SMEM_RESERVE, name
+
+
 def test_sass_loops_keeps_the_innermost_loops() -> None:
     """`sass_loops` reads nvdisasm's listing: a backward branch closes a loop, and only loops with no other loop
     inside are kept, each with its body's opcodes (predicates dropped)."""
