@@ -479,6 +479,7 @@ def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: g
     slot."""
     N: gl.constexpr = z.shape[2]
     Q: gl.constexpr = KT * 2 * GR * SUB * 2 // (2 * GR * N * 4)  # such [2, GR, N] blocks per slot
+    gl.static_assert(Q * 2 * GR * N * 4 == KT * 2 * GR * SUB * 2, "whole [2, GR, N] fp32 blocks per slot")
     flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     buf = ring._reinterpret(gl.float32, [NS * Q, 2 * GR, N], flat).index(Q * ((t + NS - 1) % NS)).reshape([2, GR, N])
     gl.thread_barrier()  # every warp's products have read the slot
