@@ -1125,7 +1125,9 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     l_i = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)  # summed over the rows after the loop
     acc0 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     hl = gl.where((pos >= lo) & (pos < hi), pos, hi)  # the row at pos left out, as `_attn_lanes` does
-    kv = _kv_blocks(ring, BTK, 64, KV_ROWS)
+    # `_kv_blocks`' [BTK, 64] blocks, each seen as the warps' [16, 64] row groups
+    NBLK: gl.constexpr = ring.shape[0] * ring.shape[1] * ring.shape[2] // (BTK * 64)
+    kv = ring._reinterpret(gl.bfloat16, [NBLK, num_warps, 16, 64], kv3)
     for b0 in range(lo, hi, BTK):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -1133,19 +1135,19 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
             s2 = (t + 1) % NS
             mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
         # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
-        k0 = kv.index(KPS * s)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3).load(LA)
+        k0 = kv.index(KPS * s).load(LA)
         sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
         sc = mma_v2(k0, ql0, sc)
         if DH == 2:
-            k1 = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3).load(LA)
+            k1 = kv.index(KPS * s + 1).load(LA)
             sc = mma_v2(k1, qh1, sc)
             sc = mma_v2(k1, ql1, sc)
-            v0 = kv.index(KPS * s2)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
-            v1 = kv.index(KPS * s2 + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+            v0 = kv.index(KPS * s2)
+            v1 = kv.index(KPS * s2 + 1)
         elif SPP == 2:
-            v0 = kv.index(KPS * s2)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+            v0 = kv.index(KPS * s2)
         else:
-            v0 = kv.index(KPS * s + 1)._reinterpret(gl.bfloat16, [num_warps, 16, 64], kv3)
+            v0 = kv.index(KPS * s + 1)
         sc = gl.where(b0 + prow < hl, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
