@@ -319,6 +319,23 @@ def test_batch_epilogue_takes_no_shared_scratch() -> None:
             assert res.shared - geo["ring_bytes"] - geo["stage_bytes"] <= SMEM_RESERVE, name
 
 
+def test_batch_stages_in_few_load_groups() -> None:
+    """A batch's staging keeps up to `stage_values` fp32 values of loads in flight: x of a batch-16 llama-1b in one
+    group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups."""
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    llama1, llama8 = get_model("llama-1b").config, get_model("llama-8b").config
+
+    def groups(cfg, batch: int, **kw: int) -> int:
+        geo = stream_geometry(cfg, StreamConfig(**kw), batch)
+        return geo["NCHH"] // geo["CG"]
+
+    assert [groups(llama1, b) for b in (8, 16)] == [1, 1]
+    assert [groups(llama8, b) for b in (8, 16)] == [1, 2]
+    assert [groups(llama1, 16, stage_values=16384), groups(llama8, 16, stage_values=16384)] == [2, 4]
+
+
 def test_sass_loops_keeps_the_innermost_loops() -> None:
     """`sass_loops` reads nvdisasm's listing: a backward branch closes a loop, and only loops with no other loop
     inside are kept, each with its body's opcodes (predicates dropped)."""

@@ -315,8 +315,7 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 @gluon.jit
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-            MLP_INFLIGHT: gl.constexpr, SB: gl.constexpr,
+            QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
             BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
             NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
@@ -363,19 +362,19 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             if TILE:
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
-                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS,
-                                        MLP_INFLIGHT, XR, KT)
+                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        MLP_INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
                         KW, TILE, XR, KT)
         elif op == OP_DOWN:
-            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, MLP_INFLIGHT, SB, BK, BOX_BYTES,
-                        MMA, KW, TILE, XR, KT)
+            t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
+                        KW, TILE, XR, KT)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -449,22 +448,21 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _mma_slots(t, ring, ready, empty, xs, kb0, kb1, acc, NS: gl.constexpr, KT: gl.constexpr,
-               KEEP: gl.constexpr = False):
-    """acc += slot t + kb - kb0's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
-    (transposed), kb0 <= kb < kb1, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the
-    loader once slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps
-    (the caller releases it: `_slot_exchange`)."""
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False):
+    """acc += slot t + kb's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
+    (transposed), kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the loader once
+    slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps (the caller
+    releases it: `_slot_exchange`)."""
     M: gl.constexpr = acc.shape[0]
     slots = ring._reinterpret(gl.bfloat16, [NS * KT, M, SUB], MMA_SMEM)
-    for kb in range(kb0, kb1):
+    for kb in range(0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         for q in gl.static_range(KT):
             acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
         gl.thread_barrier()
-        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > kb0)
+        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
         t += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if not KEEP:
@@ -504,7 +502,7 @@ def _pair_rows_mma(t, ring, ready, empty, xs, nkb, blk: gl.constexpr, NS: gl.con
     M: gl.constexpr = SB * NQ * BR
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
-    t, acc = _mma_slots(t, ring, ready, empty, xs, 0, nkb, gl.zeros([M, 2 * NQ], gl.float32, accl), NS, 1)
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([M, 2 * NQ], gl.float32, accl), NS, 1)
     rows = gl.arange(0, M, layout=gl.SliceLayout(1, accl))
     cols = gl.arange(0, 2 * NQ, layout=gl.SliceLayout(0, accl))
     sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)
@@ -1436,93 +1434,35 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
     and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
-    (`_tile_group`)."""
-    ss = gl.zeros([NBP], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, _tile_group_layout(CG, num_warps))))
-    for c0 in gl.static_range(0, NCHK, CG):
-        v, s = _tile_group(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM, BK, NB, NBP, CG, num_warps)
-        ss += s
-        _store_tile_group(vstage, v, c0, NCHK, BK, NBP, CG, CPS)
-    return 1.0 / gl.sqrt(ss / H + EPS)
-
-
-@gluon.constexpr_function
-def _tile_group_layout(CG, num_warps):
-    """[sequence, chunk, BK] of a staging group: the warps split the group's chunks and, where a group has fewer
-    chunks than warps (batch 16: 4; a small hidden size), its sequences too, so that no warp loads what another
-    does."""
-    wc = min(CG, num_warps)  # warps along the chunks of a group, the rest along the sequences
-    return gl.BlockedLayout([1, 1, 8], [1, 1, 32], [num_warps // wc, wc, 1], [2, 1, 0])
-
-
-@gluon.jit
-def _tile_group(src_ptr, sstride, nw_ptr, k0, k1, klo, c0: gl.constexpr, NORM: gl.constexpr, BK: gl.constexpr,
-                NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr):
-    """Chunks [c0, c0 + CG) of every sequence's src[k0:k1] in fp32 ([NBP, CG, BK]; zero below klo and for the
-    padding sequences), times the norm weight with NORM, and each sequence's sum of squares over them."""
-    l3: gl.constexpr = _tile_group_layout(CG, num_warps)
+    (whole 8-row swizzle atoms, at most `StreamConfig.stage_values` fp32 values in flight) in one pass. The warps
+    split the group's chunks and, where a group has fewer chunks than warps (a small hidden size), its sequences too,
+    so that no warp loads what another does."""
+    WC: gl.constexpr = min(CG, num_warps)  # warps along the chunks of a group, the rest along the sequences
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [num_warps // WC, WC, 1], [2, 1, 0])
+    NQ: gl.constexpr = BK // SUB
     bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
     rr = gl.arange(0, CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
     seq = gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [NBP, 1, 1]
-    idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-    m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
-    v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
-                cache_modifier=".cg").to(gl.float32)
     ss = gl.zeros([NBP], gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, l3)))
-    if NORM:
-        ss = gl.sum(gl.sum(v * v, axis=2), axis=1)
-        v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
-    return v, ss
-
-
-@gluon.jit
-def _store_tile_group(vstage, v, c0: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NBP: gl.constexpr,
-                      CG: gl.constexpr, CPS: gl.constexpr):
-    """`_tile_group`'s values into the staged operand's chunks [c0, c0 + CG) (not fenced)."""
-    NQ: gl.constexpr = BK // SUB
     ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, CPS * NBP, SUB], MMA_BOX)
-    v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
-    hi = v3.to(gl.bfloat16)
-    part = ops.slice(c0 * NQ, CG * NQ, dim=0)
-    if CPS == 2:
-        part.slice(0, NBP, dim=1).store(hi)
-        part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
-    else:
-        part.store(hi)
-
-
-@gluon.jit
-def _stage_tiles_mma(t, ring, ready, empty, vstage, src_ptr, nw_ptr, H: gl.constexpr, EPS: gl.constexpr,
-                     NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
-                     NS: gl.constexpr, KT: gl.constexpr, PH: gl.constexpr, num_warps: gl.constexpr, tr,
-                     TRACE: gl.constexpr):
-    """Every sequence's normed src[0:H] staged on tiles in PH phases, with the first row group's products over each
-    phase's K as soon as that phase is in shared memory (the next phase's loads already in flight): all SMs stage
-    the same vector at once, bound by the L2's bandwidth, so the products and the ring's refills start a phase in
-    rather than after the whole vector. Returns (t, the products [2 GR, CPS NBP] with the last slot kept, the rstd
-    per sequence)."""
-    PC: gl.constexpr = NCHK // PH  # chunks a phase
-    KB: gl.constexpr = PC * BK // (SUB * KT)  # ring slots a phase
-    NKB: gl.constexpr = (H + SUB * KT - 1) // (SUB * KT)
-    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, 8, 16])
-    acc = gl.zeros([2 * GR, CPS * NBP], gl.float32, accl)
-    v, ss = _tile_group(src_ptr, H, nw_ptr, 0, H, 0, 0, True, BK, NB, NBP, PC, num_warps)
-    for g in gl.static_range(PH):
-        if g + 1 < PH:
-            vn, sn = _tile_group(src_ptr, H, nw_ptr, 0, H, 0, (g + 1) * PC, True, BK, NB, NBP, PC, num_warps)
-            ss += sn
-        _store_tile_group(vstage, v, g * PC, NCHK, BK, NBP, PC, CPS)
-        fence_async_shared()
-        gl.thread_barrier()
-        if TRACE:
-            if g == 0:
-                gl.store(tr + 6, ptx.gl_globaltimer())  # the products may start
-        t, acc = _mma_slots(t, ring, ready, empty, vstage, g * KB, min((g + 1) * KB, NKB), acc, NS, KT,
-                            g == PH - 1)
-        if g + 1 < PH:
-            v = vn
-    return t, acc, 1.0 / gl.sqrt(ss / H + EPS)
+    for c0 in gl.static_range(0, NCHK, CG):
+        idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
+        m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
+        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
+                    cache_modifier=".cg").to(gl.float32)
+        if NORM:
+            ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
+            v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
+        v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
+        hi = v3.to(gl.bfloat16)
+        part = ops.slice(c0 * NQ, CG * NQ, dim=0)
+        if CPS == 2:
+            part.slice(0, NBP, dim=1).store(hi)
+            part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
+        else:
+            part.store(hi)
+    return 1.0 / gl.sqrt(ss / H + EPS)
 
 
 @gluon.jit
@@ -1575,10 +1515,12 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, 8, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
-    t, acc = _mma_slots(t, ring, ready, empty, xs, 0, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
                         KT if TILE else 1, TILE)
     if TILE:
-        y_a, y_b = _tile_halves(t, ring, empty, acc, NS, NBP, CPS, KT, ep)
+        if CPS > 1:  # hi + lo
+            acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
+        z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, NBP]), BOXES, NS, KT)  # [half, row, sequence]
     else:
         NQ: gl.constexpr = 2 * GR // (2 * BR)  # sub-chunks per box row
         rows = gl.arange(0, 2 * GR, layout=gl.SliceLayout(1, accl))
@@ -1586,26 +1528,8 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
         sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
         z = gl.sum(gl.reshape(gl.where(sel, acc, 0.0), [2 * GR, NBP, CPS]), axis=2)  # [rows, NBP]: hi + lo
         z = gl.convert_layout(gl.sum(gl.reshape(z, [2, BR, NQ, NBP]), axis=2), BOXES)  # [box, row, sequence]
-        y_a, y_b = _halves(z, BOXES)
-    return t, y_a, y_b
-
-
-@gluon.jit
-def _halves(z, BOXES: gl.constexpr):
-    """[2, rows, NBP] in layout BOXES -> its two halves."""
     half = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
-    return gl.sum(gl.where(half == 0, z, 0.0), axis=0), gl.sum(gl.where(half == 1, z, 0.0), axis=0)
-
-
-@gluon.jit
-def _tile_halves(t, ring, empty, acc, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr, KT: gl.constexpr,
-                 ep: gl.constexpr):
-    """A tile's products ([2 GR, CPS NBP], slot t - 1 kept) -> its two halves in layout `ep`, through the slot."""
-    BOXES: gl.constexpr = ep.parent
-    if CPS > 1:  # hi + lo
-        acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
-    z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, NBP]), BOXES, NS, KT)  # [half, row, sequence]
-    return _halves(z, BOXES)
+    return t, gl.sum(gl.where(half == 0, z, 0.0), axis=0), gl.sum(gl.where(half == 1, z, 0.0), axis=0)
 
 
 @gluon.jit
@@ -1662,26 +1586,15 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
 def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, layer, a0, a1, H: gl.constexpr,
                       IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHH: gl.constexpr,
                       BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-                      TILE: gl.constexpr, KT: gl.constexpr, XPH: gl.constexpr, ep: gl.constexpr,
-                      num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
-    """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot; with
-    XPH > 1 the first row group's products overlap the staging (`_stage_tiles_mma`)."""
+                      TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
+                      TRACE: gl.constexpr):
+    """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot."""
     RG: gl.constexpr = GR if TILE else BR
     KS: gl.constexpr = SUB * KT if TILE else BK
+    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
-    r0 = a0
-    if XPH > 1:
-        t, acc, rs = _stage_tiles_mma(t, ring, ready, empty, vstage, x_ptr, nw_ptr + layer * H, H, EPS, NCHH, BK, NB,
-                                      NBP, CPS, NS, KT, XPH, num_warps, tr, TRACE)
-        g, u = _tile_halves(t, ring, empty, acc, NS, NBP, CPS, KT, ep)
-        g = g * _seq_scale(rs, ep)
-        u = u * _seq_scale(rs, ep)
-        _seq_rows(act_ptr, IS, a0 + ir, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
-        r0 = a0 + RG
-    else:
-        rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK,
-                          NB, NBP, CG, CPS, TILE, num_warps, tr, TRACE)
-    for r in range(r0, a1, RG):
+    for r in range(a0, a1, RG):
         t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
                                    num_warps)
         if TILE:
@@ -1696,7 +1609,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
-                  CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, XPH: gl.constexpr, ep: gl.constexpr,
+                  CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
                   num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
@@ -1705,12 +1618,8 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
     KS: gl.constexpr = SUB * KT if TILE else BK
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = (NH + 2 * NKV) * HD
-    if XPH > 1:  # the first pair group's products overlap the staging (`_stage_tiles_mma`)
-        t, acc, rs = _stage_tiles_mma(t, ring, ready, empty, vstage, x_ptr, nw_ptr + layer * H, H, EPS, NCHH, BK, NB,
-                                      NBP, CPS, NS, KT, XPH, num_warps, tr, TRACE)
-    else:
-        rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK,
-                          NB, NBP, CG, CPS, TILE, num_warps, tr, TRACE)
+    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
+                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)  # [1, NBP]
     live = bs < NB
@@ -1729,15 +1638,8 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         rot = m & (head < NH + NKV)
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        if XPH > 1:
-            if p == a0 // 2:
-                y1, y2 = _tile_halves(t, ring, empty, acc, NS, NBP, CPS, KT, ep)
-            else:
-                t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE,
-                                             KT, ep, num_warps)
-        else:
-            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT,
-                                         ep, num_warps)
+        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
+                                     num_warps)
         if TILE:
             y1 = y1 * _seq_scale(rs, ep)
             y2 = y2 * _seq_scale(rs, ep)
@@ -1772,8 +1674,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-              CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, XPH: gl.constexpr,
-              num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+              CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
+              TRACE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -1789,7 +1691,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, XPH, ep, num_warps, tr, TRACE)
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -1804,7 +1706,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                               num_warps, tr, TRACE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, XPH, ep, num_warps, tr, TRACE)
+                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_DOWN:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
                               True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep, num_warps, tr,
@@ -1946,7 +1848,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, XPH: gl.constexpr, num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -1974,7 +1876,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, XPH, num_warps, tr, TRACE)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2022,14 +1924,14 @@ def stream_megakernel(
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
-    QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, MLP_INFLIGHT: gl.constexpr,
-    SB: gl.constexpr, NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
+    QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+    NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr,
     OP_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, KT: gl.constexpr, XPH: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2062,10 +1964,9 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, XPH, num_warps)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, MLP_INFLIGHT, SB, BK, BTK, KV_RING, MMA,
-                   TRACE, NB,
+                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
     ], [1], [LOADER_REGS])
 
@@ -2139,7 +2040,6 @@ class StreamConfig:
     #: llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost llama-8b
     #: 5.6 % (docs/perf-notes.md)
     inflight: int = 3
-    mlp_inflight: int = 0  # gate/up's and down's fills in flight at most (0: `inflight`)
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -2208,11 +2108,10 @@ class StreamConfig:
     #: products take their operand in bf16 anyway (without `batch_hilo`), so the staged values are the same bits
     #: and down's and o_proj's stages read half the bytes
     act_bf16: bool = True
-    #: fp32 values a batch's staging loads at once (`_stage_batch`'s load group; 64 registers a thread at 16 K)
-    stage_values: int = 16384
-    #: phases of a tile batch's x staging in QKV and gate/up, the first row group's products over each phase's K as
-    #: soon as it is staged (`_stage_tiles_mma`); 1: staged whole first
-    stage_phases: int = 1
+    #: fp32 values a batch's staging loads at once (`_stage_batch`'s load group: 128 registers a thread at 32 K over
+    #: the 8 compute warps). A group's loads wait ~0.7 us on top of their bytes, so fewer groups pay: 32 K against
+    #: 16 K measured llama-1b's batch 16 -2.9 %, llama-8b's batch 8 -1.9 % and 16 -6.8 % (docs/perf-notes.md)
+    stage_values: int = 32768
     be: int = 1024  # embedding copy block
 
 
@@ -2356,23 +2255,16 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
         raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
                          "power-of-two number of heads")
-    # a batch's staging loads at most 16 K fp32 values (64 registers a thread) at once: CG chunks of every sequence
-    # on tiles, CG sequences' whole vectors on row-pair slots (`_stage_batch`)
+    # a batch's staging loads at most `stage_values` fp32 values at once: CG chunks of every sequence on tiles, CG
+    # sequences' whole vectors on row-pair slots (`_stage_batch`)
     cg = max(1, min(chunks["NCHH"], _pow2_floor(sc.stage_values // (nbp * bk))) if tile else
              min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk))))
-    # a tile batch's QKV and gate/up stage x in XPH phases, the first row group's products a phase behind
-    # (`_stage_tiles_mma`): phases of whole chunks, two in flight, the last one within K
-    xph = sc.stage_phases if tile else 1
-    while xph > 1 and (chunks["NCHH"] % xph or (xph - 1) * (chunks["NCHH"] // xph) * bk >= c.hidden_size
-                       or 2 * nbp * (chunks["NCHH"] // xph) * bk > sc.stage_values):
-        xph //= 2 if xph % 2 == 0 else xph
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk,
-            "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
-            "XPH": xph}
+            "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -2384,9 +2276,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, V=c.vocab_size, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
-        INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]),
-        MLP_INFLIGHT=min(sc.mlp_inflight or sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"],
-        NCHH=geo["NCHH"],
+        INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
@@ -2394,7 +2284,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], XPH=geo["XPH"], num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
