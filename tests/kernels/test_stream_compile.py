@@ -321,7 +321,10 @@ def test_batch_epilogue_takes_no_shared_scratch() -> None:
 
 def test_batch_stages_in_few_load_groups() -> None:
     """A batch's staging keeps up to `stage_values` fp32 values of loads in flight: x of a batch-16 llama-1b in one
-    group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups."""
+    group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups. The
+    batch-16 llama-1b build holds its one group's 128 values a thread without spilling."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
     from megasynth.lowering.models import get_model
 
@@ -334,6 +337,7 @@ def test_batch_stages_in_few_load_groups() -> None:
     assert [groups(llama1, b) for b in (8, 16)] == [1, 1]
     assert [groups(llama8, b) for b in (8, 16)] == [1, 2]
     assert [groups(llama1, 16, stage_values=16384), groups(llama8, 16, stage_values=16384)] == [2, 4]
+    assert compile_v10(llama1, 4096, StreamConfig(), batch=16)[1].stack == 0
 
 
 def test_sass_loops_keeps_the_innermost_loops() -> None:
