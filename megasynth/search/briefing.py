@@ -200,7 +200,7 @@ def _batch_lines(spec: ModelSpec) -> list[str]:
             f"and 4, and at batch 16 1 split beat 2; QKV tiles of 32 rows, on twice the SMs, measured the same as "
             f"whole heads; waits per KV head between QKV, attention, its merge and o_proj instead of per stage: "
             f"1.010 ms against 0.972 at batch 8, slower). On v10 down and o_proj stage bf16 activations and QKV and "
-            f"gate/up stage fp32 x with its norm (about 2 us an instruction at batch 8, 4 at 16)."]
+            f"gate/up stage fp32 x with its norm (about 2 us an instruction at batch 8, 3.5 at 16)."]
 
 
 def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:
