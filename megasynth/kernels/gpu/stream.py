@@ -1428,6 +1428,22 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
 
 
 @gluon.jit
+def _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB: gl.constexpr):
+    """Sequences seq's src[k0 + idx] in fp32 where klo <= k0 + idx < k1, zero elsewhere and for the padding
+    sequences (seq >= NB), and that mask. The loads take whole 8-element runs (16 B of bf16): their mask is the
+    bounds rounded out to multiples of 8 (still inside each sequence's row, whose length is a multiple of 64), the
+    exact one is applied in registers, and k0 is a multiple of 64 (a box's first column), so a K window that starts
+    anywhere (o_proj's, down's) loads as vectors, not element by element."""
+    k0 = gl.multiple_of(k0, SUB)
+    hi = gl.multiple_of((k1 - k0 + 7) // 8 * 8, 8)
+    lo = gl.multiple_of((klo - k0) // 8 * 8, 8)  # at most klo - k0 where that is positive (idx >= 0 anyway)
+    v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=(idx < hi) & (idx >= lo) & (seq < NB), other=0.0,
+                cache_modifier=".cg").to(gl.float32)
+    m = (idx < k1 - k0) & (idx >= klo - k0)
+    return gl.where(m, v, 0.0), m
+
+
+@gluon.jit
 def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
@@ -1448,9 +1464,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, CPS * NBP, SUB], MMA_BOX)
     for c0 in gl.static_range(0, NCHK, CG):
         idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-        m = (idx < k1 - k0) & (idx >= klo - k0)  # [1, CG, BK]
-        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
-                    cache_modifier=".cg").to(gl.float32)
+        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
@@ -1479,14 +1493,12 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
     rr = gl.arange(0, NCHK, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
     idx = gl.expand_dims(gl.expand_dims(rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)  # [1, NCHK, BK]
-    m = (idx < k1 - k0) & (idx >= klo - k0)
     if NORM:
-        w = gl.load(nw_ptr + idx, mask=m, other=0.0)
+        w = gl.load(nw_ptr + idx, mask=(idx < k1 - k0) & (idx >= klo - k0), other=0.0)
     rows = vstage._reinterpret(gl.bfloat16, [NCHK, NBP * CPS, SUB], MMA_BOX)
     for g0 in gl.static_range(0, NBP, GB):
         seq = g0 + gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [GB, 1, 1]
-        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=m & (seq < NB), other=0.0,
-                    cache_modifier=".cg").to(gl.float32)
+        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)
         if NORM:
             ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # [GB]
             rstd = 1.0 / gl.sqrt(ss / H + EPS)
