@@ -3,11 +3,12 @@
     python scripts/trace_ops.py SCHEDULE [--max-seq-len N] [--ctx N] [KEY=VALUE ...]
 
 KEY=VALUE are `StreamConfig` fields (as `synth bench --kernel-option`), e.g. attn_mma=true inflight=6. Per op it
-prints the mean time from the start (after the waits) to the end, the staging part, the wait, how long the loader
-took from reaching the instruction to issuing its last fill, and how long the compute warps ran after that fill was
-issued: when that last figure is about the ring's depth times one slot's compute, the compute warps, not memory,
-set the pace (the loader waits for free slots). Then each op's span per layer (first start to last end, the middle
-half of the layers) and the layer period.
+prints the mean time from the start (after the waits) to the end, the staging part, the signal part (from the
+op's end to its last release add), the wait, how long the loader took from reaching the instruction to issuing
+its last fill, and how long the compute warps ran after that fill was issued: when that last figure is about the
+ring's depth times one slot's compute, the compute warps, not memory, set the pace (the loader waits for free
+slots). Then each op's span per layer (first start to last end, the middle half of the layers) and the layer
+period.
 """
 
 from __future__ import annotations
@@ -40,14 +41,16 @@ def summary(mk: Megakernel, label: str) -> str:
     layers = np.array([-1 if x is None else x for x in p.layers])
     t0 = tr[:, 1][tr[:, 1] > 0].min()
     lines = [f"== {label}: makespan {(tr[:, 2].max() - t0) / 1e3:.1f} us",
-             f"  {'op':22s} {'n':>5s} {'run us':>7s} {'p90':>7s} {'stage':>6s} {'wait':>6s} {'loader':>7s} "
-             f"{'after':>6s}"]
+             f"  {'op':22s} {'n':>5s} {'run us':>7s} {'p90':>7s} {'stage':>6s} {'signal':>6s} {'wait':>6s} "
+             f"{'loader':>7s} {'after':>6s}"]
     for op in dict.fromkeys(ops):
         m = ops == op
         run = (tr[m, 2] - tr[m, 1]) / 1e3
         stage = np.where(ph[m, 0] > 0, ph[m, 0] - tr[m, 1], 0) / 1e3
+        signal = np.where(ph[m, 1] > 0, tr[m, 2] - ph[m, 1], 0) / 1e3
+        wait, loader = (tr[m, 1] - tr[m, 0]) / 1e3, (ld[m, 1] - ld[m, 0]) / 1e3
         lines.append(f"  {op:22s} {m.sum():5d} {run.mean():7.2f} {np.percentile(run, 90):7.2f} {stage.mean():6.2f} "
-                     f"{((tr[m, 1] - tr[m, 0]) / 1e3).mean():6.2f} {((ld[m, 1] - ld[m, 0]) / 1e3).mean():7.2f} "
+                     f"{signal.mean():6.2f} {wait.mean():6.2f} {loader.mean():7.2f} "
                      f"{((tr[m, 2] - ld[m, 1]) / 1e3).mean():6.2f}")
     known = sorted(set(layers[layers >= 0].tolist()))
     mid = known[len(known) // 4: 3 * len(known) // 4] or known
