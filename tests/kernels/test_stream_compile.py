@@ -323,8 +323,9 @@ def test_batch_stages_in_few_load_groups() -> None:
     """A batch's staging keeps up to `stage_values` fp32 values of loads in flight: x of a batch-16 llama-1b in one
     group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups. The
     batch-16 llama-1b build holds its one group's 128 values a thread without spilling, and loads its K windows in
-    16-byte vectors: element by element (o_proj's and down's windows start and end at any column), its PTX had 260
-    scalar bf16 loads through L2, each warp instruction eight times the sector requests of a vector one."""
+    16-byte vectors. (o_proj's and down's windows start and end at any column; loaded element by element, they made
+    260 scalar bf16 loads through L2 in its PTX, each warp instruction eight times the sector requests of a vector
+    one.)"""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
