@@ -92,3 +92,21 @@ def save_hf_checkpoint(folder: Any, family: str, seed: int = 0, **overrides: Any
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(folder))
     return model
+
+
+def shift_k_splits(schedule: Any, op: str, by: int) -> Any:
+    """`schedule` with each of `op`'s interior K boundaries moved `by` columns (a K split of a hand-written
+    schedule, off the lowering's equal parts): every instruction whose K range starts at a boundary starts there,
+    every one ending at it ends there. Coverage stays exact."""
+    from megasynth.ir.schedule import parse_schedule
+
+    doc = schedule.to_json()
+    ranges = [ins["args"] for ins in doc["instructions"] if ins["op"] == op]
+    ends = {a["k_end"] for a in ranges}
+    starts = {a["k_start"] for a in ranges}
+    for a in ranges:
+        if a["k_start"] in ends:
+            a["k_start"] += by
+        if a["k_end"] in starts:
+            a["k_end"] += by
+    return parse_schedule(doc)

@@ -18,6 +18,7 @@ from typing import Any
 
 from megasynth.ir.catalogue import FUSED_OPROJ, OP_ORDER, Geometry, footprint
 from megasynth.ir.schedule import FORMAT, Schedule, parse_schedule
+from megasynth.kernels.gpu.pack import K_ALIGN
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.strategy import Strategy, whole_head_qkv
 
@@ -49,8 +50,11 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
         stages.append(Stage(op, layer, args, deps))
         return len(stages) - 1
 
-    def rows_k(op: str, rows: int, ks: int, k_align: int = 1) -> list[dict[str, int]]:
-        kt = _tiles(ks, -(-ks // strategy.k_splits.get(op, 1)), k_align)
+    def rows_k(op: str, rows: int, ks: int, k_align: int = K_ALIGN) -> list[dict[str, int]]:
+        # K parts of whole k_align columns (v10 streams a part's weights by TMA from its first column), rounded up so
+        # that the split count is what the strategy asks for where the columns allow it
+        part = -(-ks // strategy.k_splits.get(op, 1))
+        kt = _tiles(ks, -(-part // k_align) * k_align, k_align)
         return [{"start": s, "end": e, "k_start": k0, "k_end": k1} for s, e in _tiles(rows, t.get(op, 16))
                 for k0, k1 in kt]
 

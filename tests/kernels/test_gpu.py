@@ -119,6 +119,26 @@ def test_tiny_configs(name):
     _decode_and_compare(spec, lower(spec, 6, fine), w, range(hist, hist + 3), hist, mk=mk)
 
 
+def test_k_splits_off_16_bytes_are_refused_by_v10_and_run_on_v9():
+    """A hand-written K split of tiny's down moved 2 columns (off the 16 bytes a TMA box starts on): v10 refuses it
+    when the Megakernel is made, naming an instruction (before this check it faulted with an illegal instruction);
+    v9 decodes it as the reference does, and v10 decodes the split moved 8 columns."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu.runtime import kernel_config
+    from tests.conftest import shift_k_splits
+
+    spec = get_model("tiny")
+    w = _weights(spec.config, seed=9)
+    even = lower(spec, 6, Strategy(k_splits={"o_proj_residual": 2, "down_proj_residual": 2}))
+    mk = _decode_and_compare(spec, shift_k_splits(even, "down_proj_residual", 8), w, range(3), 0)
+    odd = shift_k_splits(even, "down_proj_residual", 2)
+    if mk.v10:
+        with pytest.raises(ScheduleError, match="multiple of 8 columns") as info:
+            mk.set_schedule(odd)
+        assert info.value.path.startswith("$.instructions[")
+    _decode_and_compare(spec, odd, w, range(3), 0, config=kernel_config(["interpreter=v9"], cfg=spec.config))
+
+
 def _compiled_count() -> int | None:
     from megasynth.kernels.gpu.stream import stream_megakernel
     from megasynth.kernels.gpu.v9 import v9_megakernel

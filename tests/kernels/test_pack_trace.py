@@ -220,3 +220,27 @@ def test_tensor_core_path_needs_k_ranges_on_64_column_boxes() -> None:
     P.check_mma_k_starts(P.pack(lower(get_model("llama-1b"), 132, Strategy(k_splits={"o_proj_residual": 4,
                                                                                         "down_proj_residual": 4})),
                                 "v10"))
+
+
+def test_v10_needs_k_ranges_on_16_byte_columns() -> None:
+    """v10's batch-1 build streams o_proj's and down's weights by TMA from a K range's first column, which must fall
+    on 16 bytes (8 bf16 columns; 2 or 4 columns off faulted on the H200). The lowering's K splits pass, an odd split
+    count's included (its parts are rounded up to whole 8 columns); a hand-written split moved 2 or 4 columns is
+    refused, naming the first instruction; one moved 8 passes."""
+    from tests.conftest import shift_k_splits
+
+    cfg = get_model("tiny").config
+    tiny = lower(get_model("tiny"), 6, Strategy(k_splits={"o_proj_residual": 2, "down_proj_residual": 2}))
+    P.check_k_ranges(P.pack(tiny, "v10"), cfg)
+    P.check_k_ranges(P.pack(shift_k_splits(tiny, "down_proj_residual", 8), "v10"), cfg)
+    three = lower(get_model("llama-1b"), 132, Strategy(k_splits={"o_proj_residual": 3, "down_proj_residual": 3}))
+    assert {ins.args["k_start"] for ins in three.instructions if ins.op == "down_proj_residual"} == {0, 2736, 5472}
+    P.check_k_ranges(P.pack(three, "v10"), get_model("llama-1b").config)
+    for op, by in (("down_proj_residual", 2), ("o_proj_residual", 4)):
+        odd = shift_k_splits(tiny, op, by)
+        bad = P.misaligned_k_ranges(P.pack(odd, "v10"), cfg)
+        assert bad.sum() == sum(ins.op == op for ins in odd.instructions)  # each starts or ends on the moved boundary
+        with pytest.raises(ScheduleError, match="multiple of 8 columns") as info:
+            P.check_k_ranges(P.pack(odd, "v10"), cfg)
+        at = next(i for i, ins in enumerate(odd.instructions) if ins.op == op)
+        assert info.value.path == f"$.instructions[{at}].args"

@@ -4,6 +4,7 @@ budget is what a kernel change most often breaks (docs/perf-notes.md), and this 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -492,7 +493,8 @@ def test_attention_function_holds_only_partition_barriers() -> None:
     """With `attn_call` attention compiles to a function of its own whose every barrier is the compute partition's
     (8 warps: `bar.sync 0, 256`), a CTA barrier there would wait for the loader warp forever, and its ring loop models
     at least a quarter faster than inlined on llama-8b, on the build it was measured on (5.48 -> 5.10 ms at ctx
-    32768; down's K staged whole: with `down_window` the inlined loop models 887 cycles, the function's 766)."""
+    32768; down's K staged whole and loaded element by element: with `down_window` the inlined loop models 887
+    cycles, the function's 766)."""
     pytest.importorskip("triton.experimental.gluon")
     from dataclasses import replace
 
@@ -503,7 +505,7 @@ def test_attention_function_holds_only_partition_barriers() -> None:
     spec = get_model("llama-8b")
     cycles = {}
     for call in (True, False):
-        sc = replace(stream_config(spec.config), attn_call=call, op_call=False, down_window=False)
+        sc = replace(stream_config(spec.config), attn_call=call, op_call=False, down_window=False, k_vec=False)
         kernel, res = compile_v10(spec.config, spec.max_seq_len, sc)
         assert res.stack == 0
         funcs = _function_barriers(kernel.asm["ptx"])
@@ -656,3 +658,24 @@ def test_v10_batch_limits_name_what_they_refuse() -> None:
     assert "QK-norm" in batch_limits(get_model("tiny-qwen3").config, StreamConfig(), 2)
     with pytest.raises(ValueError, match="cannot run this batch: the QK-norm"):
         stream_geometry(get_model("tiny-qwen3").config, StreamConfig(), 3)
+
+
+def test_batch_one_loads_k_ranges_as_vectors() -> None:
+    """At batch 1 o_proj's and down's K ranges start at a column known only at run time; with `k_vec` (their ranges
+    on multiples of 8 columns, checked when a schedule is packed) llama-1b's build loads them in 16-byte vectors,
+    and without it element by element: at least 16 more scalar fp32 loads through L2 in its PTX. Registers and
+    stack are the same."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import stream_config, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    cfg = get_model("llama-1b").config
+    sc = stream_config(cfg)
+    assert sc.k_vec and stream_geometry(cfg, sc)["KA"] == 4
+    assert stream_geometry(cfg, dataclasses.replace(sc, k_vec=False))["KA"] == 1
+    assert stream_geometry(cfg, sc, 8)["KA"] == 1  # a batch rounds its windows itself (`_load_window`)
+    (vec, vres), (elem, eres) = (compile_v10(cfg, 4096, dataclasses.replace(sc, k_vec=on)) for on in (True, False))
+    scalar = [k.asm["ptx"].count("ld.global.cg.b32") for k in (vec, elem)]
+    assert scalar[1] - scalar[0] >= 16, scalar
+    assert (vres.regs, vres.stack) == (eres.regs, eres.stack) and vres.stack == 0

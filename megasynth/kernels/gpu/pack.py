@@ -57,6 +57,12 @@ ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
 #: worker does once the attention chain is through, and the chain itself leaves HBM mostly idle).
 WARM_OPS = {F_WARM_O: "o_proj_residual", F_WARM_GU: "mlp_norm_gate_up"}
 MAX_ARGS = len(ARG_FIELDS)
+#: Interpreter v10's batch-1 build streams an o_proj or down instruction's weights by TMA from its first K column,
+#: and a TMA box starts on 16 bytes: 8 bf16 columns (a K range starting elsewhere faults on the H200).
+K_ALIGN = 8
+#: What that build's staging loads take o_proj's and down's K ranges to start and end at multiples of
+#: (`StreamConfig.k_vec`): 4 fp32 activations, one 16-byte load.
+K_VEC = 4
 #: The most sequences interpreter v10 decodes in one step (a batch's wgmma has N = 16, or 32 with hi/lo operands, at
 #: most).
 V10_MAX_BATCH = 16
@@ -230,6 +236,24 @@ def check_mma_k_starts(p: Packed) -> None:
     bad = np.isin(p.ins[:, F_OP], ops) & (p.ins[:, F_A0 + 2] % 64 != 0)
     _refuse(p, "v10", "", ((bad, "multiplies on the tensor cores (mma) from K offsets that are multiples of 64; {} "
                                  "starts elsewhere: split K at multiples of 64, or run with mma off", "args"),))
+
+
+def misaligned_k_ranges(p: Packed, cfg: ModelConfig) -> np.ndarray:
+    """The queue rows whose o_proj or down K range starts off a multiple of `K_ALIGN`, or ends off one before the
+    matrix's last column (a hand-written schedule's may; the lowering's never do)."""
+    op = p.ins[:, F_OP]
+    k0, k1 = p.ins[:, F_A0 + 2], p.ins[:, F_A0 + 3]
+    last = np.where(op == OPCODES["o_proj_residual"], cfg.q_size, cfg.intermediate_size)
+    ops = np.isin(op, [OPCODES["o_proj_residual"], OPCODES["down_proj_residual"]])
+    return ops & ((k0 % K_ALIGN != 0) | ((k1 % K_ALIGN != 0) & (k1 != last)))
+
+
+def check_k_ranges(p: Packed, cfg: ModelConfig) -> None:
+    """Raise ScheduleError where interpreter v10's batch-1 build cannot run `p` (`misaligned_k_ranges`)."""
+    why = (f"streams o_proj's and down's weights by TMA from a K range's first column, which must fall on 16 bytes; "
+           f"{{}} starts or ends off a multiple of {K_ALIGN} columns: split K at multiples of {K_ALIGN}, or run it on "
+           "interpreter v9")
+    _refuse(p, "v10", "", ((misaligned_k_ranges(p, cfg), why, "args"),))
 
 
 def _refuse(p: Packed, interpreter: str, advice: str, checks: tuple[tuple[np.ndarray, str, str], ...]) -> None:

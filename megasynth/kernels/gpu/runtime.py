@@ -30,6 +30,7 @@ from megasynth.ir.schedule_set import ScheduleSet
 from megasynth.kernels.gpu.pack import (
     TRACE_FIELDS,
     Packed,
+    check_k_ranges,
     check_mma_k_starts,
     check_runs_batched_on_v10,
     check_runs_on_v9,
@@ -248,6 +249,8 @@ class Megakernel:
             check_runs_batched_on_v10(p)
         elif self.geo["MMA"]:
             check_mma_k_starts(p)
+        else:
+            check_k_ranges(p, self.cfg)
         if p.workers > self.num_sms:
             raise ScheduleError(f"{p.workers} workers but the GPU has {self.num_sms} SMs: a persistent grid larger "
                                 "than the machine deadlocks", "$.queues")

@@ -57,7 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megasynth.ir.model import ModelConfig
 from megasynth.kernels.gpu import ptx
-from megasynth.kernels.gpu.pack import F_A4, F_IDX, OPCODES, ROW, TRACE_FIELDS, batch_model_limits
+from megasynth.kernels.gpu.pack import F_A4, F_IDX, K_VEC, OPCODES, ROW, TRACE_FIELDS, batch_model_limits
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
 OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
@@ -1740,8 +1740,10 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
                NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr,
                KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr, SP: gl.constexpr,
                MB: gl.constexpr, BE: gl.constexpr, MMA: gl.constexpr, num_warps: gl.constexpr, tr,
-               TRACE: gl.constexpr, KW: gl.constexpr):
-    """One instruction of a batch-1 schedule: the op `op` with its row's arguments."""
+               TRACE: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr):
+    """One instruction of a batch-1 schedule: the op `op` with its row's arguments. KA: what o_proj's and down's K
+    ranges start and end at multiples of (`StreamConfig.k_vec`; the schedule is checked when it is packed), so that
+    their staging loads go as 16-byte vectors."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [num_warps, 1], [1, 0])
     if op == OP_EMBED:
         _op_embed(embed_ptr, x_ptr, token, a0, a1, H, BE, num_warps)
@@ -1761,8 +1763,8 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
     elif op == OP_OPROJ:
-        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2, a3, False,
-                        True, H, EPS, NS, SB, NCHQ, BK, blk, MMA, num_warps, tr, TRACE)
+        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, attn_ptr, attn_ptr, x_ptr, a0, a1, a2 // KA * KA,
+                        a3 // KA * KA, False, True, H, EPS, NS, SB, NCHQ, BK, blk, MMA, num_warps, tr, TRACE)
     elif op == OP_FUSED:
         t = _op_reduce_oproj(ring, ready, empty, vbuf, vstage, t, opart_ptr, lse_ptr, x_ptr, a0, a1, a2, a3, a4,
                              NH, HD, NS, SB, NCHQ, BK, SP, MB, blk, MMA, num_warps, tr, TRACE)
@@ -1770,8 +1772,8 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
         t = _op_gate_up(ring, ready, empty, vbuf, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, EPS,
                         NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
     elif op == OP_DOWN:
-        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2, a3, False,
-                        True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE, KW)
+        t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, act_ptr, act_ptr, x_ptr, a0, a1, a2 // KA * KA,
+                        a3 // KA * KA, False, True, H, EPS, NS, SB, NCHI, BK, blk, MMA, num_warps, tr, TRACE, KW)
     elif op == OP_LM_HEAD:
         t = _op_kpaired(ring, ready, empty, vbuf, vstage, t, x_ptr, final_norm_ptr, logits_ptr, a0, a1, a0 * 0,
                         a0 * 0 + H, True, False, H, EPS, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
@@ -1860,7 +1862,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -1895,14 +1897,14 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                                 q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
                                 sin_ptr, qk_sq_ptr, k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS,
                                 QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB,
-                                BE, MMA, num_warps, tr, TRACE, KW)
+                                BE, MMA, num_warps, tr, TRACE, KW, KA)
         else:
             t = _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage, embed_ptr,
                            attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr,
                            vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr,
                            k_new_ptr, H, IS, NH, NKV, HD, S, EPS, SCALE, G, GP, QKV_BIAS, QK_NORM, QG, NS, SB, NCHH,
                            NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, SP, MB, BE, MMA, num_warps, tr, TRACE,
-                           KW)
+                           KW, KA)
         gl.thread_barrier()
         if TRACE:
             gl.store(tr + 7, ptx.gl_globaltimer())  # the op's end, before its signals
@@ -1943,7 +1945,7 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1976,7 +1978,7 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, num_warps)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
@@ -2125,6 +2127,11 @@ class StreamConfig:
     #: 16 K measured llama-1b's batch 16 -2.9 %, llama-8b's batch 8 -1.9 % and 16 -6.8 % (docs/perf-notes.md)
     stage_values: int = 32768
     be: int = 1024  # embedding copy block
+    #: at batch 1, o_proj's and down's K ranges start and end at multiples of `K_VEC` (16 B of fp32 activations), so
+    #: their staging loads go as 16-byte vectors: a K start only known at run time made the compiler load the window
+    #: element by element, four requests for each vector's. (They start on multiples of `K_ALIGN` anyway, for their
+    #: TMA boxes: `pack.check_k_ranges`.)
+    k_vec: bool = True
 
 
 def _pow2_floor(n: int) -> int:
@@ -2276,7 +2283,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk,
-            "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo}
+            "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
+            "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
+                k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
 
 
 def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace: bool, batch: int = 1
@@ -2296,7 +2305,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
