@@ -121,7 +121,7 @@ def test_tiny_configs(name):
 
 def test_k_splits_off_16_bytes_are_refused_by_v10_and_run_on_v9():
     """A hand-written K split of tiny's down moved 2 columns (off the 16 bytes a TMA box starts on): v10 refuses it
-    when the Megakernel is made, naming an instruction (before this check it faulted with an illegal instruction);
+    when the schedule is packed, naming an instruction (before this check it faulted with an illegal instruction);
     v9 decodes it as the reference does, and v10 decodes the split moved 8 columns."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu.runtime import kernel_config
