@@ -46,6 +46,11 @@ if TYPE_CHECKING:
               help="Adversarial interleavings replayed per candidate during the search (the best gets "
               "--final-interleavings).")
 @click.option("--final-interleavings", type=click.IntRange(0, 1_000_000), default=1000, show_default=True)
+@click.option("--finalists", type=click.IntRange(0, 100), default=4, show_default=True,
+              help="GPU: at the end, time this many of the fastest candidates again side by side and keep the "
+              "lowest median in best/ (finals.json; 0 or 1: no finals).")
+@click.option("--final-rounds", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="GPU: rounds of the finals.")
 @click.option("--ctx", type=click.IntRange(1, 1 << 20), default=None,
               help="Context length the schedules are timed/estimated at, at most max_seq_len. [default: 1024, or "
                    "max_seq_len if smaller]")
@@ -76,7 +81,8 @@ if TYPE_CHECKING:
 def search(model_name: str, workers: int | None, proposer: str, budget: int, time_limit: float | None, seed: int,
            resume: str | None, run_name: str | None, storage: str | None, lease: float, runs_dir: str,
            interleavings: int,
-           final_interleavings: int, ctx: int | None, ctx_ranges: list[int] | None, max_seq_len: int | None,
+           final_interleavings: int, finalists: int, final_rounds: int,
+           ctx: int | None, ctx_ranges: list[int] | None, max_seq_len: int | None,
            cost_params: str | None, cpu: bool,
            jobs: int | None,
            no_progress: bool,
@@ -113,7 +119,7 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
                        storage=storage, lease_s=lease, interleavings=interleavings,
-                       final_interleavings=final_interleavings,
+                       final_interleavings=final_interleavings, finalists=finalists, final_rounds=final_rounds,
                        ctx=ctx or spec.max_seq_len,  # (--ctx-ranges: each range's own, below)
                        max_seq_len=max_seq_len, sequences=batch, gpu=False if cpu else None,
                        progress=not no_progress,
@@ -163,6 +169,10 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
     if summary.best_ms is not None:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
+        if summary.finals is not None:
+            from megasynth.search.finals import summary_line
+
+            click.echo(summary_line(summary.finals))
         if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not its times
             click.echo(f"note: the cost model is fitted at batch 1 and does not price a batch's staging: on "
                        f"interpreter v10 its estimates came within 1-9 % of the measured step up to batch 8 and 31 % "

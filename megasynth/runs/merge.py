@@ -136,18 +136,27 @@ def merge_runs(folders: list[Path], dest: Path, storage: str | None = None) -> M
 def promoted_fastest(ranked: list[dict[str, Any]], sources: list[RunDir], wanted: dict[str, dict[str, Any]]
                      ) -> tuple[str | None, RunDir | None]:
     """The merged run's best: of the accepted leaderboard entries tied for the fastest (`ranked`, fastest first), the
-    first that a folder holds in best/ with the study's schedule key, and that folder; else the first of them and
-    None. Ties matter: a search promotes only a strictly faster candidate, so of two machines that found the same
-    time, the later one never wrote its own to best/."""
+    first that a folder holds in best/ with the study's schedule key, and that folder; else, where the searches ran
+    finals (`search.finals`: best/ holds their winner, not always the fastest single measurement), the fastest
+    entry that a folder holds in best/ as its finals' winner; else the first of the tied and None. Ties matter: a
+    search promotes only a strictly faster candidate, so of two machines that found the same time, the later one
+    never wrote its own to best/."""
     if not ranked:
         return None, None
     fastest = [e["candidate"] for e in ranked if e["ms"] == ranked[0]["ms"]]
-    for cid in fastest:
+    held = [(r, _read_json(r.path / "best" / "timing.json")) for r in sources]
+
+    def holder(cid: str, won: bool) -> RunDir | None:
         key = (wanted.get(cid, {}).get("record") or {}).get("schedule_key")
-        for r in sources:
-            best = _read_json(r.path / "best" / "timing.json")
-            if best.get("candidate") == cid and best.get("schedule_key") == key:
-                return cid, r
+        return next((r for r, best in held if best.get("candidate") == cid and best.get("schedule_key") == key
+                     and (not won or isinstance(best.get("finals"), dict))), None)
+
+    for cid in fastest:
+        if (r := holder(cid, False)) is not None:
+            return cid, r
+    for e in ranked:
+        if (r := holder(e["candidate"], True)) is not None:
+            return e["candidate"], r
     return fastest[0], None
 
 

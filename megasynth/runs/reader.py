@@ -132,6 +132,7 @@ class Run:
     screened: int = 0
     notes: list[str] = field(default_factory=list)
     baseline: str = "c0000"  # the naive baseline's candidate id (leaderboard.json "baseline")
+    winner: str | None = None  # the finals' winner when best/ holds it (leaderboard.json "finals", search.finals)
 
     @property
     def model(self) -> str:
@@ -160,6 +161,10 @@ class Run:
             return "?"
 
     def best(self) -> Entry | None:
+        """best/'s candidate: the finals' winner where the search ran finals, else the fastest measured entry."""
+        won = [e for e in self.entries if e.candidate == self.winner and e.accepted and e.ms is not None]
+        if won:
+            return won[0]
         timed = [e for e in self.entries if e.accepted and e.ms is not None]
         measured = [e for e in timed if not e.estimated]
         timed = measured or timed  # a GPU measurement beats any estimate
@@ -210,6 +215,11 @@ def load_run(path: str | Path) -> Run:
     run.entries = _entries(lb) if lb is not None else []
     if isinstance(lb, dict) and isinstance(lb.get("baseline"), str):
         run.baseline = lb["baseline"]
+    finals = lb.get("finals") if isinstance(lb, dict) else None
+    if isinstance(finals, dict) and isinstance(finals.get("winner"), str):
+        best = read_json(p / "best" / "timing.json", run.notes)
+        if isinstance(best, dict) and best.get("candidate") == finals["winner"]:
+            run.winner = finals["winner"]
     if lb is None:
         run.notes.append("leaderboard.json is missing")
     try:

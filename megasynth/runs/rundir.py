@@ -598,14 +598,15 @@ class RunDir:
         return doc if isinstance(doc, dict) else None
 
     def save_best(self, cid: str, schedule: Schedule, validation: dict[str, Any], timing: dict[str, Any],
-                  trace: dict[str, Any] | None) -> bool:
+                  trace: dict[str, Any] | None, replace: bool = False) -> bool:
         """Replace best/ (schedule, validation and trace first, timing last) unless it holds a candidate at least as
-        fast. Processes sharing the run folder compare and write under a lock (`.best.lock`), so two that promote
-        at once cannot leave the slower one in best/. Returns whether best/ was replaced."""
+        fast (`replace`: whatever it holds; the finals' winner). Processes sharing the run folder compare and write
+        under a lock (`.best.lock`), so two that promote at once cannot leave the slower one in best/. Returns
+        whether best/ was replaced."""
         with self._locked():
             d = self.path / "best"
             on_disk = self.best_ms()
-            if on_disk is not None and on_disk <= timing["ms"] and self.has_best_schedule():
+            if not replace and on_disk is not None and on_disk <= timing["ms"] and self.has_best_schedule():
                 return False
             write_stored(d / "schedule.json", schedule.to_json())
             write_json_atomic(d / "validation.json", validation)
@@ -615,6 +616,28 @@ class RunDir:
                 _drop_stored(d / "trace.json")  # the previous best's trace is not this one's
             write_json_atomic(d / "timing.json", {**timing, "lowering": lowering_version(), "candidate": cid})
         return True
+
+    def best_candidate(self) -> str | None:
+        """The candidate best/ holds (its timing.json's), None when there is none."""
+        t = _read(self.path / "best" / "timing.json")
+        return t.get("candidate") if isinstance(t, dict) else None
+
+    def annotate_best(self, cid: str, **fields: Any) -> bool:
+        """Add `fields` to best/timing.json when best/ holds `cid`; returns whether it did."""
+        with self._locked():
+            t = _read(self.path / "best" / "timing.json")
+            if not isinstance(t, dict) or t.get("candidate") != cid:
+                return False
+            write_json_atomic(self.path / "best" / "timing.json", {**t, **fields})
+        return True
+
+    def finals(self) -> dict[str, Any] | None:
+        """finals.json (`search.finals`), None when the run has none or it cannot be read."""
+        doc = _read(self.path / "finals.json")
+        return doc if isinstance(doc, dict) and isinstance(doc.get("entries"), list) else None
+
+    def save_finals(self, doc: dict[str, Any]) -> None:
+        write_json_atomic(self.path / "finals.json", doc)
 
     def best_per_proposer(self) -> dict[str, tuple[str, float]]:
         """proposer -> (candidate, ms) of its fastest accepted candidate (estimates do not rank against GPU
@@ -652,5 +675,8 @@ class RunDir:
             rows.append(row)
         doc = {"model": self.info.get("model"), "baseline": BASELINE, "baseline_ms": base,
                "estimated": not measured, "entries": rows}
+        finals = self.finals()
+        if finals is not None:  # the fastest re-timed side by side; best/ holds the winner (`search.finals`)
+            doc["finals"] = finals
         write_json_atomic(self.path / "leaderboard.json", doc)
         return doc

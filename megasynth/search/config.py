@@ -59,6 +59,10 @@ class SearchConfig:
     batch: int = 4  # proposals asked for per round
     jobs: int | None = None  # processes lowering+validating ahead of the timer; None: `default_jobs`
     prescreen: float = 1.5  # GPU only: skip timing when the estimate is worse than prescreen x the best estimate
+    #: GPU only: at the end, the `finalists` fastest candidates are timed again side by side in `final_rounds`
+    #: rounds and best/ gets the lowest median (`search.finals`); fewer than 2 finalists: no finals
+    finalists: int = 4
+    final_rounds: int = 3
     gpu: bool | None = None  # None: use the GPU when CUDA is present
     progress: bool = True  # a progress bar when stderr is a terminal, else a plain line per finished candidate
     cost_params: CostParams | None = None

@@ -191,6 +191,12 @@ class Evaluator:
         """The proposal's schedule for this run's model and worker count."""
         return build(self.spec, self.workers, proposal)
 
+    def gpu_timer(self) -> GpuTimer:
+        """This process's GPU timer, built on first use (weights, KV cache and the naive schedule's logits)."""
+        if self.timer is None:
+            self.timer = GpuTimer(self.build(baseline_proposal()), self.cfg.ctx)
+        return self.timer
+
     def evaluate(self, cid: str, proposal: Proposal, schedule: Schedule | None = None,
                  report: Report | Verdict | None = None, failure: str | None = None) -> Result:
         """Lower, patch, validate, time or estimate one proposal and write it to the run folder. `failure`: the
@@ -237,11 +243,10 @@ class Evaluator:
             self.run.save_rejected(cid, record)
             return Result(cid, proposal, False, counterexample={"findings": data["findings"]})
         if self.gpu:
-            if self.timer is None:
-                self.timer = GpuTimer(self.build(baseline_proposal()), cfg.ctx)
+            timer = self.gpu_timer()
             try:
-                err = self.timer.check(schedule)
-                timing = self.timer.time(schedule) if err <= GpuTimer.TOLERANCE else {}
+                err = timer.check(schedule)
+                timing = timer.time(schedule) if err <= GpuTimer.TOLERANCE else {}
             except Exception as exc:  # noqa: BLE001 - a watchdog hang or a kernel limit: keep it as evidence
                 record.update(reason="gpu_error", error=f"{type(exc).__name__}: {exc}"[:2000], validation=validation)
                 self.run.save_rejected(cid, record)
@@ -295,10 +300,26 @@ class Evaluator:
         if self._promote(res.candidate, schedule, timing, est, res) is not None:
             self.cfg.notice(f"{res.candidate}: not promoted to best/ on resume (the full replay rejects it)")
 
+    def promote_winner(self, cid: str, finals: dict[str, Any]) -> bool:
+        """Put the finals' winner `cid` in best/ (`search.finals`), re-validated with the full interleaving count
+        like any new best, its timing.json carrying the finals; when best/ holds it already, only add the finals.
+        Returns whether best/ holds it now."""
+        if self.run.annotate_best(cid, finals=finals):
+            return True
+        schedule = self.run.load_candidate(cid)
+        timing = {**self.run.accepted()[cid], "finals": finals}
+        try:
+            est = estimate(schedule, self.cfg.ctx, self.params)
+        except ValueError:
+            est = None
+        return self._promote(cid, schedule, timing, est, None, replace=True) is None \
+            and self.run.best_candidate() == cid
+
     def _promote(self, cid: str, schedule: Schedule, timing: dict[str, Any], est: Estimate | None,
-                 res: Result) -> Report | None:
-        """A new best: re-validate with the full interleaving count, then write best/. Returns the report when that
-        re-validation rejects the candidate (it is then not promoted)."""
+                 res: Result | None, replace: bool = False) -> Report | None:
+        """A new best (`replace`: the finals' winner, whatever best/ holds): re-validate with the full interleaving
+        count, then write best/. Returns the report when that re-validation rejects the candidate (it is then not
+        promoted)."""
         cfg = self.cfg
         full = verify(schedule, cid, Options(interleavings=cfg.final_interleavings, seed=cfg.seed))
         if not full.accepted:
@@ -306,13 +327,13 @@ class Evaluator:
                        f"{cfg.final_interleavings}; not promoted")
             return full
         on_disk = self.run.best_ms()
-        if on_disk is not None and on_disk <= timing["ms"] and self.run.has_best_schedule():
+        if not replace and on_disk is not None and on_disk <= timing["ms"] and self.run.has_best_schedule():
             return None  # another process sharing the run found a better one
         trace = self.timer.trace(schedule) if self.timer else (est.trace if est else None)
         validation = {**full.to_json(), "interleavings": cfg.final_interleavings}
-        if not self.run.save_best(cid, schedule, validation, timing, trace):
+        if not self.run.save_best(cid, schedule, validation, timing, trace, replace=replace):
             return None  # another process sharing the run promoted a better one meanwhile
-        if est is not None:
+        if est is not None and res is not None:
             res.profile = _profile(est, keep_trace=True)
         if self.standing.best is not None and self.standing.best.profile:
             self.standing.best.profile.pop("trace", None)

@@ -16,7 +16,8 @@ accepted candidates are timed on the persistent interpreter; on a CPU they are e
 
 Validation during the search replays `interleavings` adversarial executions per candidate (default 200, on top of the
 full race proof); a candidate that becomes the best is re-validated with `final_interleavings` (default 1000) before
-it is written to best/.
+it is written to best/. On a GPU the search ends with finals (`search.finals`): the fastest few timed again side by
+side, and best/ gets the winner.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
+from megasynth.kernels.gpu.timing import GpuHangError
 from megasynth.lowering.costmodel import load_params
 from megasynth.lowering.models import get_model, with_batch
 from megasynth.lowering.strategy import parse_strategy
@@ -45,6 +47,7 @@ from megasynth.search.evaluate import (
     default_workers,
     gpu_name,
 )
+from megasynth.search.finals import run_finals
 from megasynth.search.pool import Pool, Prepared
 from megasynth.search.proposers.auto import close_proposer, resolve_proposer
 from megasynth.search.proposers.base import Proposal, Proposer, Result, SearchContext
@@ -68,6 +71,7 @@ class SearchSummary:
     seconds: float
     screened: int = 0  # left out by the cost model before validation (not counted in `rejected`)
     best_by_proposer: dict[str, tuple[str, float]] = field(default_factory=dict)  # proposer -> (candidate, ms)
+    finals: dict[str, Any] | None = None  # finals.json when best/ holds its winner (`search.finals`)
 
     @property
     def speedup(self) -> float | None:
@@ -392,6 +396,8 @@ class Search:
                 self._run_sequential(bar, t_start)
             self._reap()  # record the trials of outcomes whose process died before it could
             self._catch_up_best()  # ... and write best/ for a faster one that such a process recorded
+            if self.gpu and cfg.finalists >= 2 and cfg.final_rounds >= 1:
+                self._finals()
         finally:
             close_proposer(self.proposer)
             self.claims.stop()
@@ -403,12 +409,31 @@ class Search:
             self.run.write_leaderboard()
         return self.summary(self.evaluated, time.monotonic() - t_start)
 
+    def _finals(self) -> None:
+        """Time the fastest candidates again side by side and put the winner in best/ (`search.finals`). A failure
+        other than a hung GPU leaves best/ as the search left it, with a notice."""
+        cfg = self.cfg
+        try:
+            doc = run_finals(self.run, self.evaluator.gpu_timer(), cfg.finalists, cfg.final_rounds, cfg.notice)
+            if doc is not None and not self.evaluator.promote_winner(doc["winner"], doc):
+                cfg.notice(f"finals: {doc['winner']} won but is not in best/ (rejected by the full replay, or "
+                           "another process sharing the run promoted a faster one since)")
+        except GpuHangError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the search's result stands without the finals: say why
+            cfg.notice(f"finals not run: {type(exc).__name__}: {exc}"[:500])
+
     def _catch_up_best(self) -> None:
         """Write best/ for the fastest candidate recorded in the shared study when best/ is behind it: a process
         killed between recording a new best and writing best/ (on a resume, or one of several processes sharing the
-        run, at the end) leaves its candidate on disk and in the study but not in best/."""
+        run, at the end) leaves its candidate on disk and in the study but not in best/. Not when best/ holds the
+        winner of finals that timed that candidate too: they decided between the two side by side."""
         self._sync()
         best, on_disk = self.standing.best, self.run.best_ms()
+        finals = self.run.finals()
+        if best is not None and finals is not None and self.run.best_candidate() == finals.get("winner") \
+                and best.candidate in {e.get("candidate") for e in finals["entries"]}:
+            return
         if best is not None and best.ms is not None and (on_disk is None or best.ms < on_disk) \
                 and best.candidate in self.run.accepted():  # (another machine's best has no files here)
             self.evaluator.promote_again(best)
@@ -471,10 +496,16 @@ class Search:
         rej = self.run.rejected()
         screened = sum(status_of(r) == "screened" for r in rej.values())
         best = min(acc.items(), key=lambda kv: kv[1]["ms"]) if acc else None
+        finals = self.run.finals()
+        winner = finals.get("winner") if finals is not None else None
+        if winner in acc and self.run.best_candidate() == winner:  # best/ holds the finals' winner
+            best = (winner, acc[winner])
+        else:
+            finals = None
         return SearchSummary(self.run.path, evaluated, len(acc), len(rej) - screened, best[0] if best else None,
                              best[1]["ms"] if best else None,
                              acc.get(BASELINE, {}).get("ms") or self.standing.baseline_ms, not self.gpu, seconds,
-                             screened=screened, best_by_proposer=self.run.best_per_proposer())
+                             screened=screened, best_by_proposer=self.run.best_per_proposer(), finals=finals)
 
 
 class _Progress:

@@ -411,6 +411,12 @@ def test_merge_takes_best_from_a_folder_that_promoted_one_of_the_tied_fastest(tm
     wanted["c0005"]["record"]["schedule_key"] = "other"
     assert promoted_fastest(ranked, folders, wanted) == ("c0003", None)
     assert promoted_fastest([], folders, wanted) == (None, None)
+    # searches that ran finals hold their winners in best/, not always their fastest measurement: the merge takes
+    # the winner that was fastest in its search
+    write_json_atomic(folders[1].path / "best" / "timing.json",
+                      {"candidate": "c0002", "schedule_key": "kc0002", "finals": {"winner": "c0002"}})
+    cid, holder = promoted_fastest(ranked, folders, wanted)
+    assert (cid, holder.path if holder else None) == ("c0002", folders[1].path)
 
 
 def test_show_ranks_close_times_and_every_table_fits_80_columns(tmp_path: Path) -> None:
