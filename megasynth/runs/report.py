@@ -483,6 +483,19 @@ def _candidates_view(run: Run) -> list[dict[str, Any]]:
             for e in order[:200]]
 
 
+def finals_text(finals: dict[str, Any]) -> str:
+    """The finals of best/timing.json (the search's fastest timed again side by side) in one line: each finalist's
+    median and range, the winner first."""
+    parts = []
+    for e in finals.get("entries") or []:
+        med, lo, hi = (num(first_of(e, k)) for k in ("median_ms", "min_ms", "max_ms")) if isinstance(e, dict) \
+            else (None, None, None)
+        if med is not None:
+            rng = f" ({lo:.4f}–{hi:.4f})" if lo is not None and hi is not None else ""
+            parts.append(f"{e.get('candidate', '?')} {med:.4f} ms{rng}")
+    return f"{finals.get('rounds', '?')} rounds side by side, medians: " + ", ".join(parts)
+
+
 def render_report(run: Run) -> str:
     """The HTML report of one run (self-contained)."""
     best_dir = run.path / "best"
@@ -528,6 +541,9 @@ def render_report(run: Run) -> str:
              ("speed-up over naive", f"{sp:.2f}×" if sp else "—"),
              ("bandwidth floor", fmt_ms(floor_ms, floor_est) + floor_note if floor_ms else "—"),
              ("candidates", f"{run.accepted} accepted / {run.screened} screened / {run.rejected} rejected")]
+    finals = first_of(timing, "finals")
+    if best and isinstance(finals, dict) and finals.get("winner") == best.candidate:
+        cards.append(("finals", finals_text(finals)))
     if isinstance(ctx, int):
         cards.append(("context", str(ctx)))
 

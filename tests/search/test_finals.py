@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from megasynth.ir.schedule import load_schedule
 from megasynth.lowering.costmodel import estimate, load_params
 from megasynth.runs.reader import load_run
+from megasynth.runs.report import render_report
 from megasynth.runs.rundir import BASELINE, RunDir, schedule_key
 
 PARAMS = load_params()
@@ -89,6 +90,8 @@ def test_finals_put_the_lowest_median_in_best_not_the_luckiest_measurement(tmp_p
     browsed = load_run(run.path).best()
     assert browsed is not None and browsed.candidate == winner
     assert f"best {winner}: " in out and "finals, 2 rounds side by side: " + winner in out, out
+    html = render_report(load_run(run.path))
+    assert f"2 rounds side by side, medians: {winner} " in html and f"{entries[BASELINE]['median_ms']:.4f}" in html
 
     # a resumed search (here without finals of its own) keeps the finals' winner: it does not put the luckier
     # measurement back in best/
