@@ -170,9 +170,9 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
         sp = f", {summary.speedup:.3f}x vs naive {summary.baseline_ms:.4f} ms" if summary.speedup else ""
         click.echo(f"best {summary.best}: {summary.best_ms:.4f} ms{sp}{label}")
         if summary.finals is not None:
-            from megasynth.search.finals import summary_line
+            from megasynth.runs.report import finals_text
 
-            click.echo(summary_line(summary.finals))
+            click.echo("finals: " + finals_text(summary.finals))
         if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not its times
             click.echo(f"note: the cost model is fitted at batch 1 and does not price a batch's staging: on "
                        f"interpreter v10 its estimates came within 1-9 % of the measured step up to batch 8 and 31 % "

@@ -484,15 +484,17 @@ def _candidates_view(run: Run) -> list[dict[str, Any]]:
 
 
 def finals_text(finals: dict[str, Any]) -> str:
-    """The finals of best/timing.json (the search's fastest timed again side by side) in one line: each finalist's
-    median and range, the winner first."""
+    """The finals (finals.json, best/timing.json's "finals": the search's fastest timed again side by side) in one
+    line: each finalist's median, range and time in the search, the winner first."""
     parts = []
     for e in finals.get("entries") or []:
-        med, lo, hi = (num(first_of(e, k)) for k in ("median_ms", "min_ms", "max_ms")) if isinstance(e, dict) \
-            else (None, None, None)
+        med, lo, hi, loop = (num(first_of(e, k)) for k in ("median_ms", "min_ms", "max_ms", "loop_ms")) \
+            if isinstance(e, dict) else (None, None, None, None)
         if med is not None:
-            rng = f" ({lo:.4f}–{hi:.4f})" if lo is not None and hi is not None else ""
-            parts.append(f"{e.get('candidate', '?')} {med:.4f} ms{rng}")
+            rng = f"{lo:.4f}–{hi:.4f}" if lo is not None and hi is not None else ""
+            was = f"{loop:.4f} in the search" if loop is not None else ""
+            more = "; ".join(x for x in (rng, was) if x)
+            parts.append(f"{e.get('candidate', '?')} {med:.4f} ms" + (f" ({more})" if more else ""))
     return f"{finals.get('rounds', '?')} rounds side by side, medians: " + ", ".join(parts)
 
 

@@ -63,9 +63,3 @@ def run_finals(run: RunDir, timer: Timer, count: int, rounds: int, notice: Any =
     run.save_finals(doc)
     return doc
 
-
-def summary_line(doc: dict[str, Any]) -> str:
-    """One line for the search's summary: each finalist's median and range, the winner first."""
-    parts = [f"{e['candidate']} {e['median_ms']:.4f} ({e['min_ms']:.4f}-{e['max_ms']:.4f}; "
-             f"{e['loop_ms']:.4f} in the search)" for e in doc["entries"]]
-    return f"finals, {doc['rounds']} rounds side by side: " + ", ".join(parts)

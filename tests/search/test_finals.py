@@ -89,7 +89,7 @@ def test_finals_put_the_lowest_median_in_best_not_the_luckiest_measurement(tmp_p
     assert json.loads((run.path / "leaderboard.json").read_text())["finals"]["winner"] == winner
     browsed = load_run(run.path).best()
     assert browsed is not None and browsed.candidate == winner
-    assert f"best {winner}: " in out and "finals, 2 rounds side by side: " + winner in out, out
+    assert f"best {winner}: " in out and "finals: 2 rounds side by side, medians: " + winner in out, out
     html = render_report(load_run(run.path))
     assert f"2 rounds side by side, medians: {winner} " in html and f"{entries[BASELINE]['median_ms']:.4f}" in html
 
