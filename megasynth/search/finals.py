@@ -10,6 +10,7 @@ often not the fastest schedule. The finals time the fastest few again in a few r
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from megasynth.ir.errors import ScheduleError
@@ -30,7 +31,8 @@ def finalists(run: RunDir, count: int) -> list[tuple[str, float]]:
     return rows[:count]
 
 
-def run_finals(run: RunDir, timer: Timer, count: int, rounds: int, notice: Any = None) -> dict[str, Any] | None:
+def run_finals(run: RunDir, timer: Timer, count: int, rounds: int,
+               notice: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """Time `run`'s `count` fastest measured candidates side by side in `rounds` rounds with `timer` and write
     finals.json: per finalist its time in the search, each round's time, the median, min and max; the winner (the
     lowest median; ties to the faster search time) first. None (and nothing written) when fewer than two finalists
