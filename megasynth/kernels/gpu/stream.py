@@ -407,45 +407,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
 
 @gluon.jit
 def _release(t, empty, NS: gl.constexpr):
-    """Hand slot t % NS back to the loader once every compute warp is done reading it (with `release_lag`, slot
-    t - LAG, the instruction's last LAG slots after its signals: `_lag_flush`)."""
+    """Hand slot t % NS back to the loader once every compute warp is done reading it."""
     fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
-    if empty.shape[0] == NS:
-        mbarrier.arrive(empty.index(t % NS))
-    else:
-        LAG: gl.constexpr = empty.shape[0] - NS - 1
-        op0 = _lag_start(empty, NS)
-        if t - LAG >= op0:
-            mbarrier.arrive(empty.index((t - LAG) % NS))
+    mbarrier.arrive(empty.index(t % NS))
     return t + 1
-
-
-@gluon.jit
-def _lag_start(empty, NS: gl.constexpr):
-    """The compute warps' first slot of the running instruction (kept in the cell after the barriers)."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    v = empty.index(NS)._reinterpret(gl.int64, [1], gl.SwizzledSharedLayout(1, 1, 1, [0])).load(lay)
-    return gl.max(v, axis=0).to(gl.int32)
-
-
-@gluon.jit
-def _lag_set(empty, t, NS: gl.constexpr):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    empty.index(NS)._reinterpret(gl.int64, [1], gl.SwizzledSharedLayout(1, 1, 1, [0])).store(
-        gl.full([1], 0, gl.int64, lay) + t)
-
-
-@gluon.jit
-def _lag_flush(empty, t, NS: gl.constexpr):
-    """Hand back the instruction's last LAG slots (after its signals)."""
-    if empty.shape[0] > NS:
-        LAG: gl.constexpr = empty.shape[0] - NS - 1
-        op0 = _lag_start(empty, NS)
-        s = gl.maximum(op0, t - LAG)
-        while s < t:
-            mbarrier.arrive(empty.index(s % NS))
-            s += 1
 
 
 @gluon.jit
@@ -1919,9 +1885,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
         if TRACE:
             t_start = ptx.gl_globaltimer()
-        if empty.shape[0] > NS:
-            _lag_set(empty, t, NS)
-            gl.thread_barrier()
         if NB > 1:
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
@@ -1954,8 +1917,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                 sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
             ptx.gl_signal_release(counters_ptr + sc, sa)
             si += 1
-        if empty.shape[0] > NS:
-            _lag_flush(empty, t, NS)
         if TRACE:
             t_end = ptx.gl_globaltimer()
             gl.store(tr, t_wait)
@@ -1984,14 +1945,14 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, LAG: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS + (LAG + 1 if LAG > 0 else 0), 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
     # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
@@ -2093,9 +2054,6 @@ class StreamConfig:
     #: llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost llama-8b
     #: 5.6 % (docs/perf-notes.md)
     inflight: int = 3
-    #: experiment: the compute warps hand each instruction's slots back release_lag slots late, the last ones after
-    #: its signals, so that the loader has no free slot to fill while the release runs (batch 1 without `mma`)
-    release_lag: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -2347,7 +2305,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], LAG=sc.release_lag, num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
