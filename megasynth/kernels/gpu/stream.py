@@ -2049,10 +2049,10 @@ class StreamConfig:
     bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
-    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. Every SM's fills in flight are what
-    #: the chain's releases and polls queue behind: 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 % faster,
-    #: llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost llama-8b
-    #: 5.6 % (docs/perf-notes.md)
+    #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. A release's fence waits for this
+    #: SM's fills in flight to land (`scripts/release_probe.py`): 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 %
+    #: faster, llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost
+    #: llama-8b 5.6 % (docs/perf-notes.md)
     inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
