@@ -679,3 +679,21 @@ def test_batch_one_loads_k_ranges_as_vectors() -> None:
     scalar = [k.asm["ptx"].count("ld.global.cg.b32") for k in (vec, elem)]
     assert scalar[1] - scalar[0] >= 16, scalar
     assert (vres.regs, vres.stack) == (eres.regs, eres.stack) and vres.stack == 0
+
+
+def test_a_release_is_a_gpu_fence_then_the_add() -> None:
+    """Every counter release (`ptx.ASM_SIGNAL_RELEASE`) is a GPU-scope fence right before the add in the machine code:
+    the fence that waits until this SM's fills in flight have landed, which is what a release costs while the loader
+    streams (`scripts/release_probe.py`, docs/perf-notes.md)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10, sass
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import get_model
+
+    spec = get_model("tiny")
+    kernel, _ = compile_v10(spec.config, spec.max_seq_len, StreamConfig())
+    code = [ln for ln in sass(kernel).splitlines() if ";" in ln]
+    adds = [i for i, ln in enumerate(code) if "RED" in ln and ".ADD.S32" in ln and ".GPU" in ln]
+    assert adds, "no counter release found in the machine code"
+    for i in adds:
+        assert any("MEMBAR" in ln and ".GPU" in ln for ln in code[max(0, i - 4):i]), code[max(0, i - 4):i + 1]
