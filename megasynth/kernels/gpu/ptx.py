@@ -120,16 +120,6 @@ def gl_bf16_to_f32(x):
     return bits.to(gl.float32, bitcast=True)
 
 
-ASM_MEMBAR_CTA = tl.constexpr("membar.cta; mov.u32 $0, 0;")
-
-
-@gluon.jit
-def gl_membar_cta():
-    """A CTA-scope fence (returns 0): loads after it are not served from before it, so a spin on shared memory that
-    another partition writes re-reads it (ptxas hoists a weak shared load out of a loop without one)."""
-    return gl.inline_asm_elementwise(ASM_MEMBAR_CTA, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def gl_smid():
     """The SM this thread runs on (`%smid`)."""

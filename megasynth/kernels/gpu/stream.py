@@ -132,98 +132,12 @@ def _expect(bar, nboxes, SB: gl.constexpr, BOX_BYTES: gl.constexpr):
         mbarrier.expect(bar, m * BOX_BYTES, pred=nboxes == m)
 
 
-#: Cells after the ring's `empty` barriers when the release hold is on (`StreamConfig.release_hold`), each an int64
-#: in shared memory: the compute warps' slots consumed, their instructions released; the loader's own count of
-#: releases it has accounted for, of instructions it has issued, and a ring of HOLD_Q instruction ends (its t after
-#: each instruction's fills).
-C_POS: gl.constexpr = gl.constexpr(0)
-C_REL: gl.constexpr = gl.constexpr(1)
-C_SEEN: gl.constexpr = gl.constexpr(2)
-C_PUSHED: gl.constexpr = gl.constexpr(3)
-C_STARTED: gl.constexpr = gl.constexpr(4)  # instructions whose waits the compute warps have passed
-C_ENDS: gl.constexpr = gl.constexpr(5)
-HOLD_Q: gl.constexpr = gl.constexpr(8)
-HOLD_CELLS: gl.constexpr = gl.constexpr(5 + 8)
-HOLD_SPIN_NS: gl.constexpr = gl.constexpr(20_000_000)  # a hold gives up after 20 ms (the step then just runs slower)
-
-
-@gluon.jit
-def _cell(empty, NS: gl.constexpr, i):
-    """Cell i after the NS barriers, viewed as one int64."""
-    return empty.index(NS + i)._reinterpret(gl.int64, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
-
-@gluon.jit
-def _cell_get(empty, NS: gl.constexpr, i):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    return gl.max(_cell(empty, NS, i).load(lay), axis=0).to(gl.int32)
-
-
-@gluon.jit
-def _cell_set(empty, NS: gl.constexpr, i, v):
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    _cell(empty, NS, i).store(gl.full([1], 0, gl.int64, lay) + v)
-
-
-@gluon.jit
-def _hold_until_released(empty, NS: gl.constexpr, seen):
-    """Spin (bounded) until the compute warps have released more than `seen` instructions."""
-    t0 = ptx.gl_globaltimer()
-    el = t0 - t0
-    while (_cell_get(empty, NS, C_REL) <= seen) & (el < HOLD_SPIN_NS):
-        # a fence in the loop: without it ptxas hoists the (weak) shared load out of the spin, which then never
-        # sees the release and runs to its bound (what the H200 showed)
-        el = ptx.gl_globaltimer() - t0 + ptx.gl_membar_cta().to(gl.int64)
-
-
-@gluon.jit
-def _hold(t, empty, NS: gl.constexpr):
-    """The release hold (`StreamConfig.release_hold`, HOLD slots): fill t is not issued while an instruction that
-    ends before it is unreleased, past its waits and within HOLD slots of its end, so that no
-    fill of this SM is in flight when their release's fence runs (it waits for every one: docs/perf-notes.md)."""
-    HOLD: gl.constexpr = empty.shape[0] - NS - HOLD_CELLS
-    seen = _cell_get(empty, NS, C_SEEN)
-    pushed = _cell_get(empty, NS, C_PUSHED)
-    go = seen < pushed
-    while go:
-        end = _cell_get(empty, NS, C_ENDS + seen % HOLD_Q)
-        if _cell_get(empty, NS, C_REL) > seen:
-            seen += 1
-        elif t < end:
-            go = False
-        elif _cell_get(empty, NS, C_STARTED) <= seen:  # still waiting on its counters: prefetching pays then
-            go = False
-        elif _cell_get(empty, NS, C_POS) < end - HOLD:
-            go = False
-        else:
-            _hold_until_released(empty, NS, seen)
-            seen += 1
-        go = go & (seen < pushed)
-    _cell_set(empty, NS, C_SEEN, seen)
-
-
-@gluon.jit
-def _hold_push(t, empty, NS: gl.constexpr):
-    """Record that the loader's instruction ends at fill t (waiting first if HOLD_Q instructions are unreleased)."""
-    seen = _cell_get(empty, NS, C_SEEN)
-    pushed = _cell_get(empty, NS, C_PUSHED)
-    while pushed - seen >= HOLD_Q:
-        if _cell_get(empty, NS, C_REL) <= seen:
-            _hold_until_released(empty, NS, seen)
-        seen += 1
-    _cell_set(empty, NS, C_ENDS + pushed % HOLD_Q, t)
-    _cell_set(empty, NS, C_PUSHED, pushed + 1)
-    _cell_set(empty, NS, C_SEEN, seen)
-
-
 @gluon.jit
 def _claim(t, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr):
     """Wait until slot t % NS may be filled: the compute warps released it, and (INFLIGHT < NS) at most INFLIGHT
     earlier fills are still in flight, so that the compute warps' own loads (counters, activations) do not queue
     behind the whole ring (`StreamConfig.inflight`; measurements in docs/perf-notes.md)."""
     s = t % NS
-    if empty.shape[0] > NS:
-        _hold(t, empty, NS)
     if INFLIGHT < NS:
         if t >= INFLIGHT:
             u = t - INFLIGHT
@@ -484,8 +398,6 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
             gl.store(tr + 5, ptx.gl_globaltimer())
-        if empty.shape[0] > NS:
-            _hold_push(t, empty, NS)
         qi += 1
         op, layer, a0, a1, a2, a3 = n_op, n_layer, n_a0, n_a1, n_a2, n_a3
 
@@ -499,8 +411,6 @@ def _release(t, empty, NS: gl.constexpr):
     fence_async_shared()  # order the generic-proxy reads before the loader's next async (TMA) write of the slot
     gl.thread_barrier()
     mbarrier.arrive(empty.index(t % NS))
-    if empty.shape[0] > NS:
-        _cell_set(empty, NS, C_POS, t + 1)
     return t + 1
 
 
@@ -1958,7 +1868,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
     pid = gl.program_id(0)
     gl.store(smid_ptr + pid, ptx.gl_smid())
     qi = gl.load(qoff_ptr + pid)
-    q0 = qi
     q1 = gl.load(qoff_ptr + pid + 1)
     token = gl.load(rt_ptr)
     pos = gl.load(rt_ptr + 1)
@@ -1976,8 +1885,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         ok = _wait(counters_ptr, waits_ptr, err_ptr, pid, iid, woff, wn, c0, v0, ok, timeout_ns, WB, num_warps)
         if TRACE:
             t_start = ptx.gl_globaltimer()
-        if empty.shape[0] > NS:
-            _cell_set(empty, NS, C_STARTED, qi - q0 + 1)
         if NB > 1:
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
@@ -2010,8 +1917,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                 sa = gl.load(sigs_ptr + 2 * (soff + si) + 1)
             ptx.gl_signal_release(counters_ptr + sc, sa)
             si += 1
-        if empty.shape[0] > NS:
-            _cell_set(empty, NS, C_REL, qi - q0 + 1)
         if TRACE:
             t_end = ptx.gl_globaltimer()
             gl.store(tr, t_wait)
@@ -2040,15 +1945,14 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, HOLD: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NS + (HOLD_CELLS + HOLD if HOLD > 0 else 0), 1],
-                                      mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
     # On the tensor-core path it holds the same bytes as `_store_operand`'s bf16 hi/lo operand (vbuf unused).
@@ -2067,10 +1971,6 @@ def stream_megakernel(
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if HOLD > 0:
-        for i in gl.static_range(HOLD_CELLS):
-            _cell_set(empty, NS, i, 0)
-        gl.thread_barrier()
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
@@ -2154,9 +2054,6 @@ class StreamConfig:
     #: faster, llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost
     #: llama-8b 5.6 % (docs/perf-notes.md)
     inflight: int = 3
-    #: experiment: the loader issues no fill past the end of an unreleased instruction while the compute warps are
-    #: within release_hold slots of that end (`_hold`), so that the release's fence finds no fill of this SM in flight
-    release_hold: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -2408,7 +2305,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], HOLD=sc.release_hold, num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
