@@ -1,8 +1,9 @@
 """What does a counter hop cost, and what makes a release slow? (docs/perf-notes.md, "what a release waits for")
 
 Two CTAs ping-pong on two counters with the megakernel's protocol (ptx.py: stores, CTA barrier, `red.release.gpu`
-from thread 0; the other CTA polls with acquire loads, then a CTA barrier). Probe 0 times its release (the barrier
-and the release add) and the round trip (two hops), the median over 180 hops.
+from thread 0; the other CTA polls with acquire loads, then a CTA barrier: every thread polls in the `load` part, as
+interpreter v9 does, the first warp in the `tma` part, as v10 does). Probe 0 times its release (the barrier and the
+release add) and the round trip (two hops), the median over 180 hops.
 
 - `load`: while other CTAs stream a 2 GiB array from DRAM with plain loads (each keeping one load of BLOCK fp32 in
   flight), placed anywhere, only on the probes' SMs, or everywhere but there. Asks: do other SMs' reads, or this
