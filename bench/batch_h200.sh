@@ -2,11 +2,10 @@
 # Tokens/s by batch on one GPU: `synth bench --batch 1,2,4,8,16` at ctx 1024 for the models named on the command
 # line (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the
 # megakernel (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the
-# lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) with the merge
-# of attention's splits apart from o_proj (v10 has no batched fold yet) and attention split batch times less (the
-# same number of attention instructions); from batch 8, where v10's ring slots are [128, 64] tiles of 128 weight
-# rows, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and gate/up tiles of a
-# multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
+# lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) adapted to the
+# batch by `megasynth.lowering.strategy.for_batch`: attention's merge apart from o_proj, attention split batch times
+# less, and from batch 8, where v10's ring slots are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K
+# split as much finer), QKV tiles of 64 and gate/up tiles of a multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
 # when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
 # (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more); QKV=pairs keeps the
 # reference run's QKV tiles of RoPE pairs at every batch instead of rounding them up to whole heads. About 6 minutes
@@ -25,33 +24,17 @@ fi
 read -r -a BATCHES <<< "${BATCHES:-1 2 4 8 16}"  # BATCHES="1 8" times those only
 lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
   python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
-import gzip, json, sys
-from megasynth.lowering.models import get_model
-import os
+import gzip, json, os, sys
+from megasynth.lowering.models import get_model, with_batch
+from megasynth.lowering.strategy import Strategy, for_batch
 model, out, *batches = sys.argv[1:]
+# QKV tiles of whole heads, as the published rows from batch 8 were measured (v10 also runs a batch's RoPE-pair
+# tiles: QKV=pairs, as batches 2 and 4 are published)
 whole_heads = os.environ.get("QKV", "heads") != "pairs"
-strategy = json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"]
-hd = get_model(model).config.hd
+strategy = Strategy.model_validate(
+    json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"])
 for b in map(int, batches):
-    s = dict(strategy)
-    if b > 1:
-        s["fuse_attn_reduce"] = False
-        s["attn_splits"] = max(1, strategy["attn_splits"] // b)
-        # QKV tiles of whole heads, as the published rows were measured (v10 also runs a batch's RoPE-pair tiles,
-        # which `synth search --batch` explores; not measured here yet)
-        if whole_heads:
-            s["tiles"] = {**s["tiles"], "attn_norm_qkv_rope": -(-s["tiles"].get("attn_norm_qkv_rope", hd) // hd) * hd}
-    if b >= 8:  # from batch 8 (StreamConfig.batch_tiles) a ring slot is a [128, 64] tile of two 64-row halves:
-        # o_proj and down rows 128 at a time (K split as much finer, the same number of instructions), QKV 64 rows
-        # at least (32-row tiles of RoPE pairs run too and measured the same on llama-1b: docs/perf-notes.md)
-        tiles, splits = dict(s["tiles"]), dict(s["k_splits"])
-        for op in ("o_proj_residual", "down_proj_residual"):
-            if tiles[op] < 128:
-                splits[op] = splits.get(op, 1) * 128 // tiles[op]
-                tiles[op] = 128
-        tiles["attn_norm_qkv_rope"] = max(64, tiles["attn_norm_qkv_rope"])
-        tiles["mlp_norm_gate_up"] = -(-tiles["mlp_norm_gate_up"] // 64) * 64  # whole 64-row halves of a slot
-        s["tiles"], s["k_splits"] = tiles, splits
+    s = for_batch(strategy, with_batch(get_model(model), b), whole_heads).model_dump(mode="json")
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
   for b in "${BATCHES[@]}"; do

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from megasynth.ir.catalogue import OP_ORDER
 from megasynth.ir.errors import ScheduleError, json_path
-from megasynth.kernels.gpu.pack import batch_model_limits
+from megasynth.kernels.gpu.pack import V10_TILE_BATCH, batch_model_limits
 
 if TYPE_CHECKING:
     from megasynth.lowering.models import ModelSpec
@@ -148,6 +148,9 @@ def load_strategy(path: str | Path) -> Strategy:
 #: Rows of one TMA box of interpreter v10 (`BR` in kernels/gpu/stream.py; tests/test_search_space.py checks it): a
 #: tile whose rows are a multiple of it fills its boxes, so the space offers wave tiles rounded up to it too.
 BOX_ROWS = 16
+#: Rows of one half of a v10 batch's tile slot (from `V10_TILE_BATCH` sequences a slot is a [128, 64] tile: 64 gate
+#: and 64 up rows, a RoPE pair's two halves, or 128 rows of o_proj and down).
+TILE_HALF = 64
 #: Producer->consumer edges where a consumer reads only part of its producer's output, so a finer dependency can
 #: overlap the two stages (every other edge is all-to-all: a norm reads the whole of x).
 FINE_EDGES: tuple[str, ...] = ("attn_norm_qkv_rope->attn_partial", "attn_partial->attn_reduce",
@@ -207,12 +210,60 @@ def whole_head_qkv(spec: ModelSpec) -> bool:
     return spec.batch > 1 and batch_model_limits(spec.config, spec.batch) is not None
 
 
+#: From `V10_TILE_BATCH` sequences, the rows an op's tile should be a multiple of to fill the batch's [128, 64] tile
+#: slots: o_proj and down fill a slot with 128 rows, gate/up with 64 gate and 64 up rows. At batch 8 on llama-1b
+#: 64-row o_proj and down tiles took 1.215 ms against 1.090 for 128-row ones (docs/perf-notes.md).
+TILE_FILL = {"o_proj_residual": 2 * TILE_HALF, "down_proj_residual": 2 * TILE_HALF, "mlp_norm_gate_up": TILE_HALF}
+
+
+def _tile_slots(spec: ModelSpec) -> bool:
+    """Whether the spec's batch runs on v10's tile slots (`V10_TILE_BATCH` and up, not on interpreter v9)."""
+    return spec.batch >= V10_TILE_BATCH and not whole_head_qkv(spec)
+
+
+def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
+    """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
+    (docs/perf-notes.md, the v10 batch entries): no merge folded into o_proj (none is batched); attention split batch
+    times less, so a layer has as many attention instructions; QKV tiles of whole heads where the batch runs on
+    interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from
+    `V10_TILE_BATCH`, where a v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a
+    time (K split as much finer, as many instructions, at most the largest split offered), QKV tiles of 64 rows at
+    least and gate/up tiles of whole 64-row halves. `synth search --batch` starts from its seeds adapted so, and
+    `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the strategy as it is."""
+    b = spec.batch
+    if b == 1:
+        return strategy
+    c = spec.config
+    d = strategy.model_dump(mode="json")
+    tiles = {**Strategy().tiles, **strategy.tiles}
+    splits = {op: strategy.k_splits.get(op, 1) for op in K_SPLIT_OPS}
+    d["fuse_attn_reduce"] = False
+    d["attn_splits"] = max(1, strategy.attn_splits // b)
+    qkv = "attn_norm_qkv_rope"
+    if _tile_slots(spec):
+        for op in K_SPLIT_OPS:
+            if tiles[op] < TILE_FILL[op]:
+                top = max(k_split_choices(spec, op))
+                splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
+        tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
+        tiles[qkv] = max(TILE_HALF, tiles[qkv])
+    if whole_head_qkv(spec) or whole_heads:
+        tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
+        if c.qk_norm:
+            d["qk_norm"] = "in_qkv"
+    rows = _rows_of(spec)
+    d["tiles"] = {op: min(t, rows.get(op, t)) for op, t in tiles.items()}
+    d["k_splits"] = splits
+    return Strategy.model_validate(d)
+
+
 def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
     are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
     tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
     whole heads (at least one). A batch that runs on interpreter v9 (`whole_head_qkv`: v9 computes QKV a whole head
-    at a time) is offered whole-head QKV tiles only; on v10 a batch's are pair tiles, as at batch 1."""
+    at a time) is offered whole-head QKV tiles only; on v10 a batch's are pair tiles, as at batch 1, and from
+    `V10_TILE_BATCH` o_proj, down and gate/up tiles fill whole tile slots (`TILE_FILL`)."""
     c = spec.config
     rows = _rows_of(spec)[op]
     if op == "attn_norm_qkv_rope" and whole_head_qkv(spec):
@@ -227,6 +278,8 @@ def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
         pows = {1 << k for k in range(20) if lo <= 1 << k <= hi}
         splits = k_split_choices(spec, op) if op in K_SPLIT_OPS else (1,)
         cands = pows | set(wave_tiles(rows, workers, splits))
+        if op in TILE_FILL and _tile_slots(spec):  # whole tile slots: a part-filled slot streams as long as a full one
+            cands = {min(rows, -(-t // TILE_FILL[op]) * TILE_FILL[op]) for t in cands}
     return tuple(sorted(t for t in cands if 1 <= t <= rows))
 
 

@@ -179,3 +179,67 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
                 continue
             with pytest.raises(ScheduleError, match=where):
                 build(spec, workers, Proposal(bad, [], "asked for it", "llm"))
+
+
+def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
+    """`for_batch` turns llama-1b's reference strategy into the batch-8 schedule the published batch rows ran (o_proj
+    and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows; gate/up whole
+    64-row halves; attention split batch times less; no folded merge), keeps batch 1 as it is, gives a v9 batch (a
+    QK-norm model) whole-head QKV tiles with the norm inside QKV, and never exceeds an op's rows (tiny)."""
+    from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
+    from megasynth.lowering.strategy import TILE_FILL, for_batch
+
+    ref = Strategy(tiles={"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64,
+                          "down_proj_residual": 64, "final_norm_lm_head": 256},
+                   k_splits={"o_proj_residual": 4, "down_proj_residual": 4}, attn_splits=16, fuse_attn_reduce=True,
+                   assignment="critical_path")
+    llama = get_model("llama-1b")
+    assert for_batch(ref, llama) == ref
+    b8 = for_batch(ref, with_batch(llama, 8))
+    assert b8.tiles["o_proj_residual"] == b8.tiles["down_proj_residual"] == 128
+    assert b8.k_splits == {"o_proj_residual": 8, "down_proj_residual": 8}
+    assert (b8.tiles["attn_norm_qkv_rope"], b8.tiles["mlp_norm_gate_up"], b8.tiles["final_norm_lm_head"]) == (64, 64,
+                                                                                                             256)
+    assert (b8.attn_splits, b8.fuse_attn_reduce, b8.assignment) == (2, False, "critical_path")
+    for op in ("o_proj_residual", "down_proj_residual"):  # as many instructions as batch 1's
+        assert (llama.config.hidden_size // b8.tiles[op] * b8.k_splits[op]
+                == llama.config.hidden_size // ref.tiles[op] * ref.k_splits[op])
+    b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
+    assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
+    assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
+    qwen = with_batch(get_model("qwen3-8b"), 8)
+    q8 = for_batch(Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention"), qwen)
+    assert q8.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q8.qk_norm == "in_qkv"
+    check_runs_on_v9(pack(lower(qwen, 132, q8), "v9"), qwen.config.hd, "")
+    tiny = with_batch(get_model("tiny"), 8)
+    t8 = for_batch(ref, tiny)
+    assert t8.tiles["o_proj_residual"] == min(TILE_FILL["o_proj_residual"], tiny.config.hidden_size)
+    check_runs_batched_on_v10(pack(lower(tiny, 6, t8), "v10"))
+
+
+def test_a_tile_batch_is_offered_tiles_that_fill_its_slots_and_adapted_seeds() -> None:
+    """From batch 8 (v10's [128, 64] tile slots) the search offers o_proj, down and gate/up tiles of whole slots
+    (or the op's whole rows), below it and at batch 1 the batch-1 choices; the hand-written seeds come adapted to the
+    batch and lower for it."""
+    from megasynth.lowering.strategy import TILE_FILL, SearchSpace, tile_choices
+    from megasynth.search.evaluate import build
+    from megasynth.search.proposers.base import SearchContext
+    from megasynth.search.proposers.heuristic import HeuristicProposer
+
+    for name in ("llama-1b", "tiny"):
+        rows = {"o_proj_residual": get_model(name).config.hidden_size,
+                "mlp_norm_gate_up": get_model(name).config.intermediate_size}
+        for op, fill in TILE_FILL.items():
+            if op not in rows:
+                continue
+            at8 = tile_choices(with_batch(get_model(name), 8), 132, op)
+            assert at8 and all(t % fill == 0 or t == rows[op] for t in at8), (name, op, at8)
+            assert tile_choices(with_batch(get_model(name), 4), 132, op) == tile_choices(get_model(name), 132, op)
+    assert 16 in tile_choices(get_model("llama-1b"), 132, "o_proj_residual")
+    spec = with_batch(get_model("tiny"), 8)
+    proposals = HeuristicProposer(SearchSpace(spec, 6), hill_climb=False).propose(
+        SearchContext("tiny", 6, "cpu", None, [], None, True), 3)
+    assert len(proposals) == 3
+    for p in proposals:
+        assert "adapted to batch 8" in p.rationale and not p.strategy.fuse_attn_reduce
+        build(spec, 6, p)

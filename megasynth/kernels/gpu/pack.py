@@ -66,6 +66,9 @@ K_VEC = 4
 #: The most sequences interpreter v10 decodes in one step (a batch's wgmma has N = 16, or 32 with hi/lo operands, at
 #: most).
 V10_MAX_BATCH = 16
+#: The smallest batch whose v10 ring slots are [128, 64] tiles of two 64-row halves (`StreamConfig.batch_tiles`'s
+#: default; smaller batches keep the batch-1 row-pair slots): the batch lowering rounds tiles to fill them.
+V10_TILE_BATCH = 8
 #: How to select each interpreter, for the messages that send an op to another one.
 _HOW = {"v10": "StreamConfig, Megakernel's default on Hopper", "v9": "KernelConfig"}
 

@@ -57,7 +57,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from megasynth.ir.model import ModelConfig
 from megasynth.kernels.gpu import ptx
-from megasynth.kernels.gpu.pack import F_A4, F_IDX, K_VEC, OPCODES, ROW, TRACE_FIELDS, batch_model_limits
+from megasynth.kernels.gpu.pack import (
+    F_A4,
+    F_IDX,
+    K_VEC,
+    OPCODES,
+    ROW,
+    TRACE_FIELDS,
+    V10_TILE_BATCH,
+    batch_model_limits,
+)
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
 OP_QKV: gl.constexpr = gl.constexpr(OPCODES["attn_norm_qkv_rope"])
@@ -2109,7 +2118,7 @@ class StreamConfig:
     #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence). Measured on llama-1b with
     #: [16, 64] boxes and 64 K per slot: the tiles 1.07x faster at batch 8, 1.14x slower at batch 2
     #: (docs/perf-notes.md)
-    batch_tiles: int = 8
+    batch_tiles: int = V10_TILE_BATCH
     #: rows of a tile's TMA boxes: 16 (groups past an instruction's rows are not copied) or 32/64 (fewer, larger
     #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused). 64 against 16: 4-5 %
     #: faster at batch 8 and 16 (docs/perf-notes.md)

@@ -1,13 +1,14 @@
 """The hand-written seeds: strategies written by people from the H200 measurements (docs/perf-notes.md), offered in
-order, then hill climbing around the best accepted candidate. One labelled proposer among the others (`seeds` in
-the runs); the searches that need no seeds are `descent`, `evolve` and `tpe`."""
+order (at a batch, adapted to it by `for_batch`), then hill climbing around the best accepted candidate. One
+labelled proposer among the others (`seeds` in the runs); the searches that need no seeds are `descent`, `evolve`
+and `tpe`."""
 
 from __future__ import annotations
 
 import random
 from typing import Any
 
-from megasynth.lowering.strategy import SearchSpace, Strategy
+from megasynth.lowering.strategy import SearchSpace, Strategy, for_batch
 from megasynth.search.proposers.base import Proposal, Result, SearchContext, strategy_key
 
 _V9 = {"embed": 1 << 20, "attn_norm_qkv_rope": 64, "o_proj_residual": 16, "mlp_norm_gate_up": 64,
@@ -72,6 +73,9 @@ class HeuristicProposer:
         for h in ctx.history:
             self.seen.add(strategy_key(h.proposal.strategy, h.proposal.patches))
         seeds = seed_strategies()
+        if self.space.spec.batch > 1:  # written for one sequence: adapted as the batch measurements say
+            seeds = [(f"{why}; adapted to batch {self.space.spec.batch} (for_batch)", for_batch(st, self.space.spec))
+                     for why, st in seeds]
         while len(out) < n and self.next_seed < len(seeds):
             why, st = seeds[self.next_seed]
             self.next_seed += 1
