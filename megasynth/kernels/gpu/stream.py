@@ -2061,7 +2061,8 @@ class StreamConfig:
     #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. A release's fence waits for this
     #: SM's fills in flight to land (`scripts/release_probe.py`): 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 %
     #: faster, llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost
-    #: llama-8b 5.6 % (docs/perf-notes.md)
+    #: llama-8b 5.6 % (docs/perf-notes.md). Counted in batch-1 (16 KB) slots: a batch's 32 KB tile slots keep half as
+    #: many fills in flight, rounded up (llama-1b at batch 8: 2 fills 1.6 % faster than 3, 1 fill 12 % slower)
     inflight: int = 3
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
@@ -2255,6 +2256,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         kt, slot_bytes = 1, slot_bytes // kt
         fit = (SMEM_LIMIT - SMEM_RESERVE - stage_bytes) // slot_bytes
     slots = sc.slots or fit
+    # `StreamConfig.inflight` counts batch-1 slots: a batch's tile slots of kt wgmma tiles keep as many bytes in
+    # flight, in kt times fewer fills (rounded up), since a release's fence waits for them all
+    inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
                          f"staging buffer (at most {fit})")
@@ -2287,7 +2291,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # sequences' whole vectors on row-pair slots (`_stage_batch`)
     cg = max(1, min(chunks["NCHH"], _pow2_floor(sc.stage_values // (nbp * bk))) if tile else
              min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk))))
-    return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "ring_bytes": slots * slot_bytes,
+    return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "INFLIGHT": inflight, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
@@ -2306,7 +2310,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, V=c.vocab_size, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
-        INFLIGHT=min(sc.inflight or geo["NS"], geo["NS"]), SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
+        INFLIGHT=geo["INFLIGHT"], SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
