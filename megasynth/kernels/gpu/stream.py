@@ -324,9 +324,10 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 @gluon.jit
 def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
             H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
-            QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-            BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr, TRACE: gl.constexpr,
-            NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
+            QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
+            SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
+            TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
+            KT: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -359,7 +360,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 head, j, n = _qkv_group(p, pend, HALF, GR if TILE else BR)
                 ra = base + head * HD + j
                 if TILE:
-                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
+                    t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIN,
                                         QXR, KT)
                 else:
                     for kb in range(0, NKH, SB // 2):
@@ -1947,7 +1948,8 @@ def stream_megakernel(
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
     V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, QKV_BIAS: gl.constexpr,
-    QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
+    QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
+    SB: gl.constexpr,
     NCH: gl.constexpr, NCHH: gl.constexpr, NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr,
     BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr,
     OP_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
@@ -1989,7 +1991,7 @@ def stream_megakernel(
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
+                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
                    KW, TILE, XR, KT)),
     ], [1], [LOADER_REGS])
 
@@ -2064,6 +2066,9 @@ class StreamConfig:
     #: llama-8b 5.6 % (docs/perf-notes.md). Counted in batch-1 (16 KB) slots: a batch's 32 KB tile slots keep half as
     #: many fills in flight, rounded up (llama-1b at batch 8: 2 fills 1.6 % faster than 3, 1 fill 12 % slower)
     inflight: int = 3
+    #: fills in flight while a batch's QKV tiles stream (0: as many bytes in flight as `inflight`'s: a 64-dim head's
+    #: QKV fills carry half a slot's bytes, so twice as many fills)
+    qkv_inflight: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -2259,6 +2264,11 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # `StreamConfig.inflight` counts batch-1 slots: a batch's tile slots of kt wgmma tiles keep as many bytes in
     # flight, in kt times fewer fills (rounded up), since a release's fence waits for them all
     inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
+    # a batch's QKV tile fills carry QXR of each half's rows: fewer bytes than a slot where QXR < 64 (64-dim heads),
+    # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
+    qxr = min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16
+    qkv_fill = 2 * qxr * 64 * kt * 2 if tile else slot_bytes
+    qin = min(sc.qkv_inflight or (-(-sc.inflight * (slot_bytes // kt) // qkv_fill) if sc.inflight else slots), slots)
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
                          f"staging buffer (at most {fit})")
@@ -2295,7 +2305,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16, "stage_k": window * bk,
+            "QXR": qxr, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
@@ -2310,7 +2320,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         H=c.hidden_size, IS=c.intermediate_size, NH=c.num_attention_heads, NKV=c.num_key_value_heads, HD=c.hd,
         S=max_seq_len, V=c.vocab_size, EPS=float(c.rms_norm_eps), SCALE=1.0 / math.sqrt(c.hd), G=c.group_size,
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
-        INFLIGHT=geo["INFLIGHT"], SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
+        INFLIGHT=geo["INFLIGHT"], QIN=geo["QIN"], SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
         ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
