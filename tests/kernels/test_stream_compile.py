@@ -702,20 +702,22 @@ def test_a_release_is_a_gpu_fence_then_the_add() -> None:
 def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
     """`StreamConfig.inflight` is a byte budget in batch-1 slots: a tile batch's 32 KB slots keep half as many fills
     in flight (rounded up), its 16 KB slots (llama-8b at batch 16) and every row-pair batch as many, and the ring
-    bounds it; the build's INFLIGHT is that count."""
+    bounds it; the build's INFLIGHT is that count. A batch's QKV tile fills of a 64-dim head carry 16 KB (32 rows of
+    each half), so its QKV keeps as many bytes in flight in more fills (QIN; `qkv_inflight` sets it)."""
     from megasynth.kernels.gpu.stream import StreamConfig, stream_config, stream_constexprs, stream_geometry
     from megasynth.lowering.models import get_model
 
-    for name, batch, kt, fills in (("llama-1b", 1, 1, 3), ("llama-1b", 4, 1, 3), ("llama-1b", 8, 2, 2),
-                                   ("llama-1b", 16, 2, 2), ("llama-8b", 1, 1, 4), ("llama-8b", 8, 2, 2),
-                                   ("llama-8b", 16, 1, 4)):
+    for name, batch, kt, fills, qkv in (("llama-1b", 1, 1, 3, 3), ("llama-1b", 4, 1, 3, 3), ("llama-1b", 8, 2, 2, 3),
+                                        ("llama-1b", 16, 2, 2, 3), ("llama-8b", 1, 1, 4, 4), ("llama-8b", 8, 2, 2, 2),
+                                        ("llama-8b", 16, 1, 4, 4)):
         cfg = get_model(name).config
         sc = stream_config(cfg)
         geo = stream_geometry(cfg, sc, batch)
-        assert (geo["KT"], geo["INFLIGHT"]) == (kt, fills), (name, batch)
+        assert (geo["KT"], geo["INFLIGHT"], geo["QIN"]) == (kt, fills, qkv), (name, batch)
         assert stream_constexprs(cfg, 4096, sc, False, batch)["INFLIGHT"] == fills
     llama = get_model("llama-1b").config
     assert stream_geometry(llama, StreamConfig(inflight=0), 8)["INFLIGHT"] == stream_geometry(llama, StreamConfig(),
                                                                                                8)["NS"]
     assert stream_geometry(llama, StreamConfig(inflight=99), 1)["INFLIGHT"] == stream_geometry(llama, StreamConfig(),
                                                                                                 1)["NS"]
+    assert stream_geometry(llama, StreamConfig(qkv_inflight=5), 8)["QIN"] == 5

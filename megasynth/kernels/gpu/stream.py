@@ -2066,8 +2066,9 @@ class StreamConfig:
     #: llama-8b 5.6 % (docs/perf-notes.md). Counted in batch-1 (16 KB) slots: a batch's 32 KB tile slots keep half as
     #: many fills in flight, rounded up (llama-1b at batch 8: 2 fills 1.6 % faster than 3, 1 fill 12 % slower)
     inflight: int = 3
-    #: fills in flight while a batch's QKV tiles stream (0: as many bytes in flight as `inflight`'s: a 64-dim head's
-    #: QKV fills carry half a slot's bytes, so twice as many fills)
+    #: fills in flight while a batch's QKV tiles stream (0: as many bytes as `inflight`'s batch-1 slots: a 64-dim
+    #: head's QKV tile fills carry 16 KB, so llama-1b keeps 3 of them where its other tile fills are 2 of 32 KB; 2.0 %
+    #: faster at batch 8 than 2 QKV fills, 4 the same as 3: docs/perf-notes.md)
     qkv_inflight: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
