@@ -327,7 +327,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
-            KT: gl.constexpr):
+            QXR: gl.constexpr, KT: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -338,7 +338,6 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
     NKH: gl.constexpr = (H + BK - 1) // BK
-    QXR: gl.constexpr = (XR if XR < HALF else HALF) if XR > BR else BR  # QKV's tile boxes: at most a head's half
     pid = gl.program_id(0)
     qi = gl.load(qoff_ptr + pid)
     q1 = gl.load(qoff_ptr + pid + 1)
@@ -1956,7 +1955,7 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1992,7 +1991,7 @@ def stream_megakernel(
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
                    empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
-                   KW, TILE, XR, KT)),
+                   KW, TILE, XR, QXR, KT)),
     ], [1], [LOADER_REGS])
 
 
@@ -2329,7 +2328,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
         LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
