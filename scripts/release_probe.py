@@ -11,8 +11,12 @@ release add) and the round trip (two hops), the median over 180 hops.
 - `tma`: probe 0 issues NF TMA loads of 16 KB (as the loader warp fills a ring slot) just before its stores, and
   releases with them in flight (`when` 0), or waits for them to land first (`when` 1, which also times the landing).
   Asks: does the release wait for the SM's own fills?
+- `ws`: warp-specialized as interpreter v10 on every SM (one program an SM): a compute partition (the probes
+  ping-pong) and a one-warp loader that keeps NF fills of 16 KB in flight until the probes are done, by TMA or by
+  cp.async (16 bytes a thread, one commit group a fill), on the probes' SMs and on the others. Asks: does a release
+  wait for another warp's fills, and for both kinds? (It waits for TMA fills, not for 3 of cp.async.)
 
-    python scripts/release_probe.py [--out DIR] [--parts load,tma]
+    python scripts/release_probe.py [--out DIR] [--parts load,tma,ws]
 
 Writes release_probe.json under --out and prints a table per part. Every spin is bounded by a time limit.
 """
@@ -33,6 +37,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon.language.nvidia.ampere import async_copy  # noqa: E402
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
 
 from megasynth.kernels.gpu import ptx  # noqa: E402
@@ -41,6 +46,7 @@ SPIN_NS = 200_000_000  # every wait gives up after 0.2 s (the results would then
 HOPS, WARM = 200, 20  # hops per case; the first WARM are not counted
 DB = 2048  # fp32 values each probe stores before a release (8 KB)
 SLOT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+WS_CP = gl.SwizzledSharedLayout(8, 1, 1, [1, 0])  # cp.async fills: no swizzle (nothing reads them)
 
 
 @triton.jit
@@ -167,6 +173,111 @@ def tma_probe(d, ctr_ptr, data_ptr, res_ptr, n_iter, row0, t_lim, NF: gl.constex
             gl.store(res_ptr + i * 4 + 3, ta - tw)
 
 
+@gluon.jit
+def _ws_probe(ctr_ptr, data_ptr, res_ptr, n_iter, t_lim, DB: gl.constexpr, num_warps: gl.constexpr):
+    """The compute partition: programs 0 and 1 ping-pong as in `tma_probe` (no fills of their own); then program 0
+    sets the stop flag ctr[8] for every loader."""
+    pid = gl.program_id(0)
+    if pid < 2:
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        offs = gl.arange(0, DB, layout=lay)
+        mine = ctr_ptr + pid
+        other = ctr_ptr + (1 - pid)
+        tw = ptx.gl_globaltimer()
+        el = tw - tw
+        while el < 30000:  # 30 us for every loader to get going
+            el = ptx.gl_globaltimer() - tw
+        for i in range(n_iter):
+            if pid == 1:
+                _gl_wait_ge(other, i + 1, t_lim)
+            gl.store(data_ptr + pid * DB + offs, (offs + i).to(gl.float32))
+            gl.thread_barrier()
+            ta = ptx.gl_globaltimer()
+            ptx.gl_signal_release(mine, 1)
+            tb = ptx.gl_globaltimer()
+            if pid == 0:
+                _gl_wait_ge(other, i + 1, t_lim)
+                tc = ptx.gl_globaltimer()
+                gl.store(res_ptr + i * 4, tb - ta)
+                gl.store(res_ptr + i * 4 + 1, tc - ta)
+        if pid == 0:
+            gl.thread_barrier()
+            ptx.gl_signal_release(ctr_ptr + 8, 1)
+
+
+@gluon.jit
+def _ws_fill(d, big_ptr, ring, cring, bars, t, row, NF: gl.constexpr, MODE: gl.constexpr):
+    """Fill ring slot t % NF with the [128, 64] bf16 rows from `row`: MODE 1 one TMA load (its mbarrier counts the
+    bytes), MODE 2 cp.async of 16 bytes a thread into `cring` (one commit group a fill), once fill t - NF has landed."""
+    s = t % NF
+    if MODE == 1:
+        if t >= NF:
+            mbarrier.wait(bars.index(s), ((t - NF) // NF) & 1)
+        mbarrier.expect(bars.index(s), 128 * 64 * 2)
+        tma.async_copy_global_to_shared(d, [row, 0], bars.index(s), ring.index(s))
+    else:
+        async_copy.wait_group(NF - 1)
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+        r = gl.arange(0, 32, layout=gl.SliceLayout(1, lay))
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, lay))
+        off = gl.expand_dims(r, 1) * 64 + gl.expand_dims(c, 0)
+        for q in gl.static_range(4):
+            src = big_ptr + (row + q * 32).to(gl.int64) * 64 + off
+            async_copy.async_copy_global_to_shared(cring.index(s * 4 + q), src)
+        async_copy.commit_group()
+
+
+@gluon.jit
+def _ws_loader(d, big_ptr, ctr_ptr, stat_ptr, ring, cring, bars, rows_per, t_lim, mode_probe, mode_others,
+               NF: gl.constexpr):
+    """The loader partition (one warp): stream this program's region of the array, NF fills of 16 KB in flight,
+    until the stop flag. The probes' loaders fill by mode_probe (0 none, 1 TMA, 2 cp.async), the others' by
+    mode_others (runtime values, never specialized: with a constant mode triton 3.6 fails to lower the cp.async
+    path)."""
+    pid = gl.program_id(0)
+    mode = gl.where(pid < 2, mode_probe, mode_others)
+    base = pid * rows_per
+    t = pid * 0
+    t0 = ptx.gl_globaltimer()
+    el = t0 - t0
+    stop = gl.load(ctr_ptr + 8, volatile=True)
+    while (mode > 0) & (stop == 0) & (el < t_lim):
+        row = base + (t * 128) % rows_per
+        if mode == 1:
+            _ws_fill(d, big_ptr, ring, cring, bars, t, row, NF, 1)
+        else:
+            _ws_fill(d, big_ptr, ring, cring, bars, t, row, NF, 2)
+        t += 1
+        if t % 8 == 0:
+            stop = gl.load(ctr_ptr + 8, volatile=True)
+            el = ptx.gl_globaltimer() - t0
+    t1 = ptx.gl_globaltimer()
+    async_copy.wait_group(0)
+    if (mode == 1) & (t > 0):
+        for f in range(NF):
+            u = t - NF + f
+            if u >= 0:
+                mbarrier.wait(bars.index(u % NF), (u // NF) & 1)
+    gl.store(stat_ptr + pid * 4, t.to(gl.int64))
+    gl.store(stat_ptr + pid * 4 + 1, t0)
+    gl.store(stat_ptr + pid * 4 + 2, t1)
+
+
+@gluon.jit(do_not_specialize=["mode_probe", "mode_others"])
+def ws_probe(d, big_ptr, ctr_ptr, data_ptr, res_ptr, stat_ptr, n_iter, rows_per, t_lim, mode_probe, mode_others,
+             NF: gl.constexpr, DB: gl.constexpr, num_warps: gl.constexpr):
+    """Warp-specialized as interpreter v10: a compute partition that releases, a one-warp loader that fills."""
+    ring = gl.allocate_shared_memory(gl.bfloat16, [6, 128, 64], SLOT)
+    cring = gl.allocate_shared_memory(gl.bfloat16, [24, 32, 64], WS_CP)  # with ring, 192 KB: one program an SM
+    bars = gl.allocate_shared_memory(gl.int64, [NF, 1], mbarrier.MBarrierLayout())
+    for f in gl.static_range(NF):
+        mbarrier.init(bars.index(f), count=1)
+    gl.warp_specialize([
+        (_ws_probe, (ctr_ptr, data_ptr, res_ptr, n_iter, t_lim, DB, num_warps)),
+        (_ws_loader, (d, big_ptr, ctr_ptr, stat_ptr, ring, cring, bars, rows_per, t_lim, mode_probe, mode_others, NF)),
+    ], [1], [128])
+
+
 def _medians(res: torch.Tensor) -> dict[str, float]:
     r = res.view(HOPS, 4)[WARM:].cpu()
 
@@ -212,10 +323,32 @@ def run_tma(nf: int, when: int, big: torch.Tensor, row0: int) -> dict:
     return {"fills": nf, "when": ["in flight", "landed first"][when], **_medians(res)}
 
 
+def run_ws(nf: int, mode: int, others: int, big: torch.Tensor, n_prog: int) -> dict:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    d = TensorDescriptor(big, list(big.shape), list(big.stride()), [128, 64], SLOT)
+    ctr = torch.zeros(16, dtype=torch.int32, device="cuda")
+    data = torch.zeros(2 * DB, dtype=torch.float32, device="cuda")
+    res = torch.zeros(HOPS * 4, dtype=torch.int64, device="cuda")
+    stat = torch.zeros(n_prog * 4, dtype=torch.int64, device="cuda")
+    rows_per = (big.shape[0] // n_prog) // 128 * 128
+    ws_probe[(n_prog,)](d, big, ctr, data, res, stat, HOPS, rows_per, SPIN_NS, mode, others, NF=nf, DB=DB, num_warps=4)
+    torch.cuda.synchronize()
+    s = stat.view(-1, 4).cpu()
+    s = s[s[:, 0] > 0]
+    span = (s[:, 2].max() - s[:, 1].min()).item() if len(s) else 0
+    probe_rate = [round(s_[0].item() * 16384 / max(1, (s_[2] - s_[1]).item()), 1)
+                  for s_ in stat.view(-1, 4).cpu()[:2] if s_[0] > 0]
+    kinds = ["none", "tma", "cp.async"]
+    return {"fills": nf, "probe fills": kinds[mode], "other SMs": ["idle", *kinds[1:]][others],
+            "stream_tb_s": round(s[:, 0].sum().item() * 16384 / span / 1e3, 2) if span else 0.0,
+            "probe_kb_per_us": probe_rate, **_medians(res)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--parts", default="load,tma")
+    ap.add_argument("--parts", default="load,tma,ws")
     args = ap.parse_args()
     parts = args.parts.split(",")
     rows: dict[str, list[dict]] = {}
@@ -244,6 +377,20 @@ def main() -> int:
         for o in rows["tma"]:
             print(f"{o['fills']:>5} {o['when']:>14} {o['release_us']:>10.2f} {o['hop2_us']:>6.2f} "
                   f"{o['land_first_us']:>7.2f}")
+    if "ws" in parts:
+        big = torch.ones((8 << 20, 64), dtype=torch.bfloat16, device="cuda")  # 1 GiB
+        n_prog = torch.cuda.get_device_properties(0).multi_processor_count
+        rows["ws"] = []
+        for nf, mode, others in ((3, 0, 0), (3, 1, 0), (3, 2, 0), (3, 0, 1), (3, 1, 1), (3, 2, 1), (6, 2, 1),
+                                 (2, 1, 1), (2, 2, 1), (3, 2, 2), (6, 2, 2)):
+            run_ws(nf, mode, others, big, n_prog)
+            rows["ws"].append(run_ws(nf, mode, others, big, n_prog))
+        print(f"{'fills':>5} {'probe fills':>11} {'others':>8} {'TB/s':>5} {'probe KB/us':>12} {'release':>7} "
+              f"{'2 hops':>6} {'p10':>5} {'p90':>5}")
+        for o in rows["ws"]:
+            print(f"{o['fills']:>5} {o['probe fills']:>11} {o['other SMs']:>8} {o['stream_tb_s']:>5.2f} "
+                  f"{str(o['probe_kb_per_us']):>12} {o['release_us']:>7.2f} {o['hop2_us']:>6.2f} "
+                  f"{o['hop2_p10_us']:>5.2f} {o['hop2_p90_us']:>5.2f}")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "release_probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
                                                                    "hops": HOPS - WARM, **rows}, indent=1))

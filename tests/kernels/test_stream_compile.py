@@ -31,6 +31,32 @@ def test_v10_compiles_without_spills(model: str) -> None:
     assert stream_geometry(spec.config, StreamConfig())["NS"] >= 4, "the ring should hold at least 4 slots"
 
 
+@pytest.mark.parametrize("model", ["llama-1b", "tiny-qwen3", "qwen2"])
+def test_v10_cp_fill_build(model: str) -> None:
+    """With `cp_fill` (the default below 8B-class hidden sizes) the batch-1 loader fills the ring by cp.async and
+    never by TMA, arriving on each slot's barrier from its 32 threads, without spills; a batch, the tensor-core path
+    and llama-8b keep TMA."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import CP_LOADER_REGS, StreamConfig, stream_config, stream_constexprs
+    from megasynth.lowering.models import get_model, with_batch
+
+    cfg = _qwen("qwen2") if model == "qwen2" else get_model(model).config  # qwen2: hidden 192, a part box
+    sc = stream_config(cfg)
+    consts = stream_constexprs(cfg, 64, sc, False)
+    assert sc.cp_fill and consts["CPF"] and consts["LOADER_REGS"] == CP_LOADER_REGS
+    kernel, res = compile_v10(cfg, 64, sc)
+    ptx = kernel.asm["ptx"]
+    assert res.stack == 0, f"{model}: {res.stack} bytes of spill stack"
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert "cp.async.bulk.tensor" not in ptx, "a cp.async build issues no TMA fill"
+    assert not stream_constexprs(cfg, 64, dataclasses.replace(sc, mma=True), False)["CPF"]
+    assert not stream_constexprs(cfg, 64, StreamConfig(), False)["CPF"]
+    if model == "llama-1b":
+        assert not stream_constexprs(with_batch(get_model(model), 8).config, 64, sc, False, 8)["CPF"]
+        assert not stream_config(get_model("llama-8b").config).cp_fill
+
+
 def _qwen(family: str) -> ModelConfig:
     """Tiny configs of the two families beyond Llama. Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per
     head) with hidden 256 and 4 heads (q rows 512 != hidden), untied head. Qwen2: q/k/v bias, hidden 192 (not a power of

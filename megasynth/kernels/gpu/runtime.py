@@ -306,7 +306,8 @@ class Megakernel:
 
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
                     self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *extra, *self.descs,
-                    self.x, self.q, self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
+                    w["wqkv"], w["wo"], w["w_gate"], w["w_up"], w["w_down"], w["lm_head"], self.x, self.q,
+                    self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
                     self.logits, self.cos, self.sin, self.qk_sq, self.k_new, self.timeout_ns, p.max_splits]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace, self.batch)
         args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["qitems"], d["counters"], d["err"], d["trace"],

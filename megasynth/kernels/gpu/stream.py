@@ -46,7 +46,7 @@ from typing import Any
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -169,33 +169,76 @@ def _copy_box(d, r, c, bar, ring, box, ok, NBOX: gl.constexpr, BK: gl.constexpr,
 
 
 @gluon.jit
+def _cp_box(ptr, nrows, K: gl.constexpr, r, c, dst, ok, ROWS: gl.constexpr, COLS: gl.constexpr):
+    """`dst` ([ROWS, COLS] bf16, unswizzled) <- rows [r, r + ROWS) of the row-major [nrows, K] matrix at ptr over
+    columns [c, c + COLS), by the loader warp's cp.async, 16 bytes a copy (`StreamConfig.cp_fill`); nothing when
+    not ok. A box inside the matrix (every box of the models served) is copied from one base pointer and
+    offsets the compiler knows; one that crosses its end has the rows and columns past it zero-filled, as TMA fills
+    past a descriptor's bounds. Completion is the caller's `async_copy.mbarrier_arrive` on the slot's barrier."""
+    TC: gl.constexpr = min(32, COLS // 8)
+    RG: gl.constexpr = 32 // TC * 4  # rows a copy: 4 of 16 bytes a thread (the loader warp has few registers)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [1, 1], [1, 0])
+    lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
+    lc = gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
+    off = gl.expand_dims(lr * K, 1) + gl.expand_dims(lc, 0)
+    c8 = c // 8 * 8  # c is a multiple of 8 (`pack.check_k_ranges`): this tells the compiler, for 16-byte copies
+    base = ptr + (r.to(gl.int64) * K + c8)
+    if ok:
+        if (r + ROWS <= nrows) & (c8 + COLS <= K):
+            for g in gl.static_range(ROWS // RG):
+                async_copy.async_copy_global_to_shared(dst.slice(g * RG, RG, dim=0), base + g * RG * K + off)
+        else:
+            cmask = gl.expand_dims(c8 + lc < K, 0)
+            for g in gl.static_range(ROWS // RG):
+                rmask = gl.expand_dims(r + g * RG + lr < nrows, 1)
+                async_copy.async_copy_global_to_shared(dst.slice(g * RG, RG, dim=0), base + g * RG * K + off,
+                                                       mask=gl.max_constancy(rmask & cmask, [1, 8]))
+
+
+@gluon.jit
 def _issue_pair(da, db, ra, rb, okb, c0, kb, nkb, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+                SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, pa, pb,
+                NRA: gl.constexpr, NRB: gl.constexpr, KD: gl.constexpr, CPF: gl.constexpr):
     """Slot t % NS <- rows ra (of da) and, when okb, rb (of db) over K chunks kb .. kb + SB/2 - 1 (those below nkb)
-    from column c0."""
+    from column c0. With CPF the loader warp copies them by cp.async from the matrices at pa and pb ([NRA, KD] and
+    [NRB, KD]) and arrives on the slot's ready barrier when its copies land."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    _expect(bar, (1 + okb.to(gl.int32)) * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
-    for j in gl.static_range(SB // 2):
-        ok = kb + j < nkb
-        c = c0 + (kb + j) * BK
-        _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
-        _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
+    if CPF:
+        for j in gl.static_range(SB // 2):
+            ok = kb + j < nkb
+            c = c0 + (kb + j) * BK
+            _cp_box(pa, NRA, KD, ra, c, ring.index(SB * s + 2 * j), ok, BR, BK)
+            _cp_box(pb, NRB, KD, rb, c, ring.index(SB * s + 2 * j + 1), ok & okb, BR, BK)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        _expect(bar, (1 + okb.to(gl.int32)) * gl.minimum(nkb - kb, SB // 2), SB, BOX_BYTES)
+        for j in gl.static_range(SB // 2):
+            ok = kb + j < nkb
+            c = c0 + (kb + j) * BK
+            _copy_box(da, ra, c, bar, ring, SB * s + 2 * j, ok, SB * NS, BK, MMA)
+            _copy_box(db, rb, c, bar, ring, SB * s + 2 * j + 1, ok & okb, SB * NS, BK, MMA)
     return t + 1
 
 
 @gluon.jit
 def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-              BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr):
+              BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr, kc_ptr, vc_ptr, NKR: gl.constexpr,
+              CPF: gl.constexpr):
     """Slot t % NS <- K and V rows [row, row + BTK) of the cache: the slot's first two [BTK, HD] blocks
-    (`_kv_blocks`)."""
+    (`_kv_blocks`); with CPF by cp.async from the caches at kc_ptr and vc_ptr (NKR rows each), as `_issue_pair`."""
     kv = _kv_blocks(ring, BTK, HD, KV_RING)
     KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * HD)  # [BTK, HD] blocks per slot
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    mbarrier.expect(bar, 2 * BTK * HD * 2)
-    tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
-    tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
+    if CPF:
+        _cp_box(kc_ptr, NKR, HD, row, row * 0, kv.index(KPS * s), True, BTK, HD)
+        _cp_box(vc_ptr, NKR, HD, row, row * 0, kv.index(KPS * s + 1), True, BTK, HD)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    else:
+        mbarrier.expect(bar, 2 * BTK * HD * 2)
+        tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
+        tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
     return t + 1
 
 
@@ -234,13 +277,14 @@ def _kv_blocks(ring, BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr)
 @gluon.jit
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
-            TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
+            TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, wp, NR: gl.constexpr, KD: gl.constexpr,
+            CPF: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. With KW > 0
     (a batch; at batch 1 `StreamConfig.down_window`) K goes in windows of at most KW, all rows per window (the
     consumer stages each window once: `_op_kpaired_batch`, `_op_kpaired`); on the tensor cores from k0 rounded down
     to 64 columns (a box starts at a multiple of 64; the staged operand is zero below k0); with TILE, in
-    `_issue_tile`'s [128, 64] tiles, 128 rows at a time."""
+    `_issue_tile`'s [128, 64] tiles, 128 rows at a time. wp, NR, KD: the matrix for CPF (`_issue_pair`)."""
     if KW > 0:
         for w0 in range(k0 // SUB * SUB if MMA else k0, k1, KW):
             w1 = gl.minimum(w0 + KW, k1)
@@ -251,21 +295,23 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
                                         XR, KT)
             else:
                 t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
-                               MMA)
+                               MMA, wp, NR, KD, CPF)
     else:
-        t = _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+        t = _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA, wp,
+                       NR, KD, CPF)
     return t
 
 
 @gluon.jit
 def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-               SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr):
+               SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, wp, NR: gl.constexpr,
+               KD: gl.constexpr, CPF: gl.constexpr):
     """`_load_k`'s row-pair slots of one K range: rows r and r + 16 over the same K chunks, 32 rows at a time."""
     nkb = (k1 - k0 + BK - 1) // BK
     for r in range(a0, a1, 2 * BR):
         for kb in range(0, nkb, SB // 2):
             t = _issue_pair(desc, desc, base + r, base + r + BR, r + BR < a1, k0, kb, nkb, t, ring, ready, empty,
-                            NS, INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                            NS, INFLIGHT, SB, BK, BOX_BYTES, MMA, wp, wp, NR, NR, KD, CPF)
     return t
 
 
@@ -322,18 +368,20 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready, empty,
-            H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr,
+            wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H: gl.constexpr, IS: gl.constexpr,
+            NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
-            QXR: gl.constexpr, KT: gl.constexpr):
+            QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
     its own last fill was issued: how far the ring ran ahead of the compute warps. QKV with the QK-norm apart
     (QK_NORM builds only) streams the same tiles as QKV; qk_norm_apply reads no weights. In a batch (NB > 1) an
-    attention instruction streams sequence a3's history: its position rt[NB + a3], its cache slot."""
+    attention instruction streams sequence a3's history: its position rt[NB + a3], its cache slot. With CPF the
+    fills are the loader warp's cp.async from the weights' and caches' pointers (`StreamConfig.cp_fill`)."""
     BOX_BYTES: gl.constexpr = BR * BK * 2
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = NH * HD + 2 * NKV * HD
@@ -364,7 +412,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA, wqkv_ptr, wqkv_ptr, NL * QKV, NL * QKV, H,
+                                        CPF)
                 p += n
         elif op == OP_GATE_UP:
             base = layer * IS
@@ -377,13 +426,13 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_g, d_u, base + r, base + r, r < a1, 0, kb, NKH, t, ring, ready, empty, NS,
-                                        INFLIGHT, SB, BK, BOX_BYTES, MMA)
+                                        INFLIGHT, SB, BK, BOX_BYTES, MMA, wg_ptr, wu_ptr, NL * IS, NL * IS, H, CPF)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT)
+                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT)
+                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -399,10 +448,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                                            HD)
                     else:
                         t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
-                                      KV_RING)
+                                      KV_RING, kc_ptr, vc_ptr, NL * NKV * S, CPF)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW, TILE, XR, KT)
+                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -1942,7 +1991,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
-    d_k, d_v,
+    d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -1955,7 +2004,8 @@ def stream_megakernel(
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-    XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
+    XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -1979,7 +2029,7 @@ def stream_megakernel(
         vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=32 if CPF else 1)  # with CPF each loader thread's copies arrive
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
@@ -1989,9 +2039,10 @@ def stream_megakernel(
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, ring, ready,
-                   empty, H, IS, NH, NKV, HD, S, QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB,
-                   KW, TILE, XR, QXR, KT)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
+                   wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
+                   QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
+                   CPF)),
     ], [1], [LOADER_REGS])
 
 
@@ -2003,6 +2054,7 @@ SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 SMEM_RESERVE = 2 * 1024
 #: Registers of the loader warp at least where a batch streams tiles: `_issue_tile`'s row groups spill at 32
 TILE_LOADER_REGS = 40
+CP_LOADER_REGS = 96  # cp.async fills hold a box's copy addresses: 464 B of spill stack at 32 registers, 24 at 64
 #: the fewest 32 KB tile slots (`StreamConfig.tile_k` 128) a ring may have; with fewer, tiles take 16 KB slots
 MIN_TILE_SLOTS = 4
 
@@ -2070,6 +2122,13 @@ class StreamConfig:
     #: faster at batch 8 than 2 QKV fills, 4 the same as 3: docs/perf-notes.md)
     qkv_inflight: int = 0
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
+    #: the loader warp fills the ring by cp.async (16 bytes a thread, arriving on the slot's barrier when they land)
+    #: instead of TMA, at batch 1 on the CUDA-core path (elsewhere TMA): a counter release's fence waits for this
+    #: SM's TMA fills in flight (1.5 us with 3 in flight while every SM streams), not for another warp's cp.async
+    #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
+    #: the chain's latency bounds a step: `stream_config` turns it on below 8B-class hidden sizes (qwen3-1.7b 3-5 %
+    #: faster, llama-1b 0-2 %; llama-8b 0.6 % slower; docs/perf-notes.md). The loader then gets CP_LOADER_REGS
+    cp_fill: bool = False
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
@@ -2185,7 +2244,8 @@ def stream_config(c: ModelConfig | None = None) -> StreamConfig:
     """Interpreter v10's defaults for model `c`: `StreamConfig()` with the settings that depend on its shape."""
     if c is None:
         return StreamConfig()
-    return StreamConfig(attn_exp2=attn_exp2_pays(c), inflight=4 if c.hidden_size >= INFLIGHT4_HIDDEN else 3)
+    small = c.hidden_size < INFLIGHT4_HIDDEN
+    return StreamConfig(attn_exp2=attn_exp2_pays(c), inflight=3 if small else 4, cp_fill=small)
 
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
@@ -2307,6 +2367,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": qxr, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
+            "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
 
@@ -2326,9 +2387,10 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS) if geo["TILE"] else sc.loader_regs,
+        LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS if geo["TILE"] else CP_LOADER_REGS if geo["CPF"] else 0),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
-        TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], num_warps=sc.num_warps)
+        TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
+        CPF=geo["CPF"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
