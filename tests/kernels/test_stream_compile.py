@@ -33,9 +33,9 @@ def test_v10_compiles_without_spills(model: str) -> None:
 
 @pytest.mark.parametrize("model", ["llama-1b", "tiny-qwen3", "qwen2"])
 def test_v10_cp_fill_build(model: str) -> None:
-    """With `cp_fill` (the default below 8B-class hidden sizes) the batch-1 loader fills the ring by cp.async and
-    never by TMA, arriving on each slot's barrier from its 32 threads, without spills; a batch, the tensor-core path
-    and llama-8b keep TMA."""
+    """With `cp_fill` (the default up to hidden size 2048) the batch-1 loader fills the ring by cp.async and never
+    by TMA, arriving on each slot's barrier from its 32 threads, without spills; a batch, the tensor-core path,
+    llama-3b and llama-8b keep TMA."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import CP_LOADER_REGS, StreamConfig, stream_config, stream_constexprs
@@ -54,7 +54,7 @@ def test_v10_cp_fill_build(model: str) -> None:
     assert not stream_constexprs(cfg, 64, StreamConfig(), False)["CPF"]
     if model == "llama-1b":
         assert not stream_constexprs(with_batch(get_model(model), 8).config, 64, sc, False, 8)["CPF"]
-        assert not stream_config(get_model("llama-8b").config).cp_fill
+        assert not any(stream_config(get_model(m).config).cp_fill for m in ("llama-3b", "llama-8b"))
 
 
 def _qwen(family: str) -> ModelConfig:

@@ -2107,7 +2107,9 @@ class StreamConfig:
     the shared memory the staged activation vector leaves."""
 
     num_warps: int = 8  # compute partition
-    loader_regs: int = 32  # registers per thread of the loader warp (scalar code)
+    #: registers per thread of the loader warp; 0: by build, 32 for TMA fills (scalar code), 40 on a batch's tiles,
+    #: CP_LOADER_REGS with `cp_fill`
+    loader_regs: int = 0
     bk: int = 256  # K elements per TMA box (16 rows x bk bf16); at most 256 (TMA box limit)
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
@@ -2126,8 +2128,10 @@ class StreamConfig:
     #: instead of TMA, at batch 1 on the CUDA-core path (elsewhere TMA): a counter release's fence waits for this
     #: SM's TMA fills in flight (1.5 us with 3 in flight while every SM streams), not for another warp's cp.async
     #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
-    #: the chain's latency bounds a step: `stream_config` turns it on below 8B-class hidden sizes (qwen3-1.7b 3-5 %
-    #: faster, llama-1b 0-2 %; llama-8b 0.6 % slower; docs/perf-notes.md). The loader then gets CP_LOADER_REGS
+    #: the chain's latency bounds a step: `stream_config` turns it on up to CP_FILL_HIDDEN (side by side at ctx
+    #: 1024: qwen3-1.7b 2-5 % faster, llama-1b 0-2 %, qwen3-0.6b within 1 %; llama-3b 1.7 % and llama-8b 0.6 %
+    #: slower). A batch's tile fills by cp.async measured slower (llama-1b batch 8 +1 %, batch 16 +13 %), so a
+    #: batch keeps TMA (docs/perf-notes.md)
     cp_fill: bool = False
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
@@ -2238,14 +2242,15 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
 #: hidden sizes from which the loader keeps 4 fills in flight rather than 3 (`StreamConfig.inflight`): llama-8b
 #: measured 0.5 % faster with 4 at ctx 1024 and at 32768, llama-1b and llama-3b slower (docs/perf-notes.md)
 INFLIGHT4_HIDDEN = 4096
+CP_FILL_HIDDEN = 2048  # `StreamConfig.cp_fill` up to this hidden size, where a step is bound by the chain's latency
 
 
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
     """Interpreter v10's defaults for model `c`: `StreamConfig()` with the settings that depend on its shape."""
     if c is None:
         return StreamConfig()
-    small = c.hidden_size < INFLIGHT4_HIDDEN
-    return StreamConfig(attn_exp2=attn_exp2_pays(c), inflight=3 if small else 4, cp_fill=small)
+    return StreamConfig(attn_exp2=attn_exp2_pays(c), inflight=4 if c.hidden_size >= INFLIGHT4_HIDDEN else 3,
+                        cp_fill=c.hidden_size <= CP_FILL_HIDDEN)
 
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
@@ -2387,7 +2392,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=max(sc.loader_regs, TILE_LOADER_REGS if geo["TILE"] else CP_LOADER_REGS if geo["CPF"] else 0),
+        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
         CPF=geo["CPF"], num_warps=sc.num_warps)
