@@ -2114,7 +2114,7 @@ class StreamConfig:
     boxes: int = 2  # boxes per ring slot (one mbarrier handshake each): 2 or 4
     slots: int = 0  # ring slots; 0: as many as fit
     #: slots the loader keeps in flight at most (0: the whole ring); see `_claim`. A release's fence waits for this
-    #: SM's fills in flight to land (`scripts/release_probe.py`): 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 %
+    #: SM's TMA fills in flight to land (`scripts/release_probe.py`): 3 against 4 made llama-1b 1-3 % and llama-3b 0.6 %
     #: faster, llama-8b 0.5 % slower (at ctx 1024 and 32768), so `stream_config` gives 8B-class models 4; 2 cost
     #: llama-8b 5.6 % (docs/perf-notes.md). Counted in batch-1 (16 KB) slots: a batch's 32 KB tile slots keep half as
     #: many fills in flight, rounded up (llama-1b at batch 8: 2 fills 1.6 % faster than 3, 1 fill 12 % slower)
