@@ -223,8 +223,11 @@ def _tile_slots(spec: ModelSpec) -> bool:
 
 def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
     """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
-    (docs/perf-notes.md, the v10 batch entries): no merge folded into o_proj (none is batched); attention split batch
-    times less, so a layer has as many attention instructions; QKV tiles of whole heads where the batch runs on
+    (docs/perf-notes.md, the v10 batch entries): attention split batch times less, so a layer has as many attention
+    instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
+    the only partial: llama-1b and llama-8b at batch 16 1.6-1.7 % faster; a merge of several splits is not folded at
+    a batch, and one split folded against two at batch 8 measured llama-1b 1.5 % faster, llama-8b 0.6 % slower);
+    QKV tiles of whole heads where the batch runs on
     interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from
     `V10_TILE_BATCH`, where a v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a
     time (K split as much finer, as many instructions, at most the largest split offered), QKV tiles of 64 rows at
@@ -237,8 +240,8 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     d = strategy.model_dump(mode="json")
     tiles = {**Strategy().tiles, **strategy.tiles}
     splits = {op: strategy.k_splits.get(op, 1) for op in K_SPLIT_OPS}
-    d["fuse_attn_reduce"] = False
     d["attn_splits"] = max(1, strategy.attn_splits // b)
+    d["fuse_attn_reduce"] = d["attn_splits"] == 1 and not whole_head_qkv(spec)
     qkv = "attn_norm_qkv_rope"
     if _tile_slots(spec):
         for op in K_SPLIT_OPS:
@@ -318,9 +321,10 @@ class SearchSpace:
     Not searched, on purpose: a QKV K-split (RoPE needs whole dot products; pair tiles spread QKV instead), counter
     sharing across layers and spatial shares (no effect on speed the cost model or the GPU has shown), and the
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
-    data; measured within 1 % on v10, docs/search.md). A batch's space has no folded merge (measured slower at a
-    batch) and, where the batch runs on interpreter v9 (the QK-norm models: `whole_head_qkv`), whole-head QKV tiles
-    with the QK-norm inside QKV; on v10 a batch's QKV tiles are RoPE pairs, as at batch 1."""
+    data; measured within 1 % on v10, docs/search.md). A batch folds the merge into o_proj only with one attention
+    split (v10 runs no other fold at a batch; v9 none), so there the two knobs move together (`with_value`); where
+    the batch runs on interpreter v9 (the QK-norm models: `whole_head_qkv`), no fold and whole-head QKV tiles with
+    the QK-norm inside QKV; on v10 a batch's QKV tiles are RoPE pairs, as at batch 1."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
@@ -334,6 +338,10 @@ class SearchSpace:
             knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                               "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
                               "repeated per o_proj row tile (interpreter v10)"))
+        elif not whole_head_qkv(spec):
+            knobs.append(Knob("fuse_attn_reduce", (False, True), False,
+                              "no attn_reduce: o_proj stages attention's output itself, one counter hop less per "
+                              "layer; at a batch only with one attention split (setting it sets attn_splits 1)"))
         if spec.config.qk_norm and spec.batch == 1:
             knobs.append(Knob("qk_norm", ("in_qkv", "apart", "in_attention"), False,
                               "QK-norm inside QKV (whole-head QKV tiles), apart (QKV tiles of any RoPE pairs, then "
@@ -379,6 +387,11 @@ class SearchSpace:
                 d["chunks"][key] = int(n)
         else:
             d[name] = value
+        if self.spec.batch > 1 and d["fuse_attn_reduce"] and d["attn_splits"] != 1:  # a batch folds one split only
+            if name == "attn_splits":
+                d["fuse_attn_reduce"] = False
+            else:
+                d["attn_splits"] = 1
         return Strategy.model_validate(d)
 
     def point(self, strategy: Strategy) -> dict[str, Any]:

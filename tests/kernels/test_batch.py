@@ -145,9 +145,11 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
 def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     """A batch runs on interpreter v10, or on v9 where v10 cannot build it (a QK-norm model): the lowering rounds
     QKV tiles to whole heads only for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half
-    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers no folded merge and no
-    QK-norm apart at any batch (and only whole-head QKV tiles for v9), and a proposal that asks for either anyway is
-    refused when it is built, naming the interpreter and the instruction, not after the search picked it."""
+    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers no QK-norm apart at any
+    batch (and only whole-head QKV tiles for v9) and a folded merge only on v10, with one attention split (the two
+    knobs move together), and a proposal that asks for what the interpreter lacks anyway (a fold of two splits, the
+    QK-norm apart) is refused when it is built, naming the interpreter and the instruction, not after the search
+    picked it."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
@@ -166,14 +168,18 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
         spec = with_batch(get_model(name), 3)
         space = SearchSpace(spec, workers)
         names = {k.name for k in space.knobs}
-        assert "fuse_attn_reduce" not in names and "qk_norm" not in names
+        assert ("fuse_attn_reduce" in names) != v9 and "qk_norm" not in names
+        if not v9:  # folding sets one split; more splits unfold
+            fused = space.with_value(Strategy(attn_splits=4), "fuse_attn_reduce", True)
+            assert (fused.attn_splits, fused.fuse_attn_reduce) == (1, True)
+            assert not space.with_value(fused, "attn_splits", 2).fuse_attn_reduce
         qkv = tile_choices(spec, workers, "attn_norm_qkv_rope")
         assert all(t % spec.config.hd == 0 for t in qkv) == v9 and all(t % 2 == 0 for t in qkv)
         assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
         for _ in range(6):  # random points and mutations of them all build for the batch's interpreter
             st = space.mutate(space.random(rng), rng, 2)
             build(spec, workers, Proposal(st, [], "random", "test"))
-        for bad, where in ((Strategy(fuse_attn_reduce=True), "attn_reduce_o_proj"),
+        for bad, where in ((Strategy(attn_splits=2, fuse_attn_reduce=True), "attn_reduce_o_proj"),
                            (Strategy(qk_norm="apart"), "qk_norm")):
             if where == "qk_norm" and not spec.config.qk_norm:
                 continue
@@ -184,8 +190,9 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     """`for_batch` turns llama-1b's reference strategy into the batch-8 schedule the published batch rows ran (o_proj
     and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows; gate/up whole
-    64-row halves; attention split batch times less; no folded merge), keeps batch 1 as it is, gives a v9 batch (a
-    QK-norm model) whole-head QKV tiles with the norm inside QKV, and never exceeds an op's rows (tiny)."""
+    64-row halves; attention split batch times less; the merge folded into o_proj only where one split is left, at
+    batch 16), keeps batch 1 as it is, gives a v9 batch (a QK-norm model) whole-head QKV tiles with the norm inside
+    QKV and no fold, and never exceeds an op's rows (tiny)."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import TILE_FILL, for_batch
 
@@ -204,12 +211,15 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     for op in ("o_proj_residual", "down_proj_residual"):  # as many instructions as batch 1's
         assert (llama.config.hidden_size // b8.tiles[op] * b8.k_splits[op]
                 == llama.config.hidden_size // ref.tiles[op] * ref.k_splits[op])
+    b16 = for_batch(ref, with_batch(llama, 16))
+    assert (b16.attn_splits, b16.fuse_attn_reduce) == (1, True)
+    check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"))
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
     assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
     qwen = with_batch(get_model("qwen3-8b"), 8)
-    q8 = for_batch(Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention"), qwen)
-    assert q8.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q8.qk_norm == "in_qkv"
+    q8 = for_batch(Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention", fuse_attn_reduce=True), qwen)
+    assert q8.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q8.qk_norm == "in_qkv" and not q8.fuse_attn_reduce
     check_runs_on_v9(pack(lower(qwen, 132, q8), "v9"), qwen.config.hd, "")
     tiny = with_batch(get_model("tiny"), 8)
     t8 = for_batch(ref, tiny)
@@ -241,5 +251,5 @@ def test_a_tile_batch_is_offered_tiles_that_fill_its_slots_and_adapted_seeds() -
         SearchContext("tiny", 6, "cpu", None, [], None, True), 3)
     assert len(proposals) == 3
     for p in proposals:
-        assert "adapted to batch 8" in p.rationale and not p.strategy.fuse_attn_reduce
+        assert "adapted to batch 8" in p.rationale and p.strategy.fuse_attn_reduce == (p.strategy.attn_splits == 1)
         build(spec, 6, p)

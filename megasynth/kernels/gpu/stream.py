@@ -1749,7 +1749,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
-    partial buffers, as the catalogue's footprints place them."""
+    partial buffers, as the catalogue's footprints place them. attn_reduce_o_proj runs with one split only: its
+    merge is then o_proj's staging of the partials."""
     # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
     # (`_pair_rows_batch`); `ep` is one half
     ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32, num_warps * 32 // GR],
@@ -1772,6 +1773,11 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
     elif op == OP_OPROJ:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
+                              num_warps, tr, TRACE)
+    elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
+        # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE)
     elif op == OP_GATE_UP:
@@ -2130,8 +2136,9 @@ class StreamConfig:
     #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
     #: the chain's latency bounds a step: `stream_config` turns it on up to CP_FILL_HIDDEN (side by side at ctx
     #: 1024: qwen3-1.7b 2-5 % faster, llama-1b 0-2 %, qwen3-0.6b within 1 %; llama-3b 1.7 % and llama-8b 0.6 %
-    #: slower). A batch's tile fills by cp.async measured slower (llama-1b batch 8 +1 %, batch 16 +13 %), so a
-    #: batch keeps TMA (docs/perf-notes.md)
+    #: slower). A batch's tile fills by cp.async measured slower in two builds (llama-1b batch 8 +1 % and +11 %, batch
+    #: 16 +13 % and +27 %: one loader warp issues a 32 KB slot's copies too slowly), so a batch keeps TMA
+    #: (docs/perf-notes.md)
     cp_fill: bool = False
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
