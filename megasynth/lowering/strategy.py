@@ -227,8 +227,8 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
     the only partial: llama-1b and llama-8b at batch 16 1.6-1.7 % faster; a merge of several splits is not folded at
     a batch, and one split folded against two at batch 8 measured llama-1b 1.5 % faster, llama-8b 0.6 % slower);
-    QKV tiles of whole heads where the batch runs on
-    interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from
+    QKV tiles of whole heads where the batch runs on interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV)
+    or `whole_heads` asks for them; and from
     `V10_TILE_BATCH`, where a v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a
     time (K split as much finer, as many instructions, at most the largest split offered), QKV tiles of 64 rows at
     least and gate/up tiles of whole 64-row halves. `synth search --batch` starts from its seeds adapted so, and
