@@ -33,6 +33,8 @@ CASES = [
     ("qwen3", 2, 4, {"qk_norm": "in_attention", "tiles": {"attn_norm_qkv_rope": 12}, "attn_splits": 3}),
     # sizes interpreter v10 runs a batch of: its QKV tiles stay RoPE pairs (5 pairs, across heads' halves)
     ("tiny", 3, 5, {"attn_splits": 2, "tiles": {"attn_norm_qkv_rope": 10}}),
+    # a v10 batch's fold: one split, o_proj merging it (for_batch's schedule where one split is left)
+    ("tiny", 4, 6, {"attn_splits": 1, "fuse_attn_reduce": True, "tiles": {"attn_norm_qkv_rope": 10}}),
 ]
 
 
