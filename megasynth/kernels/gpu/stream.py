@@ -84,9 +84,6 @@ OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
 GR: gl.constexpr = gl.constexpr(64)  # a batch's ring slot: a [2 GR, 64] wgmma tile of two GR-row halves
-#: rows of a batch tile's cp.async copy groups (`_issue_tile` with `StreamConfig.tile_cp`): a group past an
-#: instruction's rows is not copied
-CP_ROWS: gl.constexpr = gl.constexpr(16)
 SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-core path: 128 B rows, 128 B swizzle
 #: Ring tiles and the staged operand on the tensor-core path (`StreamConfig.mma`): what wgmma reads from shared memory
 MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -179,9 +176,8 @@ def _cp_box(ptr, nrows, K: gl.constexpr, r, c, dst, ok, ROWS: gl.constexpr, COLS
     offsets the compiler knows; one that crosses its end has the rows and columns past it zero-filled, as TMA fills
     past a descriptor's bounds. Completion is the caller's `async_copy.mbarrier_arrive` on the slot's barrier."""
     TC: gl.constexpr = min(32, COLS // 8)
-    LW: gl.constexpr = gl.num_warps()  # the loader partition's warps (`StreamConfig.loader_warps`)
-    RG: gl.constexpr = min(ROWS, 32 // TC * 4 * LW)  # rows a copy: up to 4 of 16 bytes a thread
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [LW, 1], [1, 0])
+    RG: gl.constexpr = 32 // TC * 4  # rows a copy: 4 of 16 bytes a thread (the loader warp has few registers)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [1, 1], [1, 0])
     lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
     lc = gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
     off = gl.expand_dims(lr * K, 1) + gl.expand_dims(lc, 0)
@@ -248,11 +244,10 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
 
 @gluon.jit
 def _issue_kv_rows(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr, SB: gl.constexpr,
-                   BTK: gl.constexpr, HD: gl.constexpr, CPF: gl.constexpr):
+                   BTK: gl.constexpr, HD: gl.constexpr):
     """`_attn_ring_rows`' K and V rows [row, row + BTK): HD / 64 [BTK, 64] chunks of K, then of V, in consecutive
     [BTK, 64] blocks of the ring (`_kv_blocks`), one slot or two (a 128-dim head's 128 positions fill a 32 KB slot
-    with K alone, V takes the next). Always by TMA: in a CPF build (a batch's weight tiles by cp.async) the slot's
-    barrier counts the loader warp's 32 threads, so the fill's expect-tx is one arrival and 31 more are made."""
+    with K alone, V takes the next)."""
     kv = _kv_blocks(ring, BTK, 64, KV_ROWS)
     DH: gl.constexpr = HD // 64
     KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * 64)  # blocks per slot
@@ -260,8 +255,6 @@ def _issue_kv_rows(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGH
         s = _claim(t, ready, empty, NS, INFLIGHT)
         bar = ready.index(s)
         mbarrier.expect(bar, KPS * BTK * 64 * 2)
-        if CPF:
-            mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
         for i in gl.static_range(KPS):  # block j KPS + i of the pair: K's chunks, then V's
             if j * KPS + i < DH:
                 tma.async_copy_global_to_shared(dk, [row, (j * KPS + i) * 64], bar, kv.index(KPS * s + i))
@@ -285,7 +278,7 @@ def _kv_blocks(ring, BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr)
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
             TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, wp, NR: gl.constexpr, KD: gl.constexpr,
-            CPF: gl.constexpr, CPT: gl.constexpr = 0):
+            CPF: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. With KW > 0
     (a batch; at batch 1 `StreamConfig.down_window`) K goes in windows of at most KW, all rows per window (the
@@ -299,7 +292,7 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
                 for r in range(a0, a1, 2 * GR):
                     t = _load_tile_rows(desc, desc, base + r, base + r + GR, gl.minimum(a1 - r, GR),
                                         gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT,
-                                        XR, KT, wp, wp, NR, NR, KD, CPF, CPT)
+                                        XR, KT)
             else:
                 t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
                                MMA, wp, NR, KD, CPF)
@@ -324,33 +317,17 @@ def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constex
 
 @gluon.jit
 def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                XR: gl.constexpr, KT: gl.constexpr, pa, pb, NRA: gl.constexpr, NRB: gl.constexpr, KD: gl.constexpr,
-                CPF: gl.constexpr, CPT: gl.constexpr):
+                XR: gl.constexpr, KT: gl.constexpr):
     """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
     [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
     descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
     second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
-    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With CPF the loader warp
-    copies the halves by cp.async from the matrices at pa and pb ([NRA, KD] and [NRB, KD]) in groups of CP_ROWS
-    rows (`_cp_box` into the 128 B swizzled tile; a group past na or nb is not copied)."""
+    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`)."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
-    if CPT:  # unrolled: as a loop (a group's addresses at a time) one warp issued too slowly (+14 % at batch 8)
-        GH: gl.constexpr = GR // CP_ROWS  # groups per half (16 rows: whole 1 KB swizzle patterns)
-        groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * GH, CP_ROWS, SUB], MMA_SMEM)
-        for q in gl.static_range(KT):
-            for g in gl.static_range(GH):
-                ga = ((KT * s + q) * 2) * GH + g
-                _cp_box(pa, NRA, KD, ra + g * CP_ROWS, c + q * SUB, groups.index(ga), g * CP_ROWS < na, CP_ROWS, SUB)
-                _cp_box(pb, NRB, KD, rb + g * CP_ROWS, c + q * SUB, groups.index(ga + GH), g * CP_ROWS < nb, CP_ROWS,
-                        SUB)
-        async_copy.mbarrier_arrive(bar, increment_count=False)
-        return t + 1
     NG: gl.constexpr = GR // XR  # boxes per half
     _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
             XR * SUB * 2)
-    if CPF:  # the barrier counts the loader's threads: the expect-tx was one arrival
-        mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
     groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)  # a tile: 2 halves of [GR, 64]
     for q in gl.static_range(KT):  # past K the copies are zero-filled; the staged operand is zero past a window
         for g in gl.static_range(NG):
@@ -364,12 +341,10 @@ def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constex
 
 @gluon.jit
 def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
-                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, pa, pb, NRA: gl.constexpr,
-                    NRB: gl.constexpr, KD: gl.constexpr, CPF: gl.constexpr, CPT: gl.constexpr):
+                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
     """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT columns per slot."""
     for c in range(k0, k1, SUB * KT):
-        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, pa, pb, NRA, NRB, KD,
-                        CPF, CPT)
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT)
     return t
 
 
@@ -399,8 +374,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
-            QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
-            CPO: gl.constexpr):
+            QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -434,7 +408,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 ra = base + head * HD + j
                 if TILE:
                     t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIN,
-                                        QXR, KT, wqkv_ptr, wqkv_ptr, NL * QKV, NL * QKV, H, CPF, CPO % 2)
+                                        QXR, KT)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -447,7 +421,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
                     t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
-                                        XR, KT, wg_ptr, wu_ptr, NL * IS, NL * IS, H, CPF, CPO // 4 % 2)
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
@@ -455,10 +429,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                                         INFLIGHT, SB, BK, BOX_BYTES, MMA, wg_ptr, wu_ptr, NL * IS, NL * IS, H, CPF)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF, CPO // 2 % 2)
+                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF, CPO // 8 % 2)
+                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -471,13 +445,13 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 for b0 in range(lo, hi, BTK):
                     if KV_RING == KV_ROWS:
                         t = _issue_kv_rows(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK,
-                                           HD, CPF)
+                                           HD)
                     else:
                         t = _issue_kv(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK, HD,
-                                      KV_RING, kc_ptr, vc_ptr, NL * NB * NKV * S, CPF)
+                                      KV_RING, kc_ptr, vc_ptr, NL * NKV * S, CPF)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF, CPO // 16 % 2)
+                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -532,28 +506,18 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False,
-               CPF: gl.constexpr = False):
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False):
     """acc += slot t + kb's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
     (transposed), kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the loader once
     slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps (the caller
-    releases it: `_slot_exchange`). With CPF the slots were written by cp.async (the generic proxy): a proxy fence
-    before the wgmma reads them through the async proxy."""
+    releases it: `_slot_exchange`)."""
     M: gl.constexpr = acc.shape[0]
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
     slots = ring._reinterpret(gl.bfloat16, [NS * KT, M, SUB], MMA_SMEM)
     for kb in range(0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        if CPF == 1:
-            fence_async_shared()
         for q in gl.static_range(KT):
-            if CPF == 2:  # the weights through registers (ldmatrix: the generic proxy that wrote them), no fence
-                a = slots.index(KT * s + q).load(AL)
-                acc = warpgroup_mma(a, xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
-            else:
-                acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc,
-                                    is_async=True)
+            acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
         gl.thread_barrier()
         mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
@@ -1610,8 +1574,7 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
 
 @gluon.jit
 def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
-                     TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr,
-                     CPF: gl.constexpr):
+                     TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr):
     """A batch's products of one row group, one wgmma per ring slot for every sequence's column of the staged operand
     at once. Returns (t, y_a, y_b): the slot's two halves, [RG rows, NBP sequences] each in the layout `ep` (both
     halves' values of a row and sequence in one thread). With TILE a slot is `_issue_tile`'s [2 GR, 64] tile and
@@ -1623,7 +1586,7 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
                                                    instr_shape=[16, 8, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
     t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
-                        KT if TILE else 1, TILE, CPF)
+                        KT if TILE else 1, TILE)
     if TILE:
         if CPS > 1:  # hi + lo
             acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
@@ -1664,8 +1627,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                      CPF: gl.constexpr):
+                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
@@ -1680,8 +1642,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                           TILE, num_warps, tr, TRACE)
         nkb = (w1 - w0 + KS - 1) // KS
         for r in range(a0, a1, 2 * RG):
-            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps,
-                                         CPF)
+            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
             if NORM and TILE:
                 y1 = y1 * _seq_scale(rs, ep)
                 y2 = y2 * _seq_scale(rs, ep)
@@ -1696,7 +1657,7 @@ def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, lay
                       IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHH: gl.constexpr,
                       BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
                       TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
-                      TRACE: gl.constexpr, CPF: gl.constexpr):
+                      TRACE: gl.constexpr):
     """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot."""
     RG: gl.constexpr = GR if TILE else BR
     KS: gl.constexpr = SUB * KT if TILE else BK
@@ -1705,7 +1666,7 @@ def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, lay
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for r in range(a0, a1, RG):
         t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
-                                   num_warps, CPF)
+                                   num_warps)
         if TILE:
             g = g * _seq_scale(rs, ep)
             u = u * _seq_scale(rs, ep)
@@ -1719,7 +1680,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
                   CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
-                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr, CPF: gl.constexpr):
+                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
     hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`)."""
@@ -1748,7 +1709,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
         t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
-                                     num_warps, CPF)
+                                     num_warps)
         if TILE:
             y1 = y1 * _seq_scale(rs, ep)
             y2 = y2 * _seq_scale(rs, ep)
@@ -1784,7 +1745,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, CPF: gl.constexpr):
+              TRACE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -1801,7 +1762,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, CPF)
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -1813,23 +1774,23 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_OPROJ:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE, CPF)
+                              num_warps, tr, TRACE)
     elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
         # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE, CPF)
+                              num_warps, tr, TRACE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, CPF)
+                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
     elif op == OP_DOWN:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
                               True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep, num_warps, tr,
-                              TRACE, CPF)
+                              TRACE)
     elif op == OP_LM_HEAD:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
                               a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE, CPF)
+                              num_warps, tr, TRACE)
     return t
 
 
@@ -1965,8 +1926,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, CPF: gl.constexpr,
-             num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -1994,7 +1954,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, CPF)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2048,11 +2008,10 @@ def stream_megakernel(
     BTK: gl.constexpr, KV_RING: gl.constexpr, ATTN_EXP2: gl.constexpr, ATTN_CALL: gl.constexpr,
     OP_CALL: gl.constexpr, TRACE: gl.constexpr, ROWW: gl.constexpr,
     WB: gl.constexpr, SP: gl.constexpr, MB: gl.constexpr, BE: gl.constexpr, LOADER_REGS: gl.constexpr,
-    LOADER_WARPS: gl.constexpr,
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    CPO: gl.constexpr, num_warps: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2076,7 +2035,7 @@ def stream_megakernel(
         vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     for i in gl.static_range(NS):
-        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS if CPF else 1)  # with CPF each loader thread arrives
+        mbarrier.init(ready.index(i), count=32 if CPF else 1)  # with CPF each loader thread's copies arrive
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
@@ -2085,12 +2044,12 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, CPF, num_warps)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF, CPO)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+                   CPF)),
+    ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -2099,11 +2058,9 @@ SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on sm_90 (227 KB)
 #: mbarriers and the compiler's scratch: the compiled kernels use 0.3-0.4 KB beyond the ring and the staging buffer
 #: (scripts/compile_check.py); a larger reserve would cost a ring slot
 SMEM_RESERVE = 2 * 1024
-#: Registers of the loader warp at least where a batch streams tiles: `_issue_tile`'s row groups spill at 32 (by TMA
-#: or, a group at a time, by cp.async)
+#: Registers of the loader warp at least where a batch streams tiles: `_issue_tile`'s row groups spill at 32
 TILE_LOADER_REGS = 40
 CP_LOADER_REGS = 96  # cp.async fills hold a box's copy addresses: 464 B of spill stack at 32 registers, 24 at 64
-CP_TILE_LOADER_REGS = 128  # a batch's tile fills by cp.async: llama-1b's batch-8 build spills 216 B at 64, 80 at 96
 #: the fewest 32 KB tile slots (`StreamConfig.tile_k` 128) a ring may have; with fewer, tiles take 16 KB slots
 MIN_TILE_SLOTS = 4
 
@@ -2179,20 +2136,11 @@ class StreamConfig:
     #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
     #: the chain's latency bounds a step: `stream_config` turns it on up to CP_FILL_HIDDEN (side by side at ctx
     #: 1024: qwen3-1.7b 2-5 % faster, llama-1b 0-2 %, qwen3-0.6b within 1 %; llama-3b 1.7 % and llama-8b 0.6 %
-    #: slower). A batch's tile fills by cp.async measured slower in two builds (llama-1b batch 8 +1 % and +11 %, batch
-    #: 16 +13 % and +27 %: one loader warp issues a 32 KB slot's copies too slowly), so a batch keeps TMA
-    #: (docs/perf-notes.md)
+    #: slower). A batch's tile fills by cp.async measured slower from one loader warp (llama-1b batch 8 +1 % and
+    #: +11 %, batch 16 +13 % and +27 %: it issues a 32 KB slot's copies too slowly); from four warps the releases
+    #: shrink as at batch 1, but the copies stream ~9 % slower than TMA: llama-1b batch 8 -1 %, batch 16 +13 %,
+    #: llama-8b batch 8 +10 %. So a batch keeps TMA (docs/perf-notes.md)
     cp_fill: bool = False
-    #: a batch's weight tiles (from `batch_tiles` on) filled by the loader warp's cp.async, in 16-row groups into the
-    #: 128 B swizzled tiles, the consumer fencing the proxies before its wgmma; the K/V blocks stay TMA
-    tile_cp: bool = False
-    #: with `tile_cp`: 1 a proxy fence before each slot's wgmma, 2 the tile read into registers (ldmatrix) for the
-    #: wgmma instead, 3 neither (a diagnostic: not correct by the memory model)
-    tile_cp_mode: int = 1
-    #: the ops `tile_cp` fills by cp.async (1 QKV, 2 o_proj, 4 gate/up, 8 down, 16 the LM head), TMA the rest
-    tile_cp_ops: int = 31
-    #: warps of the loader partition (cp.async fills spread over them; the ready barriers count their threads)
-    loader_warps: int = 1
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
@@ -2432,8 +2380,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": qxr, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
-            "CPF": int((sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma) or (
-                sc.tile_cp and tile and not attn_mma)) * (sc.tile_cp_mode if tile and sc.tile_cp else 1),
+            "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
 
@@ -2453,12 +2400,10 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=sc.loader_regs or ((CP_TILE_LOADER_REGS if geo["TILE"] else CP_LOADER_REGS) if geo["CPF"] else
-                                       TILE_LOADER_REGS if geo["TILE"] else 32),
+        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], CPO=sc.tile_cp_ops if geo["CPF"] and geo["TILE"] else 0, LOADER_WARPS=sc.loader_warps,
-        num_warps=sc.num_warps)
+        CPF=geo["CPF"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
