@@ -221,12 +221,19 @@ def _tile_slots(spec: ModelSpec) -> bool:
     return spec.batch >= V10_TILE_BATCH and not whole_head_qkv(spec)
 
 
+#: head dims up to which `for_batch` folds two attention splits into one on tile slots (llama-1b's 64: a sequence's
+#: K/V head at ctx 1024 is 256 KB, one instruction's worth; 128-dim heads measured slower folded)
+FOLD_TWO_SPLITS_HD = 64
+
+
 def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
     """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
     (docs/perf-notes.md, the v10 batch entries): attention split batch times less, so a layer has as many attention
     instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
     the only partial: llama-1b and llama-8b at batch 16 1.6-1.7 % faster; a merge of several splits is not folded at
-    a batch, and one split folded against two at batch 8 measured llama-1b 1.5 % faster, llama-8b 0.6 % slower);
+    a batch); on tile slots with heads of at most `FOLD_TWO_SPLITS_HD` dims two splits become one, folded (at batch 8
+    and ctx 1024 llama-1b 1.5 % faster than two splits apart, llama-8b's 128-dim heads 0.6 % slower; a long context
+    wants the splits: the search weighs them at its own ctx);
     QKV tiles of whole heads where the batch runs on interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV)
     or `whole_heads` asks for them; and from
     `V10_TILE_BATCH`, where a v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a
@@ -241,6 +248,8 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     tiles = {**Strategy().tiles, **strategy.tiles}
     splits = {op: strategy.k_splits.get(op, 1) for op in K_SPLIT_OPS}
     d["attn_splits"] = max(1, strategy.attn_splits // b)
+    if d["attn_splits"] == 2 and _tile_slots(spec) and c.hd <= FOLD_TWO_SPLITS_HD:
+        d["attn_splits"] = 1
     d["fuse_attn_reduce"] = d["attn_splits"] == 1 and not whole_head_qkv(spec)
     qkv = "attn_norm_qkv_rope"
     if _tile_slots(spec):
