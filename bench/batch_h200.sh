@@ -3,9 +3,10 @@
 # line (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the
 # megakernel (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the
 # lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) adapted to the
-# batch by `megasynth.lowering.strategy.for_batch`: attention's merge apart from o_proj, attention split batch times
-# less, and from batch 8, where v10's ring slots are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K
-# split as much finer), QKV tiles of 64 and gate/up tiles of a multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
+# batch by `megasynth.lowering.strategy.for_batch`: attention split batch times less, its merge folded into o_proj
+# where that leaves one split (two become one at batch 8 for 64-dim heads), and from batch 8, where v10's ring slots
+# are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and
+# gate/up tiles of a multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
 # when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
 # (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more); QKV=pairs keeps the
 # reference run's QKV tiles of RoPE pairs at every batch instead of rounding them up to whole heads. About 6 minutes
