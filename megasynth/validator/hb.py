@@ -96,6 +96,17 @@ def _classes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.flatnonzero(~join), class_of
 
 
+def _group(out: Conflicts, content: dict[bytes, int], members: np.ndarray, buf: str) -> int:
+    """The group of these member instructions (one per distinct member set, across buffers)."""
+    k = members.tobytes()
+    g = content.get(k)
+    if g is None:
+        g = content[k] = len(out.groups)
+        out.groups.append(members)
+        out.group_buffer.append(buf)
+    return g
+
+
 def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
     """Sweep each buffer's segments in ascending-id order (vectorised, over access classes) and build the need parts
     of live instructions."""
@@ -108,7 +119,8 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
                 by_buf[buf].append((i, _KIND[kind], lo, hi))
     content: dict[bytes, int] = {}
     part_ids: dict[bytes, int] = {}
-    need: dict[int, list[int]] = defaultdict(list)
+    need_i: list[np.ndarray] = []  # (instruction, part) pairs: the instruction needs the part
+    need_p: list[np.ndarray] = []
     for buf, accs in by_buf.items():
         arr = np.array(accs, dtype=np.int64)
         first_row, class_of = _classes(arr)
@@ -160,45 +172,72 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
         local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
         # runs of the same classes recur across segments (a batch's K-split readers of every element of their range):
         # their group is built once
+        # their group is built once (a run of one class, most of them, keyed by the class)
         by_classes: dict[bytes, int] = {}
-        for r in sorted_unique(pr).tolist():
-            run = klass[run_start[r]:run_end[r]]
-            known = by_classes.get(run.tobytes())
-            if known is not None:
-                local[r] = known
+        by_class: dict[int, int] = {}
+        runs = sorted_unique(pr)
+        r0s, r1s, klass_l = run_start[runs].tolist(), run_end[runs].tolist(), klass.tolist()
+        groups_of_runs = []
+        for r0, r1 in zip(r0s, r1s, strict=True):
+            if r1 - r0 == 1:
+                c = klass_l[r0]
+                g = by_class.get(c)
+                if g is None:  # one class: its rows are distinct instructions in ascending order already
+                    g = by_class[c] = _group(out, content, arr[row_start[c]:row_start[c + 1], 0], buf)
+                groups_of_runs.append(g)
                 continue
-            ks = run.tolist()
-            if len(ks) == 1:  # one class: its rows are distinct instructions in ascending order already
-                members = arr[row_start[ks[0]]:row_start[ks[0] + 1], 0]
-            else:
-                members = sorted_unique(np.concatenate([arr[row_start[k]:row_start[k + 1], 0] for k in ks]))
-            k = members.tobytes()
-            g = content.get(k)
+            run = klass[r0:r1]
+            g = by_classes.get(run.tobytes())
             if g is None:
-                g = content[k] = len(out.groups)
-                out.groups.append(members)
-                out.group_buffer.append(buf)
-            local[r] = by_classes[run.tobytes()] = g
+                members = sorted_unique(np.concatenate([arr[row_start[k]:row_start[k + 1], 0] for k in run.tolist()]))
+                g = by_classes[run.tobytes()] = _group(out, content, members, buf)
+            groups_of_runs.append(g)
+        local[runs] = groups_of_runs
         if not len(pk):
             continue
         ng = max(len(out.groups), 1)
         flat = sorted_unique(pk * ng + local[pr])
         fk, fg = flat // ng, flat % ng
         cut = np.flatnonzero(np.diff(fk)) + 1
-        for lo_i, hi_i in zip(np.append(0, cut).tolist(), np.append(cut, len(fk)).tolist(), strict=True):
+        seg_lo = np.append(0, cut)
+        part_of = []
+        for lo_i, hi_i in zip(seg_lo.tolist(), np.append(cut, len(fk)).tolist(), strict=True):
             k = fg[lo_i:hi_i].tobytes()
             part = part_ids.get(k)
             if part is None:
                 part = part_ids[k] = len(out.parts)
                 out.parts.append(fg[lo_i:hi_i].tolist())
-            c = int(fk[lo_i])
-            for i in arr[row_start[c]:row_start[c + 1], 0].tolist():
-                need[i].append(part)
-    interned: dict[tuple[int, ...], list[int]] = {}
-    for i, parts in need.items():
-        key_t = tuple(sorted(set(parts)))
-        out.need[i] = interned.setdefault(key_t, list(key_t))
+            part_of.append(part)
+        cs = fk[seg_lo]  # each class's rows (its instructions) need its part
+        cnt = row_start[cs + 1] - row_start[cs]
+        rows = np.repeat(row_start[cs], cnt) + (np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+        need_i.append(arr[rows, 0])
+        need_p.append(np.repeat(np.array(part_of, dtype=np.int64), cnt))
+    _set_need(out, need_i, need_p)
     return out
+
+
+def _set_need(out: Conflicts, need_i: list[np.ndarray], need_p: list[np.ndarray]) -> None:
+    """out.need from (instruction, part) pairs: each instruction's parts sorted and deduplicated, equal lists shared,
+    the instructions in the order of their first pair."""
+    if not need_i:
+        return
+    inst, part = np.concatenate(need_i), np.concatenate(need_p)
+    first = np.unique(inst, return_index=True)[1]
+    np_ = max(len(out.parts), 1)
+    pairs = sorted_unique(inst * np_ + part)
+    pi, pp = pairs // np_, pairs % np_
+    bounds = np.flatnonzero(np.diff(pi)) + 1
+    starts = np.append(0, bounds).tolist()
+    ends = np.append(bounds, len(pi)).tolist()
+    pp_l = pp.tolist()
+    by_inst: dict[int, list[int]] = {}
+    interned: dict[tuple[int, ...], list[int]] = {}
+    for i, a, b in zip(pi[starts].tolist(), starts, ends, strict=True):
+        key_t = tuple(pp_l[a:b])
+        by_inst[i] = interned.setdefault(key_t, list(key_t))
+    for i in inst[np.sort(first)].tolist():
+        out.need[i] = by_inst[i]
 
 
 def bits_of(indices: list[int] | set[int], n: int) -> int:
