@@ -139,18 +139,21 @@ def to_batch(geo: Geometry, accesses: list[Access], b: int) -> list[Access]:
     sequence's size, a cache range moves to sequence b's slot of its layer (a cache range never spans layers)."""
     if geo.batch == 1:
         return accesses
-    per = geo.seq_sizes
-    block = geo.cfg.num_key_value_heads * geo.max_seq_len * geo.cfg.hd
     out: list[Access] = []
     for kind, buf, lo, hi in accesses:
-        if buf in CACHES:
-            layer, off = divmod(lo, block)
-            base = (layer * geo.batch + b) * block + off
-            out.append((kind, buf, base, base + hi - lo))
-        else:
-            shift = b * per[buf]
-            out.append((kind, buf, lo + shift, hi + shift))
+        start, step = _placement(geo, buf, lo)
+        out.append((kind, buf, start + b * step, start + b * step + hi - lo))
     return out
+
+
+def _placement(geo: Geometry, buf: str, lo: int) -> tuple[int, int]:
+    """Where sequence 0's copy of one sequence's access from `lo` starts, and the stride to sequence b's: one
+    sequence's part of an activation buffer, or one cache slot of the access's layer."""
+    if buf in CACHES:
+        block = geo.cfg.num_key_value_heads * geo.max_seq_len * geo.cfg.hd
+        layer, off = divmod(lo, block)
+        return layer * geo.batch * block + off, block
+    return lo, geo.seq_sizes[buf]
 
 
 def _every_sequence(geo: Geometry, one: list[Access]) -> list[Access]:
@@ -158,15 +161,10 @@ def _every_sequence(geo: Geometry, one: list[Access]) -> list[Access]:
     buffer that follow on from each other merged, sequence by sequence: a whole-batch read of x becomes one access,
     not B. Sequence b's range is an access's first plus b strides (one sequence's part, or a layer's cache slot), so
     a kind and buffer with one access merges in one step; a validated batch-8 schedule has ~50 000 such footprints."""
-    batch, per = geo.batch, geo.seq_sizes
-    block = geo.cfg.num_key_value_heads * geo.max_seq_len * geo.cfg.hd
+    batch = geo.batch
     specs: dict[tuple[str, str], list[tuple[int, int, int]]] = {}
     for kind, buf, lo, hi in one:
-        if buf in CACHES:
-            layer, off = divmod(lo, block)
-            start, step = layer * batch * block + off, block
-        else:
-            start, step = lo, per[buf]
+        start, step = _placement(geo, buf, lo)
         specs.setdefault((kind, buf), []).append((start, hi - lo, step))
     out: list[Access] = []
     for (kind, buf), ss in specs.items():

@@ -171,7 +171,6 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
             pk, pr = np.concatenate([pk, ek]), np.concatenate([pr, prev[extra_r][has_prev[extra_r]]])
         local = np.full(max(int(run_id[-1]) + 1, 1), -1, dtype=np.int64)
         # runs of the same classes recur across segments (a batch's K-split readers of every element of their range):
-        # their group is built once
         # their group is built once (a run of one class, most of them, keyed by the class)
         by_classes: dict[bytes, int] = {}
         by_class: dict[int, int] = {}
@@ -200,7 +199,7 @@ def find_conflicts(prog: Program, live: list[bool]) -> Conflicts:
         fk, fg = flat // ng, flat % ng
         cut = np.flatnonzero(np.diff(fk)) + 1
         seg_lo = np.append(0, cut)
-        part_of = []
+        part_of: list[int] = []
         for lo_i, hi_i in zip(seg_lo.tolist(), np.append(cut, len(fk)).tolist(), strict=True):
             k = fg[lo_i:hi_i].tobytes()
             part = part_ids.get(k)
