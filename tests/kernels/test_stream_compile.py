@@ -729,12 +729,13 @@ def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
     """`StreamConfig.inflight` is a byte budget in batch-1 slots: a tile batch's 32 KB slots keep half as many fills
     in flight (rounded up), its 16 KB slots (llama-8b at batch 16) and every row-pair batch as many, and the ring
     bounds it; the build's INFLIGHT is that count. A batch's QKV tile fills of a 64-dim head carry 16 KB (32 rows of
-    each half), so its QKV keeps as many bytes in flight in more fills (QIN; `qkv_inflight` sets it)."""
+    each half) unless K-packed (the default: 32 KB), so its QKV keeps as many bytes in flight in as many fills as
+    that takes (QIN; `qkv_inflight` sets it)."""
     from megasynth.kernels.gpu.stream import StreamConfig, stream_config, stream_constexprs, stream_geometry
     from megasynth.lowering.models import get_model
 
-    for name, batch, kt, fills, qkv in (("llama-1b", 1, 1, 3, 3), ("llama-1b", 4, 1, 3, 3), ("llama-1b", 8, 2, 2, 3),
-                                        ("llama-1b", 16, 2, 2, 3), ("llama-8b", 1, 1, 4, 4), ("llama-8b", 8, 2, 2, 2),
+    for name, batch, kt, fills, qkv in (("llama-1b", 1, 1, 3, 3), ("llama-1b", 4, 1, 3, 3), ("llama-1b", 8, 2, 2, 2),
+                                        ("llama-1b", 16, 2, 2, 2), ("llama-8b", 1, 1, 4, 4), ("llama-8b", 8, 2, 2, 2),
                                         ("llama-8b", 16, 1, 4, 4)):
         cfg = get_model(name).config
         sc = stream_config(cfg)
@@ -747,3 +748,37 @@ def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
     assert stream_geometry(llama, StreamConfig(inflight=99), 1)["INFLIGHT"] == stream_geometry(llama, StreamConfig(),
                                                                                                 1)["NS"]
     assert stream_geometry(llama, StreamConfig(qkv_inflight=5), 8)["QIN"] == 5
+    assert stream_geometry(llama, StreamConfig(qkv_kpack=False), 8)["QIN"] == 3
+
+
+def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
+    """A batch's weight products issue one wgmma per 64-row half and K step as wide as the staged operand (N = the
+    padded batch, times hi/lo, times the K-packed QKV's sub-chunks), not several N-8 wgmmas that each read the weight
+    tile from shared memory again. QKV tiles of 64-dim heads are K-packed (`StreamConfig.qkv_kpack`: 32 rows of each
+    RoPE half at two sub-chunks a tile, 32 KB fills, so their fills in flight drop to as many bytes as the other
+    ops'); 128-dim heads, hidden sizes that two sub-chunks a tile do not divide into whole slots, and row-pair slots
+    are not."""
+    pytest.importorskip("triton.experimental.gluon")
+    import re
+    from collections import Counter
+
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    llama, big = get_model("llama-1b").config, get_model("llama-8b").config
+    for batch in (8, 16):
+        geo = stream_geometry(llama, StreamConfig(), batch)
+        assert (geo["QKP"], geo["QXR"], geo["QIN"]) == (2, 32, 2)
+        off = stream_geometry(llama, StreamConfig(qkv_kpack=False), batch)
+        assert (off["QKP"], off["QIN"]) == (1, 3)
+        assert stream_geometry(big, StreamConfig(), batch)["QKP"] == 1
+    assert stream_geometry(get_model("tiny-gqa4").config, StreamConfig(), 8)["QKP"] == 1  # hidden 256
+    assert stream_geometry(get_model("qwen2.5-0.5b").config, StreamConfig(), 8)["QKP"] == 1  # hidden 896
+    assert stream_geometry(llama, StreamConfig(), 4)["QKP"] == 1  # row-pair slots
+    want = {8: {"m64n8k16", "m64n16k16"}, 16: {"m64n16k16", "m64n32k16"}, 4: {"m64n16k16"}}
+    for batch, shapes in want.items():
+        kernel, res = compile_v10(llama, 4096, StreamConfig(), batch=batch)
+        assert res.stack == 0
+        got = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]))
+        assert set(got) == shapes, (batch, got)

@@ -317,34 +317,45 @@ def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constex
 
 @gluon.jit
 def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                XR: gl.constexpr, KT: gl.constexpr):
+                XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
     """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
     [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
     descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
     second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
-    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`)."""
+    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With KP = GR / XR > 1 (a
+    64-dim head's QKV tiles, `StreamConfig.qkv_kpack`) a half's KP boxes hold the same XR rows at KP consecutive
+    64-column sub-chunks, so a tile spans 64 KP columns and no row of the product is wasted (`_pair_rows_batch`)."""
     s = _claim(t, ready, empty, NS, INFLIGHT)
     bar = ready.index(s)
     NG: gl.constexpr = GR // XR  # boxes per half
-    _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
-            XR * SUB * 2)
+    if KP > 1:
+        _expect(bar, KT * NG * ((na > 0).to(gl.int32) + (nb > 0).to(gl.int32)), 2 * NG * KT, XR * SUB * 2)
+    else:
+        _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
+                XR * SUB * 2)
     groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)  # a tile: 2 halves of [GR, 64]
     for q in gl.static_range(KT):  # past K the copies are zero-filled; the staged operand is zero past a window
         for g in gl.static_range(NG):
             tile = (KT * s + q) * 2 * NG
-            tma.async_copy_global_to_shared(da, [ra + g * XR, c + q * SUB], bar, groups.index(tile + g),
-                                            pred=g * XR < na)
-            tma.async_copy_global_to_shared(db, [rb + g * XR, c + q * SUB], bar, groups.index(tile + NG + g),
-                                            pred=g * XR < nb)
+            if KP > 1:
+                tma.async_copy_global_to_shared(da, [ra, c + (q * KP + g) * SUB], bar, groups.index(tile + g),
+                                                pred=na > 0)
+                tma.async_copy_global_to_shared(db, [rb, c + (q * KP + g) * SUB], bar, groups.index(tile + NG + g),
+                                                pred=nb > 0)
+            else:
+                tma.async_copy_global_to_shared(da, [ra + g * XR, c + q * SUB], bar, groups.index(tile + g),
+                                                pred=g * XR < na)
+                tma.async_copy_global_to_shared(db, [rb + g * XR, c + q * SUB], bar, groups.index(tile + NG + g),
+                                                pred=g * XR < nb)
     return t + 1
 
 
 @gluon.jit
 def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
-                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr):
-    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT columns per slot."""
-    for c in range(k0, k1, SUB * KT):
-        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT)
+                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT KP columns per slot."""
+    for c in range(k0, k1, SUB * KT * KP):
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP)
     return t
 
 
@@ -374,7 +385,8 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
-            QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr):
+            QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
+            QKP: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -404,11 +416,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             p = a0 // 2
             pend = a1 // 2
             while p < pend:
-                head, j, n = _qkv_group(p, pend, HALF, GR if TILE else BR)
+                head, j, n = _qkv_group(p, pend, HALF, GR // QKP if TILE else BR)
                 ra = base + head * HD + j
                 if TILE:
                     t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIN,
-                                        QXR, KT)
+                                        QXR, KT, QKP)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -530,11 +542,11 @@ def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.con
 
 
 @gluon.jit
-def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: gl.constexpr):
-    """z ([2, GR, N] fp32, N <= 16, any layout) in layout `out`, exchanged through slot t - 1 of the ring (KT [128,
+def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """z ([2, GR, N] fp32, N <= 32, any layout) in layout `out`, exchanged through slot t - 1 of the ring (KT [128,
     64] bf16 tiles), whose weights the products have consumed (`_mma_slots` with KEEP), and the slot handed back to
     the loader: a layout conversion without the compiler's shared scratch, which would cost a batch build a ring
-    slot."""
+    slot. With KP > 1 (`_pair_rows_kpack`) the result is [2, GR / KP, N / KP]: the sum of z's KP diagonal blocks."""
     N: gl.constexpr = z.shape[2]
     Q: gl.constexpr = KT * 2 * GR * SUB * 2 // (2 * GR * N * 4)  # such [2, GR, N] blocks per slot
     gl.static_assert(Q * 2 * GR * N * 4 == KT * 2 * GR * SUB * 2, "whole [2, GR, N] fp32 blocks per slot")
@@ -543,7 +555,14 @@ def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: g
     gl.thread_barrier()  # every warp's products have read the slot
     buf.store(z)
     gl.thread_barrier()
-    z = buf.load(out)
+    if KP > 1:
+        RQ: gl.constexpr = GR // KP
+        NQ: gl.constexpr = N // KP
+        z = buf.slice(0, RQ, dim=1).slice(0, NQ, dim=2).load(out)
+        for g in gl.static_range(1, KP):
+            z += buf.slice(g * RQ, RQ, dim=1).slice(g * NQ, NQ, dim=2).load(out)
+    else:
+        z = buf.load(out)
     _release(t - 1, empty, NS)
     return z
 
@@ -1574,23 +1593,32 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
 
 @gluon.jit
 def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
-                     TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr):
+                     TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr,
+                     KP: gl.constexpr = 1):
     """A batch's products of one row group, one wgmma per ring slot for every sequence's column of the staged operand
     at once. Returns (t, y_a, y_b): the slot's two halves, [RG rows, NBP sequences] each in the layout `ep` (both
     halves' values of a row and sequence in one thread). With TILE a slot is `_issue_tile`'s [2 GR, 64] tile and
     every column of the product is used (N = CPS NBP: 1 or 2 per sequence). Otherwise it is two row-pair boxes of
     16 rows x BK (the batch-1 layout: row 4 i + q of a box is its row i over sub-chunk q), and a sequence's CPS
-    columns are its 4 sub-chunks (times hi/lo): of each, the rows of its own sub-chunk count."""
+    columns are its 4 sub-chunks (times hi/lo): of each, the rows of its own sub-chunk count. With KP > 1 (TILE
+    only) the slot is `_issue_tile`'s K-packed tiles: a half's GR / KP rows at KP sub-chunks a tile, multiplied by KP
+    consecutive sub-chunks' operand at once (N = KP CPS NBP; the staged [NBP CPS, 64] blocks of consecutive
+    sub-chunks are one [KP NBP CPS, 64] block of the same 128 B swizzle), and each row's sum taken over the KP
+    diagonal blocks; the halves are then [GR / KP, NBP]."""
     BOXES: gl.constexpr = ep.parent
+    # one wgmma as wide as the operand: with N 8 a wider product is several wgmmas, each reading the whole weight
+    # tile from shared memory again (batch 16: twice; measured 3.8 % of the step, docs/perf-notes.md)
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, 8, 16])
+                                                   instr_shape=[16, KP * CPS * NBP, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
-    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, CPS * NBP], gl.float32, accl), NS,
+    if KP > 1:
+        xs = xs._reinterpret(gl.bfloat16, [xs.shape[0] // KP, KP * xs.shape[1], SUB], MMA_SMEM)
+    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl), NS,
                         KT if TILE else 1, TILE)
     if TILE:
         if CPS > 1:  # hi + lo
-            acc = gl.sum(gl.reshape(acc, [2 * GR, CPS, NBP]), axis=1)
-        z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, NBP]), BOXES, NS, KT)  # [half, row, sequence]
+            acc = gl.sum(gl.reshape(acc, [2 * GR, KP, CPS, NBP]), axis=2)
+        z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, KP * NBP]), BOXES, NS, KT, KP)  # [half, row, seq]
     else:
         NQ: gl.constexpr = 2 * GR // (2 * BR)  # sub-chunks per box row
         rows = gl.arange(0, 2 * GR, layout=gl.SliceLayout(1, accl))
@@ -1680,12 +1708,13 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
                   CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
-                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
-    hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`)."""
-    RG: gl.constexpr = GR if TILE else BR
-    KS: gl.constexpr = SUB * KT if TILE else BK
+    hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed
+    tiles, `_pair_rows_batch`) GR / QKP of them."""
+    RG: gl.constexpr = GR // QKP if TILE else BR
+    KS: gl.constexpr = SUB * KT * QKP if TILE else BK
     HALF: gl.constexpr = HD // 2
     QKV: gl.constexpr = (NH + 2 * NKV) * HD
     rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
@@ -1709,7 +1738,7 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
         sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
         t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
-                                     num_warps)
+                                     num_warps, QKP)
         if TILE:
             y1 = y1 * _seq_scale(rs, ep)
             y2 = y2 * _seq_scale(rs, ep)
@@ -1745,7 +1774,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -1762,7 +1791,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -1926,7 +1955,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              WB: gl.constexpr, SP: gl.constexpr,
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
-             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr):
+             TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
+             QKP: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -1954,7 +1984,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2011,7 +2041,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    num_warps: gl.constexpr,
+    QKP: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2044,11 +2074,11 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF)),
+                   CPF, QKP)),
     ], [1], [LOADER_REGS])
 
 
@@ -2125,10 +2155,17 @@ class StreamConfig:
     #: llama-8b 5.6 % (docs/perf-notes.md). Counted in batch-1 (16 KB) slots: a batch's 32 KB tile slots keep half as
     #: many fills in flight, rounded up (llama-1b at batch 8: 2 fills 1.6 % faster than 3, 1 fill 12 % slower)
     inflight: int = 3
-    #: fills in flight while a batch's QKV tiles stream (0: as many bytes as `inflight`'s batch-1 slots: a 64-dim
-    #: head's QKV tile fills carry 16 KB, so llama-1b keeps 3 of them where its other tile fills are 2 of 32 KB; 2.0 %
-    #: faster at batch 8 than 2 QKV fills, 4 the same as 3: docs/perf-notes.md)
+    #: fills in flight while a batch's QKV tiles stream (0: as many bytes as `inflight`'s batch-1 slots: without
+    #: `qkv_kpack` a 64-dim head's QKV tile fills carry 16 KB, so llama-1b keeps 3 of them where its other tile fills
+    #: are 2 of 32 KB, 2.0 % faster at batch 8 than 2 QKV fills, 4 the same as 3; K-packed they are 32 KB, 2 in
+    #: flight, and 3 measured 0.5 % slower: docs/perf-notes.md)
     qkv_inflight: int = 0
+    #: where a batch's QKV tile rows are fewer than a tile half's (64-dim heads: 32 rows of each RoPE half), a fill
+    #: packs the same rows at two 64-column sub-chunks into the half's other boxes, and the product takes the two
+    #: sub-chunks' operand as one wgmma twice as wide, so no row of the product is wasted and an instruction has half
+    #: the slots (`_pair_rows_batch`'s KP). llama-1b at batch 8: 0.891 against 0.910-0.913 ms; at 16 the same
+    #: (docs/perf-notes.md)
+    qkv_kpack: bool = True
     kv_ring: bool = True  # the loader streams attention's K/V history into the ring too (when the shapes allow)
     #: the loader warp fills the ring by cp.async (16 bytes a thread, arriving on the slot's barrier when they land)
     #: instead of TMA, at batch 1 on the CUDA-core path (elsewhere TMA): a counter release's fence waits for this
@@ -2340,7 +2377,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # a batch's QKV tile fills carry QXR of each half's rows: fewer bytes than a slot where QXR < 64 (64-dim heads),
     # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
     qxr = min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16
-    qkv_fill = 2 * qxr * 64 * kt * 2 if tile else slot_bytes
+    # ... unless K-packed: a half's GR / QXR boxes hold the same rows at consecutive sub-chunks (`_issue_tile`)
+    qkp = GR.value // qxr if tile and sc.qkv_kpack and c.hidden_size % (64 * kt * (GR.value // qxr)) == 0 else 1
+    qkv_fill = 2 * qxr * 64 * kt * 2 * qkp if tile else slot_bytes
     qin = min(sc.qkv_inflight or (-(-sc.inflight * (slot_bytes // kt) // qkv_fill) if sc.inflight else slots), slots)
     if slots < 2 or slots > fit:
         raise ValueError(f"{slots} ring slots of {slot_bytes} B do not fit next to a {stage_bytes} B vector "
@@ -2378,7 +2417,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": qxr, "QIN": qin, "stage_k": window * bk,
+            "QXR": qxr, "QKP": qkp, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
@@ -2403,7 +2442,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], num_warps=sc.num_warps)
+        CPF=geo["CPF"], QKP=geo["QKP"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
