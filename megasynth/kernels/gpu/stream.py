@@ -546,7 +546,8 @@ def _slot_exchange(t, ring, empty, z, out: gl.constexpr, NS: gl.constexpr, KT: g
     """z ([2, GR, N] fp32, N <= 32, any layout) in layout `out`, exchanged through slot t - 1 of the ring (KT [128,
     64] bf16 tiles), whose weights the products have consumed (`_mma_slots` with KEEP), and the slot handed back to
     the loader: a layout conversion without the compiler's shared scratch, which would cost a batch build a ring
-    slot. With KP > 1 (`_pair_rows_kpack`) the result is [2, GR / KP, N / KP]: the sum of z's KP diagonal blocks."""
+    slot. With KP > 1 (`_pair_rows_batch`'s K-packed tiles) the result is [2, GR / KP, N / KP]: the sum of z's KP
+    diagonal blocks."""
     N: gl.constexpr = z.shape[2]
     Q: gl.constexpr = KT * 2 * GR * SUB * 2 // (2 * GR * N * 4)  # such [2, GR, N] blocks per slot
     gl.static_assert(Q * 2 * GR * N * 4 == KT * 2 * GR * SUB * 2, "whole [2, GR, N] fp32 blocks per slot")
