@@ -37,6 +37,9 @@ from megasynth.ir.errors import ScheduleError
 @click.option("--check-run", "check_runs", multiple=True, type=click.Path(file_okay=False, exists=True),
               help="A runs/<run> folder of a GPU search left out of the fit: report the error on its candidates. "
               "Alone (nothing to fit), it checks the prior (default: the committed model) and writes nothing.")
+@click.option("--check-measured", "check_measured", multiple=True, type=click.Path(dir_okay=False, exists=True),
+              help="A megasynth-measured-steps/1 file left out of the fit: report the error on each of its steps. "
+              "Alone (nothing to fit), it checks the prior and writes nothing.")
 @click.option("--holdout", type=click.FloatRange(0, 0.9), default=0.3, show_default=True,
               help="v10: this fraction of the measured steps (picked by a hash of their names) is left out of the fit "
               "and reported.")
@@ -46,7 +49,8 @@ from megasynth.ir.errors import ScheduleError
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="v10: processes [default: cores - 1].")
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
               allow_estimated: bool, fit_runs: tuple[str, ...], measured_files: tuple[str, ...],
-              check_runs: tuple[str, ...], holdout: float, max_fit: int, iterations: int, jobs: int | None) -> None:
+              check_runs: tuple[str, ...], check_measured: tuple[str, ...], holdout: float, max_fit: int,
+              iterations: int, jobs: int | None) -> None:
     """Fit the cost model to GPU measurements (runs, measured-step files, traces) and report its error."""
     from megasynth.lowering.costmodel import load_params
 
@@ -55,9 +59,11 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     pairs, devices = _read_traces(traces, schedules, allow_estimated)
     base = load_params(prior)
     try:
-        if check_runs and not (traces or fit_runs or measured_files):  # check the model as it is
-            _check_only(base, list(check_runs))
+        if (check_runs or check_measured) and not (traces or fit_runs or measured_files):  # the model as it is
+            _check_only(base, list(check_runs), list(check_measured))
             return
+        if check_measured:
+            raise click.UsageError("--check-measured checks the model as it is: give it without anything to fit")
         if base.ring_bytes > 0:
             doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
                            iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)))
@@ -75,9 +81,10 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
         click.echo(f"wrote {output}")
 
 
-def _check_only(params: Any, check_runs: list[str]) -> None:
-    """The error of `params` on the GPU-measured candidates of runs it was not fitted on, per run and in all."""
-    from megasynth.search.calibrate import error_summary, run_steps
+def _check_only(params: Any, check_runs: list[str], check_measured: list[str] | None = None) -> None:
+    """The error of `params` on the GPU-measured candidates of runs it was not fitted on, per run and in all, and on
+    each step of measured-steps files (one line a step: a file holds few, often one per batch or context)."""
+    from megasynth.search.calibrate import error_summary, file_steps, run_steps
 
     skipped: list[str] = []
     every = []
@@ -85,9 +92,17 @@ def _check_only(params: Any, check_runs: list[str]) -> None:
         steps = run_steps([run], skipped)
         every += steps
         click.echo(_errors_line(f"{run} (not fitted)", error_summary(steps, params)))
+    for path in check_measured or []:
+        steps = file_steps([path])
+        every += steps
+        summary = error_summary(steps, params)
+        for row in summary["rows"]:
+            click.echo(f"  {row['step']}: estimated {row['estimated_ms']:.3f} ms, measured {row['measured_ms']:.3f} "
+                       f"({row['error_pct']:+.1f} %)")
+        click.echo(_errors_line(f"{path} (not fitted)", summary))
     for why in skipped:
         click.echo(f"note: left out {why}")
-    if len(check_runs) > 1:
+    if len(check_runs) + len(check_measured or []) > 1:
         click.echo(_errors_line("all (not fitted)", error_summary(every, params)) + " (goal: median <= 3%, max <= 10%)")
 
 

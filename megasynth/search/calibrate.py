@@ -449,24 +449,45 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None, bool]]:
     """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms, and
-    optionally max_seq_len (the lowering's; default the model's), a trace summary and `always_fit` each) as (label,
-    schedule lowered from the recorded strategy, ctx, ms, trace summary or None, always_fit)."""
+    optionally max_seq_len (the lowering's; default the model's), batch (sequences per step; default 1), a trace
+    summary and `always_fit` each) as (label, schedule lowered from the recorded strategy, ctx, ms, trace summary or
+    None, always_fit). A malformed step is a ValueError naming the file and its JSON path."""
     import json
 
     from megasynth.lowering.lower import lower
-    from megasynth.lowering.models import get_model
+    from megasynth.lowering.models import MAX_BATCH, get_model, with_batch
     from megasynth.lowering.strategy import parse_strategy
 
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    if doc.get("format") != "megasynth-measured-steps/1":
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: $: cannot read a measured-steps file: {exc}") from exc
+    if not isinstance(doc, dict) or doc.get("format") != "megasynth-measured-steps/1":
         raise ValueError(f"{path}: $.format: not a megasynth-measured-steps/1 file")
+    if not isinstance(doc.get("steps"), list):
+        raise ValueError(f"{path}: $.steps: a list of steps is required")
     out = []
     for k, e in enumerate(doc["steps"]):
+        where = f"{path}: $.steps[{k}]"
+        if not isinstance(e, dict):
+            raise ValueError(f"{where}: a step must be an object")
+        missing = [f for f in ("name", "model", "workers", "strategy", "ctx", "ms") if f not in e]
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
         st = parse_strategy(e["strategy"], str(path), f"$.steps[{k}].strategy")
         seq = e.get("max_seq_len")  # a long-context step was lowered (and measured) for contexts up to it
-        sched = lower(get_model(e["model"], int(seq) if seq is not None else None), int(e["workers"]), st)
-        out.append((f"{Path(path).name}:{e['name']}@{e['ctx']}", sched, int(e["ctx"]), float(e["ms"]), e.get("trace"),
-                    bool(e.get("always_fit", False))))
+        try:
+            spec = get_model(e["model"], int(seq) if seq is not None else None)
+            batch = int(e.get("batch", 1))
+            if not 1 <= batch <= MAX_BATCH:
+                raise ValueError(f"batch {batch} is out of range: it must be in [1, {MAX_BATCH}]")
+            sched = lower(with_batch(spec, batch), int(e["workers"]), st)
+            step = (f"{Path(path).name}:{e['name']}@{e['ctx']}", sched, int(e["ctx"]), float(e["ms"]),
+                    e.get("trace"), bool(e.get("always_fit", False)))
+        except (KeyError, TypeError, ValueError) as exc:  # an unknown model, a bad batch or number
+            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise ValueError(f"{where}: {why}") from exc
+        out.append(step)
     return out
 
 

@@ -286,3 +286,53 @@ def test_measured_steps_file_lowers_at_its_max_seq_len_and_keeps_always_fit_step
     assert all(any(f is s for f in fit_set) for s in got[:3]) and len(held) > 20
     used = subsample(got + others, 8)
     assert len(used) <= 8 and all(any(u is s for u in used) for s in got[:3])
+
+
+def test_measured_steps_at_a_batch_are_checked_step_by_step(tmp_path: Path) -> None:
+    """A measured step's `batch` lowers it for that many sequences; `synth calibrate --check-measured FILE` reports
+    the committed model's estimate against each step's time and writes nothing; a malformed step is exit 2 naming
+    the file and the JSON path, without a traceback."""
+    from megasynth.commands.calibrate import calibrate
+    from megasynth.search.calibrate import file_steps
+
+    st = Strategy(attn_splits=1).model_dump(mode="json")
+    steps = [{"name": f"b{b}", "model": "tiny", "batch": b, "workers": 8, "ctx": 64, "ms": 0.05 * b, "strategy": st}
+             for b in (1, 3)]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"format": "megasynth-measured-steps/1", "steps": steps}))
+    got = file_steps([str(path)])
+    assert [s.prog.geometry.batch for s in got] == [1, 3]
+    p = load_params()
+    assert estimate(got[1].prog, 64, p).makespan_ms > estimate(got[0].prog, 64, p).makespan_ms
+    res = CliRunner().invoke(calibrate, ["--check-measured", str(path)])
+    assert res.exit_code == 0, res.output
+    assert "steps.json:b1@64: estimated" in res.output and "steps.json:b3@64: estimated" in res.output
+    assert "over 2 measured steps" in res.output and sorted(p.name for p in tmp_path.iterdir()) == ["steps.json"]
+    for bad, where in (({**steps[1], "batch": 99}, "$.steps[1]"), ({k: v for k, v in steps[1].items() if k != "ms"},
+                                                                     "$.steps[1]: missing ms"),
+                       ({**steps[1], "model": "no-such-model"}, "$.steps[1]")):
+        path.write_text(json.dumps({"format": "megasynth-measured-steps/1", "steps": [steps[0], bad]}))
+        res = CliRunner().invoke(calibrate, ["--check-measured", str(path)])
+        assert res.exit_code == 2 and f"{path}: {where}" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_committed_batch_steps_lower_to_the_timed_schedules(tmp_path: Path) -> None:
+    """bench/results/batch/measured_steps.json records the strategies of the published batch rows: each lowers
+    (as `synth lower` writes it) to exactly the schedule file the benchmark timed (its sha256)."""
+    import hashlib
+
+    from megasynth.ir.schedule import dump_schedule
+    from megasynth.lowering.models import with_batch
+
+    root = Path(__file__).resolve().parents[2]
+    doc = json.loads((root / "bench/results/batch/measured_steps.json").read_text())
+    assert doc["steps"]
+    for e in doc["steps"]:
+        bench = json.loads((root / f"bench/results/batch/{e['model']}_batch{e['batch']}.json").read_text())
+        assert e["ms"] == bench["results"][0]["variants"]["megakernel"]["timing"]["median_ms"]
+        spec = with_batch(get_model(e["model"]), e["batch"])
+        sched = lower(spec, e["workers"], Strategy.model_validate(e["strategy"]), proposer="manual")
+        out = tmp_path / f"{e['name']}.json"
+        dump_schedule(sched, str(out))
+        sha = hashlib.sha256(out.read_text().encode()).hexdigest()
+        assert sha == e["schedule_sha256"] == bench["schedule"]["sha256"], e["name"]
