@@ -46,11 +46,14 @@ from megasynth.ir.errors import ScheduleError
 @click.option("--max-fit", type=click.IntRange(4, 100_000), default=40, show_default=True,
               help="v10: steps the optimisation uses at most (spread over the measured times; all are reported).")
 @click.option("--iterations", type=click.IntRange(1, 100), default=12, show_default=True)
+@click.option("--free", "free", default=None, metavar="NAME,...",
+              help="v10: fit only these parameters (e.g. attn_mma_flop_rate, overhead_us:<op>); the rest stay the "
+              "prior's, and the output keeps the prior's record of its own fit beside this one's.")
 @click.option("--jobs", type=click.IntRange(1, 256), default=None, help="v10: processes [default: cores - 1].")
 def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str | None, prior: str | None,
               allow_estimated: bool, fit_runs: tuple[str, ...], measured_files: tuple[str, ...],
               check_runs: tuple[str, ...], check_measured: tuple[str, ...], holdout: float, max_fit: int,
-              iterations: int, jobs: int | None) -> None:
+              iterations: int, free: str | None, jobs: int | None) -> None:
     """Fit the cost model to GPU measurements (runs, measured-step files, traces) and report its error."""
     from megasynth.lowering.costmodel import load_params
 
@@ -66,7 +69,10 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
             raise click.UsageError("--check-measured checks the model as it is: give it without anything to fit")
         if base.ring_bytes > 0:
             doc = _fit_v10(pairs, base, list(fit_runs), list(measured_files), list(check_runs), holdout, max_fit,
-                           iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)))
+                           iterations, jobs or max(1, (os.cpu_count() or 2) - 1), ", ".join(sorted(devices)),
+                           _free_names(free, base), _prior_fit(prior))
+        elif free:
+            raise click.UsageError("--free picks parameters of the v10 step fit; this prior is v9's")
         else:
             if not pairs:
                 raise click.UsageError("a v9 prior fits per-op parameters on traces: give at least one TRACE")
@@ -104,6 +110,33 @@ def _check_only(params: Any, check_runs: list[str], check_measured: list[str] | 
         click.echo(f"note: left out {why}")
     if len(check_runs) + len(check_measured or []) > 1:
         click.echo(_errors_line("all (not fitted)", error_summary(every, params)) + " (goal: median <= 3%, max <= 10%)")
+
+
+def _free_names(text: str | None, base: Any) -> list[str] | None:
+    """--free's names, each one the step fit knows (a usage error names one it does not)."""
+    from megasynth.search.calibrate import free_param_names
+
+    if not text:
+        return None
+    known = free_param_names(base)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise click.BadParameter(f"unknown parameter {', '.join(bad) or repr(text)}; known: {', '.join(known)}",
+                                 param_hint="--free")
+    return names
+
+
+def _prior_fit(prior: str | None) -> dict[str, Any] | None:
+    """The prior file's records of its fit (`fit`) and of later fits of some of its parameters (`refits`), which a
+    fit of some parameters keeps."""
+    from megasynth.lowering.costmodel import DATA
+
+    try:
+        doc = json.loads(Path(prior or DATA).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return {k: doc[k] for k in ("fit", "refits") if k in doc} if isinstance(doc, dict) and "fit" in doc else None
 
 
 def _read_traces(traces: tuple[str, ...], schedules: tuple[str, ...], allow_estimated: bool
@@ -158,7 +191,7 @@ def _errors_line(what: str, summary: dict[str, Any]) -> str:
 
 def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[str], measured_files: list[str],
              check_runs: list[str], holdout: float, max_fit: int, iterations: int, jobs: int,
-             device: str) -> dict[str, Any]:
+             device: str, free: list[str] | None = None, prior_fit: dict[str, Any] | None = None) -> dict[str, Any]:
     from dataclasses import replace
 
     from megasynth.ir.program import resolve
@@ -187,15 +220,18 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
     fit_set, held = split_held_out(steps, holdout)
     used = subsample(fit_set, max_fit)
     click.echo(f"fitting {len(used)} of {len(fit_set)} steps ({len(held)} held out) with {jobs} processes")
-    result = fit_steps(used, base, iterations=iterations, jobs=jobs, notice=click.echo)
+    result = fit_steps(used, base, free=free, iterations=iterations, jobs=jobs, notice=click.echo)
     what = " + ".join(", ".join(names) for names in (fit_runs, measured_files) if names)
     what += f"{' + ' if what else ''}{len(pairs)} traces" if pairs else ""
-    params = replace(result.params, source=f"fitted to {len(fit_set)} measured steps ({what})"
-                     + (f" ({device})" if device else ""),
-                     notes="synth calibrate (v10 step fit): " + ", ".join(result.free) + " fitted by Levenberg-"
-                     "Marquardt to the log error of whole-step times (and traced makespans and per-op means); "
-                     f"{len(held)} steps held out. Refit: synth calibrate --fit-run <GPU run folder>... "
-                     "[--measured <steps file>] -o megasynth/data/h200_costmodel.json")
+    source = f"fitted to {len(fit_set)} measured steps ({what})" + (f" ({device})" if device else "")
+    notes = ("synth calibrate (v10 step fit): " + ", ".join(result.free) + " fitted by Levenberg-Marquardt to the log "
+             "error of whole-step times (and traced makespans and per-op means); "
+             f"{len(held)} steps held out. Refit: synth calibrate --fit-run <GPU run folder>... "
+             "[--measured <steps file>] -o megasynth/data/h200_costmodel.json")
+    if free:  # some parameters refitted: the rest, and where they came from, stay the prior's
+        source = f"{base.source}; then {', '.join(result.free)} {source}"
+        notes = f"{base.notes} Then: {notes}"
+    params = replace(result.params, source=source, notes=notes)
     fitted = error_summary(fit_set, params)
     click.echo(_errors_line("fit", fitted))
     held_sum = error_summary(held, params)
@@ -207,6 +243,8 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
         check = error_summary(run_steps(check_runs, skipped), params)
         click.echo(_errors_line("check runs (not fitted)", check))
         doc_fit["check"] = {"runs": check_runs, **check}
+    if free and prior_fit:
+        return {**params.to_json(), "fit": prior_fit["fit"], "refits": [*prior_fit.get("refits", []), doc_fit]}
     return {**params.to_json(), "fit": doc_fit}
 
 

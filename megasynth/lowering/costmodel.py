@@ -75,12 +75,21 @@ class CostParams:
     box_rows: int = 0  # rows per TMA box (0: bytes as the catalogue counts them)
     launch_us: float = 0.0  # per step outside the kernel's instructions: counter reset, launch, the last release
     attn_flop_rate: float = 0.0  # fp32 flops per µs of one SM in attn_partial (CUDA cores; 0: flops not modelled)
+    #: flops per µs of one SM in attn_partial from `attn_mma_batch` sequences per step on, where v10 runs a batch's
+    #: attention on the tensor cores (`StreamConfig.attn_rows`); 0: `attn_flop_rate`'s
+    attn_mma_flop_rate: float = 0.0
+    attn_mma_batch: int = 8
     source: str = "prior"
     notes: str = ""
 
     def op(self, name: str) -> OpParams:
         """An op's parameters; QKV with the QK-norm apart streams like QKV, so it shares QKV's until fitted."""
         return self.ops.get(name) or self.ops.get(PARAMS_LIKE.get(name, "")) or OpParams()
+
+    def attn_rate(self, batch: int) -> float:
+        """Attention's flop rate at `batch` sequences per step (`attn_mma_flop_rate` where it applies)."""
+        return self.attn_mma_flop_rate if batch >= self.attn_mma_batch and self.attn_mma_flop_rate > 0 \
+            else self.attn_flop_rate
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ops": {k: asdict(v) for k, v in self.ops.items()}}
@@ -183,10 +192,11 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
             work[i] = nbytes / p.eff
         over[i] = p.overhead_us + params.wait_us * len(prog.waits[i])
         if op == "attn_partial" and params.attn_flop_rate > 0:  # a long split is arithmetic on one SM
+            rate = params.attn_rate(geo.batch if geo else 1)
             if ring:  # v10 computes each K/V block as its ring slot lands: arithmetic and stream overlap
-                consume[i] = max(consume[i], flops / params.attn_flop_rate)
+                consume[i] = max(consume[i], flops / rate)
             else:
-                over[i] += flops / params.attn_flop_rate
+                over[i] += flops / rate
     # Loader bookkeeping in bytes along each queue: cum[w][k] = loader bytes of the queue before position k.
     cum = []
     for q in prog.queues:

@@ -336,3 +336,47 @@ def test_committed_batch_steps_lower_to_the_timed_schedules(tmp_path: Path) -> N
         dump_schedule(sched, str(out))
         sha = hashlib.sha256(out.read_text().encode()).hexdigest()
         assert sha == e["schedule_sha256"] == bench["schedule"]["sha256"], e["name"]
+
+
+def test_batch_attention_on_the_tensor_cores_has_its_own_flop_rate() -> None:
+    """From `attn_mma_batch` sequences per step (v10's tile batches, whose attention runs on the tensor cores)
+    attention's arithmetic is priced at `attn_mma_flop_rate`; below it, and where that rate is unset, at the CUDA
+    cores' `attn_flop_rate`."""
+    from dataclasses import replace
+
+    from megasynth.lowering.models import with_batch
+
+    p = replace(load_params(), attn_flop_rate=5e4, attn_mma_flop_rate=0.0)
+    assert p.attn_rate(8) == p.attn_rate(1) == 5e4
+    fast = replace(p, attn_mma_flop_rate=5e5)
+    assert fast.attn_rate(8) == fast.attn_rate(16) == 5e5 and fast.attn_rate(4) == 5e4
+    for batch, changes in ((8, True), (3, False)):
+        s = lower(with_batch(TINY, batch), 8, Strategy(attn_splits=1))
+        slow_ms, fast_ms = (estimate(s, TINY.max_seq_len, q).makespan_ms for q in (p, fast))
+        assert (fast_ms < slow_ms) == changes, (batch, slow_ms, fast_ms)
+
+
+def test_calibrate_fits_only_the_parameters_named_by_free(tmp_path: Path) -> None:
+    """`synth calibrate --free NAME` fits that parameter alone: every other one stays the prior's, the prior's record
+    of its own fit stays beside this fit's (`refits`), and an unknown name is a usage error that lists the known."""
+    from megasynth.commands.calibrate import calibrate
+    from megasynth.lowering.costmodel import DATA
+
+    prior = tmp_path / "prior.json"
+    prior.write_text(DATA.read_text())
+    st = Strategy(attn_splits=1).model_dump(mode="json")
+    steps = [{"name": f"b{b}", "model": "tiny", "batch": b, "workers": 8, "ctx": 64, "ms": 0.03 * b ** 0.5,
+              "strategy": st} for b in (1, 8, 16)]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"format": "megasynth-measured-steps/1", "steps": steps}))
+    out = tmp_path / "fitted.json"
+    res = CliRunner().invoke(calibrate, ["--measured", str(path), "--free", "attn_mma_flop_rate", "--holdout", "0",
+                                         "--iterations", "2", "--jobs", "1", "--prior", str(prior), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    before, after = json.loads(prior.read_text()), json.loads(out.read_text())
+    assert after["fit"] == before["fit"] and after["refits"][-1]["free"] == ["attn_mma_flop_rate"]
+    for key in ("hop_us", "sm_peak", "consume_bw", "launch_us", "attn_flop_rate", "ops", "ring_bytes"):
+        assert after[key] == before[key], key
+    assert after["attn_mma_flop_rate"] > 0 and after["source"].startswith(before["source"] + "; then ")
+    res = CliRunner().invoke(calibrate, ["--measured", str(path), "--free", "no_such_param", "-o", str(out)])
+    assert res.exit_code == 2 and "no_such_param" in res.output and "attn_mma_flop_rate" in res.output
