@@ -899,6 +899,27 @@ def _op_embed(embed_ptr, x_ptr, token, start, end, H: gl.constexpr, BE: gl.const
 
 
 @gluon.jit
+def _op_embed_batch(embed_ptr, x_ptr, rt_ptr, start, end, H: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr,
+                    NBP: gl.constexpr, num_warps: gl.constexpr):
+    """x[b, start:end] = embed[token b, start:end] for every sequence b (its token at rt[b]), every sequence's
+    columns in one load of at most 8 K values a pass, where `_op_embed` a sequence at a time waits for each BE
+    columns of each in turn."""
+    WR: gl.constexpr = min(NBP, num_warps)  # warps along the sequences, the rest along the columns
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WR, num_warps // WR], [1, 0])
+    EB: gl.constexpr = min(8192 // NBP, 4 * BE)
+    bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, lay))
+    ok = gl.expand_dims(bb < NB, 1)
+    src = embed_ptr + gl.expand_dims(gl.load(rt_ptr + bb, mask=bb < NB, other=0).to(gl.int64) * H, 1)
+    dst = x_ptr + gl.expand_dims(bb * H, 1)
+    cols0 = gl.expand_dims(gl.arange(0, EB, layout=gl.SliceLayout(0, lay)), 0)
+    for e in range(start, end, EB):
+        cols = e + cols0
+        m = ok & (cols < end)
+        v = gl.load(src + cols, mask=m, other=0.0)
+        gl.store(dst + cols, v.to(gl.float32), mask=m)
+
+
+@gluon.jit
 def _exp(x, EXP2: gl.constexpr):
     """e^x, or with EXP2 (scores already in base 2: `StreamConfig.attn_exp2`) 2^x in one flush-to-zero MUFU.EX2."""
     if EXP2:
@@ -1787,8 +1808,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                                                           [2, 1, 0]) if TILE else
                                       gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
     if op == OP_EMBED:
-        for b in gl.static_range(NB):
-            _op_embed(embed_ptr, x_ptr + b * H, gl.load(rt_ptr + b), a0, a1, H, BE, num_warps)
+        _op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, NB, NBP, num_warps)
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
