@@ -161,7 +161,7 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     qwen = with_batch(get_model("qwen3-8b"), 2)
     check_runs_on_v9(pack(lower(qwen, 132), "v9"), qwen.config.hd, "")  # the naive lowering: 64-row tiles rounded
     pairs = lower(with_batch(get_model("llama-8b"), 2), 132)  # v10's batch keeps the naive 64-row (half-head) tiles
-    check_runs_batched_on_v10(pack(pairs, "v10"), False)
+    check_runs_batched_on_v10(pack(pairs, "v10"))
     assert {i.args["end"] - i.args["start"] for i in pairs.instructions if i.op == "attn_norm_qkv_rope"} == {64}
     with pytest.raises(ScheduleError, match="whole heads"):
         check_runs_on_v9(pack(pairs, "v9"), 128, "")
@@ -211,7 +211,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     assert (b8.tiles["attn_norm_qkv_rope"], b8.tiles["mlp_norm_gate_up"], b8.tiles["final_norm_lm_head"]) == (64, 64,
                                                                                                              256)
     assert (b8.attn_splits, b8.fuse_attn_reduce, b8.assignment) == (1, True, "critical_path")
-    check_runs_batched_on_v10(pack(lower(with_batch(llama, 8), 132, b8), "v10"), True)
+    check_runs_batched_on_v10(pack(lower(with_batch(llama, 8), 132, b8), "v10"))
     big = for_batch(ref, with_batch(get_model("llama-8b"), 8))
     assert (big.attn_splits, big.fuse_attn_reduce) == (2, False)
     for op in ("o_proj_residual", "down_proj_residual"):  # as many instructions as batch 1's
@@ -219,7 +219,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
                 == llama.config.hidden_size // ref.tiles[op] * ref.k_splits[op])
     b16 = for_batch(ref, with_batch(llama, 16))
     assert (b16.attn_splits, b16.fuse_attn_reduce) == (1, True)
-    check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"), True)
+    check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"))
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
     assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
@@ -230,7 +230,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     tiny = with_batch(get_model("tiny"), 8)
     t8 = for_batch(ref, tiny)
     assert t8.tiles["o_proj_residual"] == min(TILE_FILL["o_proj_residual"], tiny.config.hidden_size)
-    check_runs_batched_on_v10(pack(lower(tiny, 6, t8), "v10"), True)
+    check_runs_batched_on_v10(pack(lower(tiny, 6, t8), "v10"))
 
 
 def test_a_tile_batch_is_offered_tiles_that_fill_its_slots_and_adapted_seeds() -> None:

@@ -222,23 +222,14 @@ def batch_model_limits(c: ModelConfig, batch: int) -> str | None:
     return None
 
 
-#: The most attention splits a batch's o_proj merges as it stages them on v10's tile slots (`V10_TILE_BATCH` and
-#: up; the row-pair slots below take one)
-MAX_BATCH_FOLD_SPLITS = 2
-
-
-def check_runs_batched_on_v10(p: Packed, tiles: bool) -> None:
+def check_runs_batched_on_v10(p: Packed) -> None:
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
-    batched schedule `p` (on tile slots where `tiles`): a batch folds attn_reduce into o_proj only where every
-    attention instruction has as many splits as it merges, one or two on tile slots (o_proj merges them as it stages
-    them), one on row-pair slots (the partial as it is). A merge of more splits per o_proj row tile measured 16-56 %
-    slower."""
-    most = MAX_BATCH_FOLD_SPLITS if tiles else 1
-    fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] > most) | (p.ins[:, F_A4] != p.max_splits))
+    batched schedule `p`: a batch folds attn_reduce into o_proj only where attention has one split (then o_proj
+    stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower)."""
+    fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
     _refuse(p, "v10", "", (
-        (fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at this batch only with at most {most} attention "
-                f"split{'s' if most > 1 else ''}, every attention instruction as many; {{}} merges another count: "
-                "lower the batch with fewer attn_splits or fuse_attn_reduce off", "args"),))
+        (fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at a batch only with 1 attention split; {{}} merges "
+                "more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),))
 
 
 def check_mma_k_starts(p: Packed) -> None:

@@ -1507,18 +1507,13 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
-                 TRACE: gl.constexpr, lse_ptr=None, splits=1, MH: gl.constexpr = 0, MD: gl.constexpr = 64):
+                 TRACE: gl.constexpr):
     """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
     the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`). With
     NORM the values are times the norm weight and each sequence's rstd: the returned [NBP] on tiles (the epilogue
     applies them), in the operand itself on row-pair slots (which return ones). CG is the staging's load group:
-    chunks of every sequence on tiles, sequences on row-pair slots. With MH > 0 (tiles only) src holds attention's
-    split partials of MH heads of MD dims, merged as they are staged (`_stage_tiles_merged`)."""
-    if MH > 0:
-        gl.static_assert(TILE, "a batch's o_proj merges attention's splits on tile slots only")
-        rs = _stage_tiles_merged(vstage, src_ptr, lse_ptr, splits, sstride, k0, k1, klo, NCHK, BK, NB, NBP, CPS, MH,
-                                 MD, num_warps)
-    elif TILE:
+    chunks of every sequence on tiles, sequences on row-pair slots."""
+    if TILE:
         rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
                           num_warps)
     else:
@@ -1581,57 +1576,6 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
         else:
             part.store(hi)
     return 1.0 / gl.sqrt(ss / H + EPS)
-
-
-@gluon.jit
-def _stage_tiles_merged(vstage, src_ptr, lse_ptr, splits, sstride, k0, k1, klo, NCHK: gl.constexpr, BK: gl.constexpr,
-                        NB: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr, NH: gl.constexpr, HD: gl.constexpr,
-                        num_warps: gl.constexpr):
-    """`_stage_tiles` of attention's output merged over `splits` (1 or 2) splits as it is loaded, instead of an
-    attn_reduce instruction and its counter hop: sequence b's split s partial (fp32, normalised) at src + b sstride
-    + s NH HD, its heads' log-sum-exps at lse + b sstride / HD + s NH, weighed as attn_reduce weighs them (an empty
-    split has lse -inf). A thread's 8 consecutive columns lie in one head, so each lse is loaded once per thread
-    ([.., BK / 8, 1] against the values' [.., BK / 8, 8]), and the K window's chunks go 4 K values at a time (two
-    partials each) in a loop that ends with the window (o_proj's is a few heads; the products read no further).
-    Returns ones."""
-    CG: gl.constexpr = max(1, min(NCHK, 4096 // (NBP * BK)))
-    WC: gl.constexpr = min(CG, num_warps)
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 8], [1, 1, 32, 1], [num_warps // WC, WC, 1, 1], [3, 2, 1, 0])
-    NQ: gl.constexpr = BK // SUB
-    bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    rr = gl.arange(0, CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
-    gg = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, L4))))
-    ee = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    seq = gl.expand_dims(gl.expand_dims(gl.expand_dims(bb, 1), 2), 3)  # [NBP, 1, 1, 1]
-    e4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(ee, 0), 1), 2)  # [1, 1, 1, 8]
-    k0 = gl.multiple_of(k0, SUB)
-    hi = gl.multiple_of((k1 - k0 + 7) // 8 * 8, 8)
-    lo = gl.multiple_of((klo - k0) // 8 * 8, 8)
-    ops = vstage._reinterpret(gl.bfloat16, [NCHK // CG, CG * NQ, CPS * NBP, SUB], MMA_BOX)
-    for c0 in range(0, (k1 - k0 + CG * BK - 1) // (CG * BK) * CG, CG):
-        g8 = (gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK
-              + gl.expand_dims(gl.expand_dims(gg, 0), 1) * 8)  # [1, CG, BK / 8]: each thread's first column
-        g4 = gl.expand_dims(g8, 3)  # [1, CG, BK / 8, 1]
-        ld = (g4 < hi) & (g4 >= lo) & (seq < NB)  # whole 8-column runs, as `_load_window`
-        two = ld & (splits > 1)
-        pl = lse_ptr + seq * (sstride // HD) + (k0 + g4) // HD
-        l0 = gl.load(pl, mask=ld, other=0.0, cache_modifier=".cg")
-        l1 = gl.load(pl + NH, mask=two, other=float("-inf"), cache_modifier=".cg")
-        w1 = 1.0 / (1.0 + gl.exp(l0 - l1))  # split 1's share: 0 where it is empty
-        idx = g4 + e4  # [1, CG, BK / 8, 8]
-        po = src_ptr + seq * sstride + k0 + idx
-        o0 = gl.load(po, mask=ld, other=0.0, cache_modifier=".cg")
-        o1 = gl.load(po + NH * HD, mask=two, other=0.0, cache_modifier=".cg")
-        v = gl.where((idx < k1 - k0) & (idx >= klo - k0), o0 + w1 * (o1 - o0), 0.0)
-        v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
-        vh = v3.to(gl.bfloat16)
-        part = ops.index(c0 // CG)
-        if CPS == 2:
-            part.slice(0, NBP, dim=1).store(vh)
-            part.slice(NBP, NBP, dim=1).store((v3 - vh.to(gl.float32)).to(gl.bfloat16))
-        else:
-            part.store(vh)
-    return gl.full([NBP], 1.0, gl.float32, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L4))))
 
 
 @gluon.jit
@@ -1733,8 +1677,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                      lse_ptr=None, splits=1, MH: gl.constexpr = 0, MD: gl.constexpr = 64):
+                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
@@ -1746,7 +1689,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
         rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                          TILE, num_warps, tr, TRACE, lse_ptr, splits, MH, MD)
+                          TILE, num_warps, tr, TRACE)
         nkb = (w1 - w0 + KS - 1) // KS
         for r in range(a0, a1, 2 * RG):
             t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
@@ -1857,8 +1800,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
-    partial buffers, as the catalogue's footprints place them. attn_reduce_o_proj's merge is o_proj's staging of the
-    partials: one or two splits on tiles, one on row-pair slots."""
+    partial buffers, as the catalogue's footprints place them. attn_reduce_o_proj runs with one split only: its
+    merge is then o_proj's staging of the partials."""
     # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
     # (`_pair_rows_batch`); `ep` is one half
     ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32, num_warps * 32 // GR],
@@ -1882,12 +1825,11 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE)
-    elif op == OP_FUSED:  # o_proj stages each sequence's attention output from its splits' partials (fp32,
-        # normalised): on tiles merged over one or two splits (`_stage_tiles_merged`), on row-pair slots the only one;
-        # every attention instruction has seq_splits splits (`pack.check_runs_batched_on_v10`)
-        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, seq_splits * (NH * HD), opart_ptr, x_ptr, H,
-                              a0, a1, a2, a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE,
-                              KT, ep, num_warps, tr, TRACE, lse_ptr, seq_splits, NH if TILE else 0, HD)
+    elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
+        # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
+                              num_warps, tr, TRACE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
                               NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
