@@ -8,9 +8,10 @@
 # are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and
 # gate/up tiles of a multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
 # when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
-# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more); QKV=pairs keeps the
-# reference run's QKV tiles of RoPE pairs at every batch instead of rounding them up to whole heads. About 6 minutes
-# for llama-1b on an H200, longer for llama-8b (its compile: 3.5 minutes for batch 1 alone).
+# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more). QKV tiles are rounded up
+# to whole heads from batch 8 and keep the reference run's RoPE pairs below; QKV=pairs or QKV=heads sets one for
+# every batch. About 6 minutes for llama-1b on an H200, 8 for llama-8b without the compile (its compile: 3.5
+# minutes for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
@@ -29,12 +30,14 @@ import gzip, json, os, sys
 from megasynth.lowering.models import get_model, with_batch
 from megasynth.lowering.strategy import Strategy, for_batch
 model, out, *batches = sys.argv[1:]
-# QKV tiles of whole heads, as the published rows from batch 8 were measured (v10 also runs a batch's RoPE-pair
-# tiles: QKV=pairs, as batches 2 and 4 are published)
-whole_heads = os.environ.get("QKV", "heads") != "pairs"
+from megasynth.kernels.gpu.pack import V10_TILE_BATCH
+# QKV tiles of whole heads on tile slots (batch 8 and up), the reference run's RoPE pairs below (side by side 3 %
+# faster there on llama-1b: docs/perf-notes.md); QKV=heads or QKV=pairs sets one for every batch
+qkv = os.environ.get("QKV", "")
 strategy = Strategy.model_validate(
     json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"])
 for b in map(int, batches):
+    whole_heads = qkv == "heads" if qkv else b >= V10_TILE_BATCH
     s = for_batch(strategy, with_batch(get_model(model), b), whole_heads).model_dump(mode="json")
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
