@@ -25,15 +25,17 @@ if [ -d .whl ] && ! python3 -c 'import z3, pydantic' 2>/dev/null; then  # wheels
 fi
 read -r -a BATCHES <<< "${BATCHES:-1 2 4 8 16}"  # BATCHES="1 8" times those only
 lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
-  python3 - "$1" "$2" "${BATCHES[@]}" <<'PY'
+  python3 - "$1" "$2" "${BATCHES[@]}" <<'PY' || return 1
 import gzip, json, os, sys
+from megasynth.kernels.gpu.pack import V10_TILE_BATCH
 from megasynth.lowering.models import get_model, with_batch
 from megasynth.lowering.strategy import Strategy, for_batch
 model, out, *batches = sys.argv[1:]
-from megasynth.kernels.gpu.pack import V10_TILE_BATCH
 # QKV tiles of whole heads on tile slots (batch 8 and up), the reference run's RoPE pairs below (side by side 3 %
 # faster there on llama-1b: docs/perf-notes.md); QKV=heads or QKV=pairs sets one for every batch
 qkv = os.environ.get("QKV", "")
+if qkv not in ("", "heads", "pairs"):
+    sys.exit(f"QKV={qkv!r}: heads or pairs (or unset: pairs below batch {V10_TILE_BATCH}, heads from it)")
 strategy = Strategy.model_validate(
     json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"])
 for b in map(int, batches):
