@@ -74,7 +74,7 @@ def resources(kernel: Any, seconds: float = 0.0) -> Resources:
 
 #: Rough Hopper result latencies in cycles by opcode family for `SassLoop.cycles`; everything else 5. Public figures of
 #: the order of what microbenchmarks report, not measured here: the model ranks loops, it does not time them.
-LATENCY = {"LDS": 33, "LDG": 400, "SHFL": 27, "MUFU": 20, "BAR": 20, "SYNCS": 20, "MEMBAR": 20}
+LATENCY = {"HMMA": 32, "LDS": 33, "LDG": 400, "SHFL": 27, "MUFU": 20, "BAR": 20, "SYNCS": 20, "MEMBAR": 20}
 _PRED = re.compile(r"^!?U?P(T|\d+)$")
 _REG = re.compile(r"\bR(\d+)\b")
 _GUARD = re.compile(r"^@!?U?P\w+\s+")  # an instruction's predicate guard, e.g. `@!P4 `

@@ -1000,7 +1000,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                      NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, G: gl.constexpr,
                      GP: gl.constexpr, SCALE: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
                      NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
-                     ATTN_EXP2: gl.constexpr, num_warps: gl.constexpr):
+                     ATTN_EXP2: gl.constexpr, num_warps: gl.constexpr, tr=None, TRACE: gl.constexpr = False):
     """Attention of KV head g's query heads over positions [split*T//splits, (split+1)*T//splits), T = pos + 1.
 
     With KV_RING the loader has already streamed the split's K/V history into the ring (BTK positions per slot:
@@ -1014,7 +1014,10 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
     With `qkn` (a QK_NORM build's attn_partial with qk_norm 1) q arrives unnormalised: each head is scaled by
     rsqrt(mean square + eps) from its pairs' sums of squares as it is loaded, and the row at pos is the new k row
     from `k_new`, so scaled and rounded as the cache will hold it (qk_norm_apply writes it there after the layer's
-    attention), instead of the cache's."""
+    attention), instead of the cache's.
+
+    With TRACE (the CUDA- and tensor-core paths that merge the warps after their loop) the trace row's staged field
+    gets when the positions' loop ended: what follows is the warps' merge, the row at pos and the stores."""
     T = pos + 1
     lo = split * T // splits
     hi = (split + 1) * T // splits
@@ -1056,6 +1059,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
                             empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
                             num_warps)
+        if TRACE:  # the trace row's staged field (megasynth/kernels/gpu/pack.py)
+            gl.store(tr + 6, ptx.gl_globaltimer())
         # the warps' (max, denominator, weighted sum), which `_attn_lanes` (or `_attn_ring_rows`) left in the staging
         # buffer, merged by one owner thread per (head, dim)
         gl.thread_barrier()
@@ -1817,7 +1822,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
                              gl.load(rt_ptr + NB + a3), 0, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP,
-                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, ATTN_EXP2, num_warps)
+                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, ATTN_EXP2, num_warps, tr, TRACE)
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr + a3 * seq_splits * (NH * HD), lse_ptr + a3 * seq_splits * NH,
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
@@ -1873,7 +1878,7 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
         else:
             t = _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, a2,
                                  pos, a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, QK_NORM,
-                                 NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps)
+                                 NS, SB, BTK, KV_RING, ATTN_EXP2, num_warps, tr, TRACE)
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, a0, a1, a2, NH, HD, GP, SP, num_warps)
     elif op == OP_OPROJ:
