@@ -1239,23 +1239,20 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
             s2 = (t + 1) % NS
             mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
         # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
-        # q's hi and lo halves (and a 128-dim head's two chunks) in products of their own, summed after: chains of
-        # 4 dependent mma.sync instead of one of 8 (16), the loop's longest latency (docs/perf-notes.md)
-        zs = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)
         k0 = kv.index(KPS * s).load(LA)
-        sc = mma_v2(k0, qh0, zs)
-        sl = mma_v2(k0, ql0, zs)
+        sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
+        sc = mma_v2(k0, ql0, sc)
         if DH == 2:
             k1 = kv.index(KPS * s + 1).load(LA)
-            sc = sc + mma_v2(k1, qh1, zs)
-            sl = sl + mma_v2(k1, ql1, zs)
+            sc = mma_v2(k1, qh1, sc)
+            sc = mma_v2(k1, ql1, sc)
             v0 = kv.index(KPS * s2)
             v1 = kv.index(KPS * s2 + 1)
         elif SPP == 2:
             v0 = kv.index(KPS * s2)
         else:
             v0 = kv.index(KPS * s + 1)
-        sc = gl.where(b0 + prow < hl, sc + sl, float("-inf"))
+        sc = gl.where(b0 + prow < hl, sc, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(sc, axis=1))
         alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
         p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
