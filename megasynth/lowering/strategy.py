@@ -158,7 +158,7 @@ FINE_EDGES: tuple[str, ...] = ("attn_norm_qkv_rope->attn_partial", "attn_partial
                                "mlp_norm_gate_up->down_proj_residual")
 CHUNK_COUNTS: tuple[int, ...] = (2, 4, 8, 16, 32)
 K_SPLIT_OPS: tuple[str, ...] = ("o_proj_residual", "down_proj_residual")
-#: Ops whose tile size is searched (embed is one instruction, always).
+#: Ops whose tile size is searched (the embed is one instruction at batch 1; `for_batch` sets a batch's).
 TILED_OPS: tuple[str, ...] = ("attn_norm_qkv_rope", "o_proj_residual", "mlp_norm_gate_up", "down_proj_residual",
                               "final_norm_lm_head")
 _WAVES = (1, 2)
@@ -224,22 +224,26 @@ def _tile_slots(spec: ModelSpec) -> bool:
 #: head dims up to which `for_batch` folds two attention splits into one on tile slots (llama-1b's 64: a sequence's
 #: K/V head at ctx 1024 is 256 KB, one instruction's worth; 128-dim heads measured slower folded)
 FOLD_TWO_SPLITS_HD = 64
+#: Hidden columns per embed instruction on tile slots: a batch's embedding as that many instructions on as many SMs,
+#: each one round trip for every sequence's rows, instead of one SM taking them pass after pass (llama-1b, batch 16:
+#: the embed traced at 14.1 -> 4.5 us; docs/perf-notes.md).
+EMBED_TILE_COLUMNS = 256
 
 
 def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
     """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
     (docs/perf-notes.md, the v10 batch entries): attention split batch times less, so a layer has as many attention
     instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
-    the only partial: llama-1b and llama-8b at batch 16 1.6-1.7 % faster; a merge of several splits is not folded at
-    a batch); on tile slots with heads of at most `FOLD_TWO_SPLITS_HD` dims two splits become one, folded (at batch 8
-    and ctx 1024 llama-1b 1.5 % faster than two splits apart, llama-8b's 128-dim heads 0.6 % slower; a long context
-    wants the splits: the search weighs them at its own ctx);
-    QKV tiles of whole heads where the batch runs on interpreter v9 (`whole_head_qkv`, with the QK-norm inside QKV)
-    or `whole_heads` asks for them; and from
-    `V10_TILE_BATCH`, where a v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a
-    time (K split as much finer, as many instructions, at most the largest split offered), QKV tiles of 64 rows at
-    least and gate/up tiles of whole 64-row halves. `synth search --batch` starts from its seeds adapted so, and
-    `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the strategy as it is."""
+    the only partial: llama-1b and llama-8b at batch 16 1.6-1.7 % faster; a merge of several splits is not folded at a
+    batch); on tile slots with heads of at most `FOLD_TWO_SPLITS_HD` dims two splits become one, folded (at batch 8 and
+    ctx 1024 llama-1b 1.5 % faster than two splits apart, llama-8b's 128-dim heads 0.6 % slower; a long context wants
+    the splits: the search weighs them at its own ctx); QKV tiles of whole heads where the batch runs on interpreter v9
+    (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from `V10_TILE_BATCH`, where a
+    v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a time (K split as much finer,
+    as many instructions, at most the largest split offered), QKV tiles of 64 rows at least, gate/up tiles of whole
+    64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts from its
+    seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the strategy as
+    it is."""
     b = spec.batch
     if b == 1:
         return strategy
@@ -259,6 +263,7 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
                 splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
         tiles[qkv] = max(TILE_HALF, tiles[qkv])
+        tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
     if whole_head_qkv(spec) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
         if c.qk_norm:

@@ -191,13 +191,13 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     """`for_batch` turns llama-1b's reference strategy into the batch-8 schedule the published batch rows ran (o_proj
-    and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows; gate/up whole
-    64-row halves; attention split batch times less; the merge folded into o_proj only where one split is left: at
-    batch 16, and at batch 8, where the two splits of 64-dim heads become one, but not llama-8b's 128-dim heads),
-    keeps batch 1 as it is, gives a v9 batch (a QK-norm model) whole-head QKV tiles with the norm inside
-    QKV and no fold, and never exceeds an op's rows (tiny)."""
+    and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows; gate/up whole 64-row
+    halves; attention split batch times less; the merge folded into o_proj only where one split is left: at batch 16,
+    and at batch 8, where the two splits of 64-dim heads become one, but not llama-8b's 128-dim heads), the embedding
+    `EMBED_TILE_COLUMNS` columns an instruction from batch 8, keeps batch 1 as it is, gives a v9 batch (a QK-norm model)
+    whole-head QKV tiles with the norm inside QKV and no fold, and never exceeds an op's rows (tiny)."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
-    from megasynth.lowering.strategy import TILE_FILL, for_batch
+    from megasynth.lowering.strategy import EMBED_TILE_COLUMNS, TILE_FILL, for_batch
 
     ref = Strategy(tiles={"attn_norm_qkv_rope": 32, "o_proj_residual": 64, "mlp_norm_gate_up": 64,
                           "down_proj_residual": 64, "final_norm_lm_head": 256},
@@ -211,6 +211,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     assert (b8.tiles["attn_norm_qkv_rope"], b8.tiles["mlp_norm_gate_up"], b8.tiles["final_norm_lm_head"]) == (64, 64,
                                                                                                              256)
     assert (b8.attn_splits, b8.fuse_attn_reduce, b8.assignment) == (1, True, "critical_path")
+    assert b8.tiles["embed"] == EMBED_TILE_COLUMNS  # 8 embed instructions on llama-1b
     check_runs_batched_on_v10(pack(lower(with_batch(llama, 8), 132, b8), "v10"))
     big = for_batch(ref, with_batch(get_model("llama-8b"), 8))
     assert (big.attn_splits, big.fuse_attn_reduce) == (2, False)
