@@ -2,13 +2,13 @@
 
     python scripts/trace_ops.py SCHEDULE [--max-seq-len N] [--ctx N] [KEY=VALUE ...]
 
-KEY=VALUE are `StreamConfig` fields (as `synth bench --kernel-option`), e.g. attn_mma=true inflight=6. Per op it
-prints the mean time from the start (after the waits) to the end, the staging part (attention's: its positions'
-loop, which the merge and stores follow), the signal part (from the op's end to its last release add), the wait,
-how long the loader took from reaching the instruction to issuing its last fill, and how long the compute warps ran
-after that fill was issued: when that last figure is about the ring's depth times one slot's compute, the compute
-warps, not memory, set the pace (the loader waits for free slots). Then each op's span per layer (first start to
-last end, the middle half of the layers) and the layer period.
+KEY=VALUE are `StreamConfig` fields (as `synth bench --kernel-option`), e.g. attn_mma=true inflight=6. Per op it prints
+the mean time from the start (after the waits) to the end, the staging part (a batch's attention: its positions' loop,
+which the merge and stores follow; 0 for attention as a function of its own, batch 1's default), the signal part (from
+the op's end to its last release add), the wait, how long the loader took from reaching the instruction to issuing its
+last fill, and how long the compute warps ran after that fill was issued: when that last figure is about the ring's
+depth times one slot's compute, the compute warps, not memory, set the pace (the loader waits for free slots). Then each
+op's span per layer (first start to last end, the middle half of the layers) and the layer period.
 """
 
 from __future__ import annotations

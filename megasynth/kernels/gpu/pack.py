@@ -48,8 +48,8 @@ F_OP, F_LAYER, F_A0, F_ID, F_WOFF, F_WN, F_SOFF, F_SN = 0, 1, 2, 6, 7, 8, 9, 10
 F_C0, F_V0, F_SC0, F_SA0, F_IDX, F_WARM_O, F_WARM_GU, F_A4 = 11, 12, 13, 14, 15, 16, 17, 18
 #: int64 fields per instruction of a trace buffer: wait start, start, end (ns), worker (the compute side, both
 #: interpreters), then when v10's loader reached the instruction and when it issued its last fill, then when v10's
-#: compute warps had staged its activations (attention: when its positions' loop ended; 0 for ops without either)
-#: and when its op ended, before its signals (0 on v9)
+#: compute warps had staged its activations (a batch's attention, or an inlined one: when its positions' loop
+#: ended; 0 for ops without either) and when its op ended, before its signals (0 on v9)
 TRACE_FIELDS = 8
 #: The row field of each op argument, in the catalogue's order.
 ARG_FIELDS = (F_A0, F_A0 + 1, F_A0 + 2, F_A0 + 3, F_A4)
