@@ -5,9 +5,9 @@
 # lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) adapted to the
 # batch by `megasynth.lowering.strategy.for_batch`: attention split batch times less, its merge folded into o_proj
 # where that leaves one split (two become one at batch 8 for 64-dim heads), and from batch 8, where v10's ring slots
-# are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64 and
-# gate/up tiles of a multiple of 64 rows. Writes <model>_batch<N>.json and <model>_batch_h200.log under $OUT, or bench/results/batch
-# when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
+# are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64,
+# gate/up tiles of a multiple of 64 rows and the embedding 256 columns an instruction. Writes <model>_batch<N>.json
+# and <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
 # (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more). QKV tiles are rounded up
 # to whole heads from batch 8 and keep the reference run's RoPE pairs below; QKV=pairs or QKV=heads sets one for
 # every batch. About 6 minutes for llama-1b on an H200, 8 for llama-8b without the compile (its compile: 3.5
