@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Tokens/s by batch on one GPU: `synth bench --batch 1,2,4,8,16` at ctx 1024 for the models named on the command
-# line (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the
-# megakernel (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the
-# lowering of the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) adapted to the
-# batch by `megasynth.lowering.strategy.for_batch`: attention split batch times less, its merge folded into o_proj
-# where that leaves one split (two become one at batch 8 for 64-dim heads), and from batch 8, where v10's ring slots
-# are [128, 64] tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64,
-# gate/up tiles of a multiple of 64 rows and the embedding 256 columns an instruction. Writes <model>_batch<N>.json
-# and <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8" times those batches only, VARIANTS="torch_bf16,megakernel" leaves out the compile
-# (COMPILE_TIMEOUT: its limit in seconds, 120 by default; llama-8b at batch 8 needs more). QKV tiles are rounded up
-# to whole heads from batch 8 and keep the reference run's RoPE pairs below; QKV=pairs or QKV=heads sets one for
-# every batch. About 6 minutes for llama-1b on an H200, 8 for llama-8b without the compile (its compile: 3.5
-# minutes for batch 1 alone).
+# Tokens/s by batch on one GPU: `synth bench --batch 1,2,4,8,16` at ctx 1024 for the models named on the command line
+# (default llama-1b and llama-8b): the batched bf16 PyTorch step, its torch.compile (default mode) and the megakernel
+# (interpreter v10; at a batch, one wgmma per ring slot for every sequence). Each batch's schedule is the lowering of
+# the model's reference search result (bench/runs/<model>-h200: its tiles and K splits) adapted to the batch by
+# `megasynth.lowering.strategy.for_batch`: attention split batch times less, its merge folded into o_proj where that
+# leaves one split (two become one at batch 8 for 64-dim heads), and from batch 8, where v10's ring slots are [128, 64]
+# tiles, o_proj and down tiles of at least 128 rows (K split as much finer), QKV tiles of 64, gate/up tiles of a
+# multiple of 64 rows and the embedding 256 columns an instruction. Writes <model>_batch<N>.json and
+# <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8" times those batches only,
+# VARIANTS="torch_bf16,megakernel" leaves out the compile (COMPILE_TIMEOUT: its limit in seconds, 120 by default;
+# llama-8b at batch 8 needs more). QKV tiles are rounded up to whole heads from batch 8 and keep the reference run's
+# RoPE pairs below; QKV=pairs or QKV=heads sets one for every batch. About 6 minutes for llama-1b on an H200, 8 for
+# llama-8b without the compile (its compile: 3.5 minutes for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
