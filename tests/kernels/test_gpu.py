@@ -482,6 +482,24 @@ def test_trace_export():
         assert all(raw[i][1] <= ph[i][1] <= raw[i][2] + 500 for i in range(len(ops)))
 
 
+def test_a_batch_trace_marks_the_end_of_attention_loop():
+    """At a batch, each attention instruction's trace row records when its positions' loop ended (the phase trace's
+    staged field, which `scripts/trace_ops.py` prints as attention's stage): after the instruction's start and before
+    its op's end, for every sequence at its own position."""
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model("tiny"), 3)
+    sched = lower(spec, 8, Strategy(attn_splits=2))
+    mk = Megakernel(sched, _weights(spec.config, seed=9), max_seq_len=spec.max_seq_len)
+    assert mk.v10
+    mk.traced_step([1, 2, 3], [5, 17, spec.max_seq_len - 1])
+    raw, ph, ops = mk.raw_trace(), mk.raw_phase_trace(), mk.packed.ops
+    attn = [i for i, op in enumerate(ops) if op == "attn_partial"]
+    assert len(attn) == 3 * 2 * spec.config.num_key_value_heads * spec.config.num_hidden_layers
+    assert all(raw[i][1] <= ph[i][0] <= ph[i][1] for i in attn)
+
+
 def _tiny_qwen(family: str):
     """Tiny specs of the families beyond Llama (the configs of tests/kernels/test_stream_compile.py's compile checks),
     the rows `tiny-qwen3` and `tiny-qwen2`. Qwen3: QK-norm, head_dim 128 (4 groups of 16 RoPE pairs per head, as the
