@@ -364,12 +364,37 @@ def test_batch_stages_in_few_load_groups() -> None:
         geo = stream_geometry(cfg, StreamConfig(**kw), batch)
         return geo["NCHH"] // geo["CG"]
 
-    assert [groups(llama1, b) for b in (8, 16)] == [1, 1]
+    assert [groups(llama1, b, stage_groups=1) for b in (8, 16)] == [1, 1]
     assert [groups(llama8, b) for b in (8, 16)] == [1, 2]
     assert [groups(llama1, 16, stage_values=16384), groups(llama8, 16, stage_values=16384)] == [2, 4]
     kernel, res = compile_v10(llama1, 4096, StreamConfig(), batch=16)
     assert res.stack == 0
     assert kernel.asm["ptx"].count("ld.global.cg.b16") < 16
+
+
+def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
+    """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) where the operand is at most
+    `STAGE_PIPE_VALUES` fp32 values: llama-1b's batch 8 in 4 groups of 2 chunks; its batch 16 and llama-8b's batch 8
+    stage whole (their pipelined builds spill), and so does every build on row-pair slots. `stage_groups` asks for a
+    number of groups, and a negative one is refused by name."""
+    from megasynth.kernels.gpu.stream import STAGE_PIPE_VALUES, StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    llama1, llama8 = get_model("llama-1b").config, get_model("llama-8b").config
+
+    def pipe(cfg, batch: int, **kw: int) -> tuple[bool, int]:
+        geo = stream_geometry(cfg, StreamConfig(**kw), batch)
+        return geo["SPIPE"], geo["NCHH"] // geo["CG"]
+
+    assert 8 * llama1.hidden_size <= STAGE_PIPE_VALUES < 16 * llama1.hidden_size
+    assert pipe(llama1, 8) == (True, 4)
+    assert pipe(llama1, 8, stage_groups=2) == (True, 2)
+    assert pipe(llama1, 8, stage_groups=1) == (False, 1)
+    assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (False, 1)
+    assert pipe(llama1, 16, stage_groups=4) == (True, 4)
+    assert pipe(llama1, 4)[0] is False and pipe(llama1, 4, stage_groups=4)[0] is False  # row-pair slots
+    with pytest.raises(ValueError, match="stage_groups"):
+        stream_geometry(llama1, StreamConfig(stage_groups=-1), 8)
 
 
 def test_sass_loops_keeps_the_innermost_loops() -> None:

@@ -518,21 +518,23 @@ def _pair_rows(t, ring, ready, empty, vbuf, vstage, nkb, okb, blk: gl.constexpr,
 
 
 @gluon.jit
-def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False):
+def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.constexpr, KEEP: gl.constexpr = False,
+               kb0=0, held=False):
     """acc += slot t + kb's KT [M, 64] weight tiles times staged chunks KT kb .. KT kb + KT - 1's operand
-    (transposed), kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the loader once
-    slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps (the caller
-    releases it: `_slot_exchange`)."""
+    (transposed), kb0 <= kb < nkb, on the tensor cores. One slot's wgmmas in flight: slot t - 1 goes back to the
+    loader once slot t's are issued and t - 1's have completed. With KEEP the last slot stays with the compute warps
+    (the caller releases it: `_slot_exchange`, or the next call with `held`, which hands it back with its first
+    slot's products: `_staged_rows_batch`)."""
     M: gl.constexpr = acc.shape[0]
     slots = ring._reinterpret(gl.bfloat16, [NS * KT, M, SUB], MMA_SMEM)
-    for kb in range(0, nkb):
+    for kb in range(kb0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
         for q in gl.static_range(KT):
             acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
         gl.thread_barrier()
-        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=kb > 0)
+        mbarrier.arrive(empty.index((t + NS - 1) % NS), pred=(kb > kb0) | held)
         t += 1
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     if not KEEP:
@@ -1514,10 +1516,11 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
                  TRACE: gl.constexpr):
     """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
-    the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`). With
-    NORM the values are times the norm weight and each sequence's rstd: the returned [NBP] on tiles (the epilogue
-    applies them), in the operand itself on row-pair slots (which return ones). CG is the staging's load group:
-    chunks of every sequence on tiles, sequences on row-pair slots."""
+    the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`), whole
+    before any product. With NORM the values are times the norm weight and each sequence's rstd: the returned [NBP]
+    on tiles (the epilogue applies them), in the operand itself on row-pair slots (which return ones). CG is the
+    staging's load group: chunks of every sequence on tiles, sequences on row-pair slots. (A tile build whose stage
+    takes several groups multiplies as they land instead: `_staged_rows_batch`.)"""
     if TILE:
         rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
                           num_warps)
@@ -1548,6 +1551,56 @@ def _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB: gl.constexpr):
 
 
 @gluon.jit
+def _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
+               NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr):
+    """The loads of a tile stage's group c0 .. c0 + CG - 1 of chunks: every sequence's values there ([NBP, CG, BK]
+    fp32, `_load_window`) and, with NORM, the norm weight's ([1, CG, BK]; without, the mask). Issued apart from
+    `_tile_store` so that they are in flight while the products of the group before run. The warps split the group's
+    chunks and, where a group has fewer chunks than warps (a small hidden size), its sequences too, so that no warp
+    loads what another does."""
+    WC: gl.constexpr = min(CG, num_warps)  # warps along the chunks of a group, the rest along the sequences
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [num_warps // WC, WC, 1], [2, 1, 0])
+    bb = gl.arange(0, NBP, layout=gl.SliceLayout(1, gl.SliceLayout(2, l3)))
+    rr = gl.arange(0, CG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+    cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
+    seq = gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [NBP, 1, 1]
+    idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
+    v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
+    if NORM:
+        w = gl.load(nw_ptr + idx, mask=m, other=0.0)
+    else:
+        w = m
+    return v, w
+
+
+@gluon.jit
+def _tile_store(ops, v, w, c0, NORM: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, NBP: gl.constexpr,
+                BK: gl.constexpr):
+    """ops' sub-chunks of group c0 <- `_tile_load`'s values (times the norm weight with NORM) in bf16, row b
+    sequence b's and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them; returns each sequence's sum
+    of squares over the group ([NBP])."""
+    NQ: gl.constexpr = BK // SUB
+    ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # unused (and dropped by the compiler) without NORM
+    if NORM:
+        v = v * w
+    v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
+    hi = v3.to(gl.bfloat16)
+    part = ops.slice(c0 * NQ, CG * NQ, dim=0)
+    if CPS == 2:
+        part.slice(0, NBP, dim=1).store(hi)
+        part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
+    else:
+        part.store(hi)
+    return ss
+
+
+@gluon.jit
+def _tile_ops(vstage, NCHK: gl.constexpr, BK: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr):
+    """The staged operand of a tile build as `_tile_store` writes it: [sub-chunk, CPS NBP rows, 64] bf16."""
+    return vstage._reinterpret(gl.bfloat16, [NCHK * (BK // SUB), CPS * NBP, SUB], MMA_BOX)
+
+
+@gluon.jit
 def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
@@ -1556,7 +1609,9 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
     (whole 8-row swizzle atoms, at most `StreamConfig.stage_values` fp32 values in flight) in one pass. The warps
     split the group's chunks and, where a group has fewer chunks than warps (a small hidden size), its sequences too,
-    so that no warp loads what another does."""
+    so that no warp loads what another does. (Written out rather than as `_tile_load` and `_tile_store` in turn:
+    ptxas allocates the whole kernel's registers differently then, llama-8b's batch-8 build spills and its step
+    measured 1.9 % slower.)"""
     WC: gl.constexpr = min(CG, num_warps)  # warps along the chunks of a group, the rest along the sequences
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 1, 32], [num_warps // WC, WC, 1], [2, 1, 0])
     NQ: gl.constexpr = BK // SUB
@@ -1619,6 +1674,35 @@ def _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.cons
 
 
 @gluon.jit
+def _kpacked(xs, KP: gl.constexpr):
+    """The staged operand as K-packed tiles read it (`_pair_rows_batch`'s KP): KP consecutive sub-chunks' [NBP CPS,
+    64] blocks as one block of the same 128 B swizzle."""
+    if KP > 1:
+        xs = xs._reinterpret(gl.bfloat16, [xs.shape[0] // KP, KP * xs.shape[1], SUB], MMA_SMEM)
+    return xs
+
+
+@gluon.jit
+def _tile_halves(t, ring, empty, acc, ep: gl.constexpr, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
+                 KT: gl.constexpr, KP: gl.constexpr):
+    """A tile slot sequence's products (acc, its last slot still held) as the slot's two halves in the layout `ep`
+    ([GR / KP rows, NBP] each), the slot handed back (`_slot_exchange`)."""
+    BOXES: gl.constexpr = ep.parent
+    if CPS > 1:  # hi + lo
+        acc = gl.sum(gl.reshape(acc, [2 * GR, KP, CPS, NBP]), axis=2)
+    z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, KP * NBP]), BOXES, NS, KT, KP)  # [half, row, seq]
+    return _halves(z, ep)
+
+
+@gluon.jit
+def _halves(z, ep: gl.constexpr):
+    """z ([2, rows, NBP] in `ep`'s parent) as its two halves."""
+    BOXES: gl.constexpr = ep.parent
+    half = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
+    return gl.sum(gl.where(half == 0, z, 0.0), axis=0), gl.sum(gl.where(half == 1, z, 0.0), axis=0)
+
+
+@gluon.jit
 def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.constexpr, CPS: gl.constexpr,
                      TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr,
                      KP: gl.constexpr = 1):
@@ -1632,29 +1716,62 @@ def _pair_rows_batch(t, ring, ready, empty, xs, nkb, NS: gl.constexpr, NBP: gl.c
     consecutive sub-chunks' operand at once (N = KP CPS NBP; the staged [NBP CPS, 64] blocks of consecutive
     sub-chunks are one [KP NBP CPS, 64] block of the same 128 B swizzle), and each row's sum taken over the KP
     diagonal blocks; the halves are then [GR / KP, NBP]."""
-    BOXES: gl.constexpr = ep.parent
     # one wgmma as wide as the operand: with N 8 a wider product is several wgmmas, each reading the whole weight
     # tile from shared memory again (batch 16: twice; measured 3.8 % of the step, docs/perf-notes.md)
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, KP * CPS * NBP, 16])
     # both layouts' slots are [128, 64] wgmma tiles (2 GR = 2 boxes x 16 rows x 4 sub-chunks)
-    if KP > 1:
-        xs = xs._reinterpret(gl.bfloat16, [xs.shape[0] // KP, KP * xs.shape[1], SUB], MMA_SMEM)
-    t, acc = _mma_slots(t, ring, ready, empty, xs, nkb, gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl), NS,
-                        KT if TILE else 1, TILE)
+    t, acc = _mma_slots(t, ring, ready, empty, _kpacked(xs, KP), nkb,
+                        gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl), NS, KT if TILE else 1, TILE)
     if TILE:
-        if CPS > 1:  # hi + lo
-            acc = gl.sum(gl.reshape(acc, [2 * GR, KP, CPS, NBP]), axis=2)
-        z = _slot_exchange(t, ring, empty, gl.reshape(acc, [2, GR, KP * NBP]), BOXES, NS, KT, KP)  # [half, row, seq]
+        y1, y2 = _tile_halves(t, ring, empty, acc, ep, NS, NBP, CPS, KT, KP)
     else:
         NQ: gl.constexpr = 2 * GR // (2 * BR)  # sub-chunks per box row
         rows = gl.arange(0, 2 * GR, layout=gl.SliceLayout(1, accl))
         cols = gl.arange(0, CPS * NBP, layout=gl.SliceLayout(0, accl))
         sel = gl.expand_dims(cols % NQ, 0) == gl.expand_dims(rows % NQ, 1)  # row 4 i + q meets sub-chunk q's columns
         z = gl.sum(gl.reshape(gl.where(sel, acc, 0.0), [2 * GR, NBP, CPS]), axis=2)  # [rows, NBP]: hi + lo
-        z = gl.convert_layout(gl.sum(gl.reshape(z, [2, BR, NQ, NBP]), axis=2), BOXES)  # [box, row, sequence]
-    half = gl.expand_dims(gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, BOXES))), 1), 2)
-    return t, gl.sum(gl.where(half == 0, z, 0.0), axis=0), gl.sum(gl.where(half == 1, z, 0.0), axis=0)
+        BOXES: gl.constexpr = ep.parent
+        y1, y2 = _halves(gl.convert_layout(gl.sum(gl.reshape(z, [2, BR, NQ, NBP]), axis=2), BOXES), ep)
+    return t, y1, y2
+
+
+@gluon.jit
+def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, nkb,
+                       NORM: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
+                       NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, NS: gl.constexpr,
+                       KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
+                       KP: gl.constexpr = 1):
+    """A tile build's stage of its operand (`_stage_batch`: every sequence's src[k0:k1], zero below klo) and the
+    products of its first row group (`_pair_rows_batch`) in one: the operand goes in groups of CG chunks, and a
+    group's products (the slots of its K columns) are issued as soon as it is in shared memory, with the next group's
+    loads in flight. Every SM of a phase stages the same activations at once, so the stage is the L2's broadcast of
+    them (at batch 8, 64 KB of fp32 an SM); with the ring full of the op's first slots, staging it whole first held
+    the SM's weight stream back for all of it. Returns (t, y_a, y_b, rstd), the last as `_stage_batch`'s."""
+    accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, KP * CPS * NBP, 16])  # `_pair_rows_batch`'s
+    NG: gl.constexpr = (NCHK + CG - 1) // CG
+    GS: gl.constexpr = CG * BK // (SUB * KT * KP)  # slots of a group's columns
+    gl.static_assert(GS * SUB * KT * KP == CG * BK, "a stage group spans whole slots")
+    ops = _tile_ops(vstage, NCHK, BK, NBP, CPS)
+    xs = _kpacked(vstage, KP)
+    acc = gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl)
+    v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, 0, NORM, BK, NB, NBP, CG, num_warps)
+    for g in gl.static_range(NG):
+        if g == 0:
+            ss = _tile_store(ops, v, w, 0, NORM, CG, CPS, NBP, BK)
+        else:
+            ss += _tile_store(ops, v, w, g * CG, NORM, CG, CPS, NBP, BK)
+        fence_async_shared()
+        gl.thread_barrier()
+        if g + 1 < NG:
+            v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, (g + 1) * CG, NORM, BK, NB, NBP, CG, num_warps)
+        elif TRACE:
+            gl.store(tr + 6, ptx.gl_globaltimer())
+        t, acc = _mma_slots(t, ring, ready, empty, xs, gl.minimum(nkb, (g + 1) * GS), acc, NS, KT, True,
+                            gl.minimum(nkb, g * GS), g > 0)
+    y1, y2 = _tile_halves(t, ring, empty, acc, ep, NS, NBP, CPS, KT, KP)
+    return t, y1, y2, 1.0 / gl.sqrt(ss / H + EPS)
 
 
 @gluon.jit
@@ -1682,7 +1799,8 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NORM: gl.constexpr, RESIDUAL: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr,
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
-                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
+                      KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
+                      SPIPE: gl.constexpr = False):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
@@ -1693,18 +1811,35 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
-        rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                          TILE, num_warps, tr, TRACE)
-        nkb = (w1 - w0 + KS - 1) // KS
-        for r in range(a0, a1, 2 * RG):
+        if SPIPE and NCHK > CG:  # the stage in groups, the first rows' products with it
+            nkb = (w1 - w0 + KS - 1) // KS
+            t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, w0, w1, k0,
+                                               nkb, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS, NS, KT, ep, num_warps,
+                                               tr, TRACE)
+            _kpaired_rows(out_ptr, ostride, a0, ir, y1, y2, rs, a1, NB, NORM and TILE, RESIDUAL, RG, ep)
+            r0 = a0 + 2 * RG
+        else:
+            rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG,
+                              CPS, TILE, num_warps, tr, TRACE)
+            nkb = (w1 - w0 + KS - 1) // KS
+            r0 = a0
+        for r in range(r0, a1, 2 * RG):
             t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
-            if NORM and TILE:
-                y1 = y1 * _seq_scale(rs, ep)
-                y2 = y2 * _seq_scale(rs, ep)
-            _seq_rows(out_ptr, ostride, r + ir, y1, a1, NB, RESIDUAL, ep)
-            if r + RG < a1:
-                _seq_rows(out_ptr, ostride, r + RG + ir, y2, a1, NB, RESIDUAL, ep)
+            _kpaired_rows(out_ptr, ostride, r, ir, y1, y2, rs, a1, NB, NORM and TILE, RESIDUAL, RG, ep)
     return t
+
+
+@gluon.jit
+def _kpaired_rows(out_ptr, ostride, r, ir, y1, y2, rs, a1, NB: gl.constexpr, SCALE: gl.constexpr,
+                  RESIDUAL: gl.constexpr, RG: gl.constexpr, ep: gl.constexpr):
+    """`_op_kpaired_batch`'s epilogue of rows r .. r + 2 RG - 1 (the slot's halves y1, y2), scaled by each sequence's
+    rstd with SCALE."""
+    if SCALE:
+        y1 = y1 * _seq_scale(rs, ep)
+        y2 = y2 * _seq_scale(rs, ep)
+    _seq_rows(out_ptr, ostride, r + ir, y1, a1, NB, RESIDUAL, ep)
+    if r + RG < a1:
+        _seq_rows(out_ptr, ostride, r + RG + ir, y2, a1, NB, RESIDUAL, ep)
 
 
 @gluon.jit
@@ -1712,21 +1847,36 @@ def _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, act_ptr, lay
                       IS: gl.constexpr, EPS: gl.constexpr, NS: gl.constexpr, NCHH: gl.constexpr,
                       BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
                       TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr,
-                      TRACE: gl.constexpr):
+                      TRACE: gl.constexpr, SPIPE: gl.constexpr = False):
     """`_op_gate_up` for every sequence of a batch (sequence b's act at b * IS), RG gate and up rows per slot."""
     RG: gl.constexpr = GR if TILE else BR
     KS: gl.constexpr = SUB * KT if TILE else BK
-    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
-                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
-    for r in range(a0, a1, RG):
-        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
-                                   num_warps)
-        if TILE:
-            g = g * _seq_scale(rs, ep)
-            u = u * _seq_scale(rs, ep)
-        _seq_rows(act_ptr, IS, r + ir, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
+    nkb = (H + KS - 1) // KS
+    r0 = a0
+    if SPIPE and NCHH > CG:  # the stage in groups, the first rows' products with it
+        t, g, u, rs = _staged_rows_batch(t, ring, ready, empty, vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0,
+                                         a0 * 0 + H, a0 * 0, nkb, True, H, EPS, NCHH, BK, NB, NBP, CG, CPS, NS, KT, ep,
+                                         num_warps, tr, TRACE)
+        _swiglu_rows(act_ptr, IS, a0 + ir, g, u, rs, a1, NB, TILE, ep)
+        r0 = a0 + RG
+    else:
+        rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK,
+                          NB, NBP, CG, CPS, TILE, num_warps, tr, TRACE)
+    for r in range(r0, a1, RG):
+        t, g, u = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
+        _swiglu_rows(act_ptr, IS, r + ir, g, u, rs, a1, NB, TILE, ep)
     return t
+
+
+@gluon.jit
+def _swiglu_rows(act_ptr, IS: gl.constexpr, rows, g, u, rs, a1, NB: gl.constexpr, SCALE: gl.constexpr,
+                 ep: gl.constexpr):
+    """act[rows] of every sequence <- silu(gate) * up, both scaled by each sequence's rstd with SCALE."""
+    if SCALE:
+        g = g * _seq_scale(rs, ep)
+        u = u * _seq_scale(rs, ep)
+    _seq_rows(act_ptr, IS, rows, g / (1.0 + gl.exp(-g)) * u, a1, NB, False, ep)
 
 
 @gluon.jit
@@ -1735,17 +1885,18 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
                   S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
                   CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
-                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1):
+                  num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1,
+                  SPIPE: gl.constexpr = False):
     """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
     position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
     hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed
     tiles, `_pair_rows_batch`) GR / QKP of them."""
     RG: gl.constexpr = GR // QKP if TILE else BR
     KS: gl.constexpr = SUB * KT * QKP if TILE else BK
-    HALF: gl.constexpr = HD // 2
-    QKV: gl.constexpr = (NH + 2 * NKV) * HD
-    rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK, NB,
-                      NBP, CG, CPS, TILE, num_warps, tr, TRACE)
+    PIPE: gl.constexpr = SPIPE and NCHH > CG  # the stage in groups, the first pairs' products with it
+    if not PIPE:
+        rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK,
+                          NB, NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)  # [1, NBP]
     live = bs < NB
@@ -1753,42 +1904,76 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
     slot = ((layer * NB + bs) * NKV).to(gl.int64)  # [1, NBP]: each sequence's cache slot of this layer
     p = a0 // 2
     pend = a1 // 2
+    if PIPE:  # (the first pairs' loads issued before)
+        head, n, jj, m, cs, sn, b1, b2 = _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH, NKV,
+                                                    HD, QKV_BIAS, RG)
+        t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0,
+                                           a0 * 0 + H, a0 * 0, (H + KS - 1) // KS, True, H, EPS, NCHH, BK, NB, NBP,
+                                           CG, CPS, NS, KT, ep, num_warps, tr, TRACE, QKP)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH, NKV, HD, S,
+                  QKV_BIAS, TILE, ep)
+        p += n
     while p < pend:
-        head, j, n = _qkv_group(p, pend, HALF, RG)
-        jj = gl.expand_dims(j + ir, 1)  # [RG, 1]
-        m = gl.expand_dims(ir < n, 1) & live
-        if QKV_BIAS:
-            bias = b_ptr + layer * QKV + head * HD + jj
-            b1 = gl.load(bias, mask=m, other=0.0)
-            b2 = gl.load(bias + HALF, mask=m, other=0.0)
-        rot = m & (head < NH + NKV)
-        cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
-        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT, ep,
-                                     num_warps, QKP)
-        if TILE:
-            y1 = y1 * _seq_scale(rs, ep)
-            y2 = y2 * _seq_scale(rs, ep)
-        if QKV_BIAS:
-            y1 = y1 + b1
-            y2 = y2 + b2
-        if head < NH + NKV:
-            o1 = y1 * cs - y2 * sn
-            o2 = y2 * cs + y1 * sn
-            if head < NH:
-                qb = q_ptr + bs * (NH * HD) + head * HD + jj
-                gl.store(qb, o1, mask=m)
-                gl.store(qb + HALF, o2, mask=m)
-            else:
-                cb = kc_ptr + ((slot + head - NH) * S + pos) * HD + jj
-                gl.store(cb, o1.to(gl.bfloat16), mask=m)
-                gl.store(cb + HALF, o2.to(gl.bfloat16), mask=m)
-        else:
-            cb = vc_ptr + ((slot + head - NH - NKV) * S + pos) * HD + jj
-            gl.store(cb, y1.to(gl.bfloat16), mask=m)
-            gl.store(cb + HALF, y2.to(gl.bfloat16), mask=m)
+        head, n, jj, m, cs, sn, b1, b2 = _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH, NKV,
+                                                    HD, QKV_BIAS, RG)
+        t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT,
+                                     ep, num_warps, QKP)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH, NKV, HD, S,
+                  QKV_BIAS, TILE, ep)
         p += n
     return t
+
+
+@gluon.jit
+def _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH: gl.constexpr, NKV: gl.constexpr,
+               HD: gl.constexpr, QKV_BIAS: gl.constexpr, RG: gl.constexpr):
+    """What `_qkv_rows` needs of the RoPE pairs from p (`_qkv_group`), loaded before their products so that the
+    loads are in flight meanwhile: (head, pairs, column [RG, 1], mask [RG, NBP], cos, sin, the two biases)."""
+    HALF: gl.constexpr = HD // 2
+    head, j, n = _qkv_group(p, pend, HALF, RG)
+    jj = gl.expand_dims(j + ir, 1)  # [RG, 1]
+    m = gl.expand_dims(ir < n, 1) & live
+    b1 = 0.0
+    b2 = 0.0
+    if QKV_BIAS:
+        bias = b_ptr + layer * ((NH + 2 * NKV) * HD) + head * HD + jj
+        b1 = gl.load(bias, mask=m, other=0.0)
+        b2 = gl.load(bias + HALF, mask=m, other=0.0)
+    rot = m & (head < NH + NKV)
+    cs = gl.load(cos_ptr + pos * HALF + jj, mask=rot, other=0.0)
+    sn = gl.load(sin_ptr + pos * HALF + jj, mask=rot, other=0.0)
+    return head, n, jj, m, cs, sn, b1, b2
+
+
+@gluon.jit
+def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH: gl.constexpr,
+              NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, QKV_BIAS: gl.constexpr, SCALE: gl.constexpr,
+              ep: gl.constexpr):
+    """`_op_qkv_batch`'s epilogue of one group of RoPE pairs (`_qkv_coefs`): the halves y1, y2 scaled by each
+    sequence's rstd with SCALE, biased, rotated at each sequence's position into its q, or its cache slot's K; V as
+    it is."""
+    HALF: gl.constexpr = HD // 2
+    if SCALE:
+        y1 = y1 * _seq_scale(rs, ep)
+        y2 = y2 * _seq_scale(rs, ep)
+    if QKV_BIAS:
+        y1 = y1 + b1
+        y2 = y2 + b2
+    if head < NH + NKV:
+        o1 = y1 * cs - y2 * sn
+        o2 = y2 * cs + y1 * sn
+        if head < NH:
+            qb = q_ptr + bs * (NH * HD) + head * HD + jj
+            gl.store(qb, o1, mask=m)
+            gl.store(qb + HALF, o2, mask=m)
+        else:
+            cb = kc_ptr + ((slot + head - NH) * S + pos) * HD + jj
+            gl.store(cb, o1.to(gl.bfloat16), mask=m)
+            gl.store(cb + HALF, o2.to(gl.bfloat16), mask=m)
+    else:
+        cb = vc_ptr + ((slot + head - NH - NKV) * S + pos) * HD + jj
+        gl.store(cb, y1.to(gl.bfloat16), mask=m)
+        gl.store(cb + HALF, y2.to(gl.bfloat16), mask=m)
 
 
 @gluon.jit
@@ -1801,7 +1986,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, QKP: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -1817,7 +2002,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_QKV:
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
                           cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP)
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP, SPIPE)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -1829,23 +2014,23 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     elif op == OP_OPROJ:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE)
+                              num_warps, tr, TRACE, SPIPE)
     elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
         # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE)
+                              num_warps, tr, TRACE, SPIPE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
-                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE)
+                              NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, SPIPE)
     elif op == OP_DOWN:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
                               True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep, num_warps, tr,
-                              TRACE)
+                              TRACE, SPIPE)
     elif op == OP_LM_HEAD:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
                               a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                              num_warps, tr, TRACE)
+                              num_warps, tr, TRACE, SPIPE)
     return t
 
 
@@ -1982,7 +2167,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
-             QKP: gl.constexpr):
+             QKP: gl.constexpr, SPIPE: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -2010,7 +2195,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2067,7 +2252,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, num_warps: gl.constexpr,
+    QKP: gl.constexpr, SPIPE: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2100,7 +2285,7 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
@@ -2275,6 +2460,13 @@ class StreamConfig:
     #: the 8 compute warps). A group's loads wait ~0.7 us on top of their bytes, so fewer groups pay: 32 K against
     #: 16 K measured llama-1b's batch 16 -2.9 %, llama-8b's batch 8 -1.9 % and 16 -6.8 % (docs/perf-notes.md)
     stage_values: int = 32768
+    #: a tile build's weight ops stage their operand in this many groups of chunks and start each group's products
+    #: (the first row group's slots over its K columns) as soon as it is in shared memory, the next group's loads in
+    #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups). 0: by build, 4 where the
+    #: operand is at most `STAGE_PIPE_VALUES` fp32 values, else 1. Measured at ctx 1024 against the whole stage:
+    #: llama-1b batch 8 -1.8 % with 4, -1.0 % with 2; larger operands spill registers when pipelined, and llama-1b's
+    #: batch 16 took +3 % with 4 and llama-8b's batch 8 +2.4 % (4) and +0.5 % (2) (docs/perf-notes.md)
+    stage_groups: int = 0
     be: int = 1024  # embedding copy block
     #: at batch 1, o_proj's and down's K ranges start and end at multiples of `K_VEC` (16 B of fp32 activations), so
     #: their staging loads go as 16-byte vectors: a K start only known at run time made the compiler load the window
@@ -2314,6 +2506,9 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
 #: measured 0.5 % faster with 4 at ctx 1024 and at 32768, llama-1b and llama-3b slower (docs/perf-notes.md)
 INFLIGHT4_HIDDEN = 4096
 CP_FILL_HIDDEN = 2048  # `StreamConfig.cp_fill` up to this hidden size, where a step is bound by the chain's latency
+#: the largest staged operand (fp32 values: the batch, padded, times the hidden size) whose stage the weight ops
+#: pipeline by default (`StreamConfig.stage_groups`): llama-1b's at batch 8
+STAGE_PIPE_VALUES = 16384
 
 
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
@@ -2435,15 +2630,18 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     if (chunks["NCHQ"] * bk) % c.hd or heads & (heads - 1):
         raise ValueError(f"head_dim {c.hd} must divide the staged attention vector ({chunks['NCHQ']} x {bk}) into a "
                          "power-of-two number of heads")
-    # a batch's staging loads at most `stage_values` fp32 values at once: CG chunks of every sequence on tiles, CG
-    # sequences' whole vectors on row-pair slots (`_stage_batch`)
-    cg = max(1, min(chunks["NCHH"], _pow2_floor(sc.stage_values // (nbp * bk))) if tile else
-             min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk))))
+    # a batch's staging loads at most `stage_values` fp32 values at once: CG chunks of every sequence on tiles (in
+    # at least `stage_groups` groups), CG sequences' whole vectors on row-pair slots (`_stage_batch`)
+    if sc.stage_groups < 0:
+        raise ValueError(f"stage_groups must be 0 (by build) or more, got {sc.stage_groups}")
+    groups = sc.stage_groups or (4 if nbp * c.hidden_size <= STAGE_PIPE_VALUES else 1)
+    cg = max(1, min(chunks["NCHH"] // _pow2_ceil(groups), _pow2_floor(sc.stage_values // (nbp * bk)))) \
+        if tile else min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk)))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "INFLIGHT": inflight, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": qxr, "QKP": qkp, "QIN": qin, "stage_k": window * bk,
+            "QXR": qxr, "QKP": qkp, "SPIPE": tile and groups > 1, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
@@ -2468,7 +2666,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], num_warps=sc.num_warps)
+        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
