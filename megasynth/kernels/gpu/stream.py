@@ -1579,10 +1579,18 @@ def _tile_store(ops, v, w, c0, NORM: gl.constexpr, CG: gl.constexpr, CPS: gl.con
     """ops' sub-chunks of group c0 <- `_tile_load`'s values (times the norm weight with NORM) in bf16, row b
     sequence b's and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them; returns each sequence's sum
     of squares over the group ([NBP])."""
-    NQ: gl.constexpr = BK // SUB
     ss = gl.sum(gl.sum(v * v, axis=2), axis=1)  # unused (and dropped by the compiler) without NORM
     if NORM:
         v = v * w
+    _store_group(ops, v, c0, CG, CPS, NBP, BK)
+    return ss
+
+
+@gluon.jit
+def _store_group(ops, v, c0, CG: gl.constexpr, CPS: gl.constexpr, NBP: gl.constexpr, BK: gl.constexpr):
+    """ops' sub-chunks of group c0 <- v ([NBP, CG, BK] fp32) in bf16: row b sequence b's, and with hi/lo pairs (CPS
+    = 2) row NBP + b what bf16 left of them."""
+    NQ: gl.constexpr = BK // SUB
     v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
     hi = v3.to(gl.bfloat16)
     part = ops.slice(c0 * NQ, CG * NQ, dim=0)
@@ -1591,7 +1599,6 @@ def _tile_store(ops, v, w, c0, NORM: gl.constexpr, CG: gl.constexpr, CPS: gl.con
         part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
     else:
         part.store(hi)
-    return ss
 
 
 @gluon.jit
@@ -1627,14 +1634,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
-        v3 = gl.permute(gl.reshape(v, [NBP, CG * NQ, SUB]), (1, 0, 2))  # [sub-chunk, sequence, 64]
-        hi = v3.to(gl.bfloat16)
-        part = ops.slice(c0 * NQ, CG * NQ, dim=0)
-        if CPS == 2:
-            part.slice(0, NBP, dim=1).store(hi)
-            part.slice(NBP, NBP, dim=1).store((v3 - hi.to(gl.float32)).to(gl.bfloat16))
-        else:
-            part.store(hi)
+        _store_group(ops, v, c0, CG, CPS, NBP, BK)
     return 1.0 / gl.sqrt(ss / H + EPS)
 
 
