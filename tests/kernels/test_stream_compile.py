@@ -373,10 +373,11 @@ def test_batch_stages_in_few_load_groups() -> None:
 
 
 def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
-    """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) where the operand is at most
-    `STAGE_PIPE_VALUES` fp32 values: llama-1b's batch 8 in 4 groups of 2 chunks; its batch 16 and llama-8b's batch 8
-    stage whole (their pipelined builds spill), and so does every build on row-pair slots. `stage_groups` asks for a
-    number of groups, and a negative one is refused by name."""
+    """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) in 4 groups where the operand
+    is at most `STAGE_PIPE_VALUES` fp32 values (llama-1b's batch 8: groups of 2 chunks), and in `stage_values`' groups
+    where those are several (llama-8b's batch 16: two); llama-1b's batch 16 and llama-8b's batch 8 stage whole (their
+    pipelined builds spill), and so does every build on row-pair slots. `stage_groups` asks for a number of groups
+    (1: the whole stage, in `stage_values`' groups one after the other), and a negative one is refused by name."""
     from megasynth.kernels.gpu.stream import STAGE_PIPE_VALUES, StreamConfig, stream_geometry
     from megasynth.lowering.models import get_model
 
@@ -391,6 +392,7 @@ def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     assert pipe(llama1, 8, stage_groups=2) == (True, 2)
     assert pipe(llama1, 8, stage_groups=1) == (False, 1)
     assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (False, 1)
+    assert pipe(llama8, 16) == (True, 2) and pipe(llama8, 16, stage_groups=1) == (False, 2)
     assert pipe(llama1, 16, stage_groups=4) == (True, 4)
     assert pipe(llama1, 4)[0] is False and pipe(llama1, 4, stage_groups=4)[0] is False  # row-pair slots
     with pytest.raises(ValueError, match="stage_groups"):

@@ -2462,10 +2462,12 @@ class StreamConfig:
     stage_values: int = 32768
     #: a tile build's weight ops stage their operand in this many groups of chunks and start each group's products
     #: (the first row group's slots over its K columns) as soon as it is in shared memory, the next group's loads in
-    #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups). 0: by build, 4 where the
-    #: operand is at most `STAGE_PIPE_VALUES` fp32 values, else 1. Measured at ctx 1024 against the whole stage:
-    #: llama-1b batch 8 -1.8 % with 4, -1.0 % with 2; larger operands spill registers when pipelined, and llama-1b's
-    #: batch 16 took +3 % with 4 and llama-8b's batch 8 +2.4 % (4) and +0.5 % (2) (docs/perf-notes.md)
+    #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups, one after the other). 0: by
+    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` fp32 values, else the `stage_values` groups,
+    #: pipelined where there are several. Measured at ctx 1024 against the whole stage: llama-1b batch 8 -1.8 % with
+    #: 4, -1.0 % with 2; llama-8b batch 16 (two groups of 32 K values anyway) -1.3 %; larger operands in more groups
+    #: spill registers, and llama-1b's batch 16 took +3 % with 4 and llama-8b's batch 8 +2.4 % (4) and +0.5 % (2)
+    #: (docs/perf-notes.md)
     stage_groups: int = 0
     be: int = 1024  # embedding copy block
     #: at batch 1, o_proj's and down's K ranges start and end at multiples of `K_VEC` (16 B of fp32 activations), so
@@ -2506,8 +2508,8 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
 #: measured 0.5 % faster with 4 at ctx 1024 and at 32768, llama-1b and llama-3b slower (docs/perf-notes.md)
 INFLIGHT4_HIDDEN = 4096
 CP_FILL_HIDDEN = 2048  # `StreamConfig.cp_fill` up to this hidden size, where a step is bound by the chain's latency
-#: the largest staged operand (fp32 values: the batch, padded, times the hidden size) whose stage the weight ops
-#: pipeline by default (`StreamConfig.stage_groups`): llama-1b's at batch 8
+#: the largest staged operand (fp32 values: the batch, padded, times the hidden size) that the weight ops stage in 4
+#: pipelined groups by default (`StreamConfig.stage_groups`): llama-1b's at batch 8
 STAGE_PIPE_VALUES = 16384
 
 
@@ -2641,7 +2643,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": qxr, "QKP": qkp, "SPIPE": tile and groups > 1, "QIN": qin, "stage_k": window * bk,
+            "QXR": qxr, "QKP": qkp,
+            "SPIPE": tile and chunks["NCHH"] > cg and sc.stage_groups != 1, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
