@@ -1746,8 +1746,9 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
     products of its first row group (`_pair_rows_batch`) in one: the operand goes in groups of CG chunks, and a
     group's products (the slots of its K columns) are issued as soon as it is in shared memory, with the next group's
     loads in flight. Every SM of a phase stages the same activations at once, so the stage is the L2's broadcast of
-    them (at batch 8, 64 KB of fp32 an SM); with the ring full of the op's first slots, staging it whole first held
-    the SM's weight stream back for all of it. Returns (t, y_a, y_b, rstd), the last as `_stage_batch`'s."""
+    them (at batch 8, 64 KB of fp32 an SM), and staged whole it comes before any product. Measured faster where the
+    build does not spill the next group's values (`StreamConfig.stage_groups`; which ops gain: docs/perf-notes.md).
+    Returns (t, y_a, y_b, rstd), the last as `_stage_batch`'s."""
     accl: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                    instr_shape=[16, KP * CPS * NBP, 16])  # `_pair_rows_batch`'s
     NG: gl.constexpr = (NCHK + CG - 1) // CG
