@@ -9,8 +9,8 @@
 # multiple of 64 rows and the embedding 256 columns an instruction. Writes <model>_batch<N>.json and
 # <model>_batch_h200.log under $OUT, or bench/results/batch when OUT is unset; BATCHES="1 8" times those batches only,
 # VARIANTS="torch_bf16,megakernel" leaves out the compile (COMPILE_TIMEOUT: its limit in seconds, 120 by default;
-# llama-8b at batch 8 needs more). QKV tiles are rounded up to whole heads from batch 8 and keep the reference run's
-# RoPE pairs below; QKV=pairs or QKV=heads sets one for every batch. About 6 minutes for llama-1b on an H200, 8 for
+# llama-8b at batch 8 needs more). QKV tiles keep the reference run's RoPE pairs (at least 64 rows from batch 8);
+# QKV=heads rounds them up to whole heads. About 6 minutes for llama-1b on an H200, 8 for
 # llama-8b without the compile (its compile: 3.5 minutes for batch 1 alone).
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
@@ -27,20 +27,18 @@ read -r -a BATCHES <<< "${BATCHES:-1 2 4 8 16}"  # BATCHES="1 8" times those onl
 lower_batches() {  # $1 model, $2 folder: s<N>.json for every batch, from the reference run's strategy
   python3 - "$1" "$2" "${BATCHES[@]}" <<'PY' || return 1
 import gzip, json, os, sys
-from megasynth.kernels.gpu.pack import V10_TILE_BATCH
 from megasynth.lowering.models import get_model, with_batch
 from megasynth.lowering.strategy import Strategy, for_batch
 model, out, *batches = sys.argv[1:]
-# QKV tiles of whole heads on tile slots (batch 8 and up), the reference run's RoPE pairs below (side by side 3 %
-# faster there on llama-1b: docs/perf-notes.md); QKV=heads or QKV=pairs sets one for every batch
-qkv = os.environ.get("QKV", "")
-if qkv not in ("", "heads", "pairs"):
-    sys.exit(f"QKV={qkv!r}: heads or pairs (or unset: pairs below batch {V10_TILE_BATCH}, heads from it)")
+# QKV tiles of the reference run's RoPE pairs (side by side faster than whole heads: llama-1b 3 % at batches 2 and
+# 4, llama-8b 3 % at batch 8 on 96 SMs instead of 48; docs/perf-notes.md); QKV=heads asks for whole heads
+qkv = os.environ.get("QKV", "pairs")
+if qkv not in ("heads", "pairs"):
+    sys.exit(f"QKV={qkv!r}: heads or pairs (unset: pairs)")
 strategy = Strategy.model_validate(
     json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"])
 for b in map(int, batches):
-    whole_heads = qkv == "heads" if qkv else b >= V10_TILE_BATCH
-    s = for_batch(strategy, with_batch(get_model(model), b), whole_heads).model_dump(mode="json")
+    s = for_batch(strategy, with_batch(get_model(model), b), qkv == "heads").model_dump(mode="json")
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
   for b in "${BATCHES[@]}"; do

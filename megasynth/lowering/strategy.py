@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from megasynth.ir.catalogue import OP_ORDER
 from megasynth.ir.errors import ScheduleError, json_path
-from megasynth.kernels.gpu.pack import V10_TILE_BATCH, batch_model_limits
+from megasynth.kernels.gpu.pack import V10_TILE_BATCH, batch_model_limits, v10_qkv_box_rows
 
 if TYPE_CHECKING:
     from megasynth.lowering.models import ModelSpec
@@ -240,10 +240,11 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     the splits: the search weighs them at its own ctx); QKV tiles of whole heads where the batch runs on interpreter v9
     (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from `V10_TILE_BATCH`, where a
     v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a time (K split as much finer,
-    as many instructions, at most the largest split offered), QKV tiles of 64 rows at least, gate/up tiles of whole
-    64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts from its
-    seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the strategy as
-    it is."""
+    as many instructions, at most the largest split offered), QKV tiles of at least as many pairs as the build's
+    K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads from batch 16), gate/up tiles of
+    whole 64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts
+    from its seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the
+    strategy as it is."""
     b = spec.batch
     if b == 1:
         return strategy
@@ -262,7 +263,7 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
                 top = max(k_split_choices(spec, op))
                 splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
-        tiles[qkv] = max(TILE_HALF, tiles[qkv])
+        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b), tiles[qkv])
         tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
     if whole_head_qkv(spec) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd

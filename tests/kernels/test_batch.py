@@ -191,11 +191,12 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     """`for_batch` turns llama-1b's reference strategy into the batch-8 schedule the published batch rows ran (o_proj
-    and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows; gate/up whole 64-row
-    halves; attention split batch times less; the merge folded into o_proj only where one split is left: at batch 16,
-    and at batch 8, where the two splits of 64-dim heads become one, but not llama-8b's 128-dim heads), the embedding
-    `EMBED_TILE_COLUMNS` columns an instruction from batch 8, keeps batch 1 as it is, gives a v9 batch (a QK-norm model)
-    whole-head QKV tiles with the norm inside QKV and no fold, and never exceeds an op's rows (tiny)."""
+    and down 128 rows at a time with K split as much finer, so as many instructions; QKV 64 rows, 32 at batch 16 (as
+    many RoPE pairs as the build's K-packed QKV boxes hold); gate/up whole 64-row halves; attention split batch times
+    less; the merge folded into o_proj only where one split is left: at batch 16, and at batch 8, where the two splits
+    of 64-dim heads become one, but not llama-8b's 128-dim heads), the embedding `EMBED_TILE_COLUMNS` columns an
+    instruction from batch 8, keeps batch 1 as it is, gives a v9 batch (a QK-norm model) whole-head QKV tiles with the
+    norm inside QKV and no fold, and never exceeds an op's rows (tiny)."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import EMBED_TILE_COLUMNS, TILE_FILL, for_batch
 
@@ -220,6 +221,8 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
                 == llama.config.hidden_size // ref.tiles[op] * ref.k_splits[op])
     b16 = for_batch(ref, with_batch(llama, 16))
     assert (b16.attn_splits, b16.fuse_attn_reduce) == (1, True)
+    assert b16.tiles["attn_norm_qkv_rope"] == 32  # 16 pairs: the K-packed 16-row QKV boxes of batch 16's build
+    assert big.tiles["attn_norm_qkv_rope"] == 64  # 32 pairs of a 128-dim head, not the whole head
     check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"))
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce

@@ -349,10 +349,11 @@ def test_batch_epilogue_takes_no_shared_scratch() -> None:
 def test_batch_stages_in_few_load_groups() -> None:
     """A batch's staging keeps up to `stage_values` fp32 values of loads in flight: x of a batch-16 llama-1b in one
     group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups. The
-    batch-16 llama-1b build holds its one group's 128 values a thread without spilling, and loads its K windows in
-    16-byte vectors. (o_proj's and down's windows start and end at any column; loaded element by element, they made
-    260 scalar bf16 loads through L2 in its PTX, each warp instruction eight times the sector requests of a vector
-    one.)"""
+    batch-16 llama-1b build with two K-packed QKV sub-chunks holds its one group's 128 values a thread without
+    spilling (the default's four spill 32 B: `test_batch_products_one_wgmma_as_wide_as_the_operand`), and loads its K
+    windows in 16-byte vectors. (o_proj's and down's windows start and end at any column; loaded element by element,
+    they made 260 scalar bf16 loads through L2 in its PTX, each warp instruction eight times the sector requests of a
+    vector one.)"""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
@@ -367,7 +368,7 @@ def test_batch_stages_in_few_load_groups() -> None:
     assert [groups(llama1, b, stage_groups=1) for b in (8, 16)] == [1, 1]
     assert [groups(llama8, b) for b in (8, 16)] == [1, 2]
     assert [groups(llama1, 16, stage_values=16384), groups(llama8, 16, stage_values=16384)] == [2, 4]
-    kernel, res = compile_v10(llama1, 4096, StreamConfig(), batch=16)
+    kernel, res = compile_v10(llama1, 4096, StreamConfig(qkv_box_rows=32), batch=16)
     assert res.stack == 0
     assert kernel.asm["ptx"].count("ld.global.cg.b16") < 16
 
@@ -781,10 +782,11 @@ def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
 def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     """A batch's weight products issue one wgmma per 64-row half and K step as wide as the staged operand (N = the
     padded batch, times hi/lo, times the K-packed QKV's sub-chunks), not several N-8 wgmmas that each read the weight
-    tile from shared memory again. QKV tiles of 64-dim heads are K-packed (`StreamConfig.qkv_kpack`: 32 rows of each
-    RoPE half at two sub-chunks a tile, 32 KB fills, so their fills in flight drop to as many bytes as the other
-    ops'); 128-dim heads, hidden sizes that two sub-chunks a tile do not divide into whole slots, and row-pair slots
-    are not."""
+    tile from shared memory again. QKV tiles are K-packed (`StreamConfig.qkv_kpack`, boxes of `qkv_box_rows` rows of
+    each RoPE half at 64 / rows sub-chunks a tile: 32 rows at two at batch 8 and llama-8b's 128-dim heads, 16 at four
+    for 64-dim heads at batch 16; full 32 KB fills, so their fills in flight drop to as many bytes as the other ops');
+    hidden sizes that the sub-chunks do not divide into whole slots and row-pair slots are not. Only llama-1b's batch
+    16 build, whose four sub-chunks make QKV's operand 64 columns a sequence, spills (32 B; measured faster anyway)."""
     pytest.importorskip("triton.experimental.gluon")
     import re
     from collections import Counter
@@ -794,18 +796,23 @@ def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     from megasynth.lowering.models import get_model
 
     llama, big = get_model("llama-1b").config, get_model("llama-8b").config
-    for batch in (8, 16):
+    for batch, packed, unpacked_fills in ((8, (2, 32, 2), 3), (16, (4, 16, 2), 5)):
         geo = stream_geometry(llama, StreamConfig(), batch)
-        assert (geo["QKP"], geo["QXR"], geo["QIN"]) == (2, 32, 2)
-        off = stream_geometry(llama, StreamConfig(qkv_kpack=False), batch)
-        assert (off["QKP"], off["QIN"]) == (1, 3)
-        assert stream_geometry(big, StreamConfig(), batch)["QKP"] == 1
+        assert (geo["QKP"], geo["QXR"], geo["QIN"]) == packed
+        assert stream_geometry(llama, StreamConfig(qkv_box_rows=32), batch)["QKP"] == 2
+        off = stream_geometry(llama, StreamConfig(qkv_kpack=False), batch)  # 16 or 8 KB QKV fills: more in flight
+        assert (off["QKP"], off["QIN"]) == (1, unpacked_fills)
+        geo8b = stream_geometry(big, StreamConfig(), batch)
+        assert (geo8b["QKP"], geo8b["QXR"]) == (2, 32)
+        assert stream_geometry(big, StreamConfig(qkv_box_rows=64), batch)["QKP"] == 1
+    with pytest.raises(ValueError, match="qkv_box_rows must be"):
+        stream_geometry(llama, StreamConfig(qkv_box_rows=8), 8)
     assert stream_geometry(get_model("tiny-gqa4").config, StreamConfig(), 8)["QKP"] == 1  # hidden 256
     assert stream_geometry(get_model("qwen2.5-0.5b").config, StreamConfig(), 8)["QKP"] == 1  # hidden 896
     assert stream_geometry(llama, StreamConfig(), 4)["QKP"] == 1  # row-pair slots
-    want = {8: {"m64n8k16", "m64n16k16"}, 16: {"m64n16k16", "m64n32k16"}, 4: {"m64n16k16"}}
+    want = {8: {"m64n8k16", "m64n16k16"}, 16: {"m64n16k16", "m64n64k16"}, 4: {"m64n16k16"}}
     for batch, shapes in want.items():
         kernel, res = compile_v10(llama, 4096, StreamConfig(), batch=batch)
-        assert res.stack == 0
+        assert res.stack == (32 if batch == 16 else 0), (batch, res.stack)
         got = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", kernel.asm["ptx"]))
         assert set(got) == shapes, (batch, got)

@@ -66,6 +66,7 @@ from megasynth.kernels.gpu.pack import (
     TRACE_FIELDS,
     V10_TILE_BATCH,
     batch_model_limits,
+    v10_qkv_box_rows,
 )
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
@@ -2449,6 +2450,12 @@ class StreamConfig:
     #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused). 64 against 16: 4-5 %
     #: faster at batch 8 and 16 (docs/perf-notes.md)
     tile_box_rows: int = 64
+    #: rows of a batch's QKV tile boxes (of each RoPE half), at most `tile_box_rows` and half a head; 0: by build,
+    #: `pack.v10_qkv_box_rows`, the QKV tiles the batch lowering gives filling them. K-packed, a box pair holds only
+    #: a tile's own pairs at GR / rows sub-chunks: llama-8b at batch 8, QKV tiles of 32 pairs (64 rows, on 96 SMs)
+    #: with 32-row boxes 4.54 ms, with 64-row ones (half the next pairs' rows) 4.62, whole heads on 48 SMs 4.67;
+    #: llama-1b at batch 16, tiles of 16 pairs with 16-row boxes 1.065 against whole heads' 1.084 (docs/perf-notes.md)
+    qkv_box_rows: int = 0
     #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes;
     #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
     #: than 64 at batch 8 and 16 (docs/perf-notes.md)
@@ -2551,6 +2558,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         raise ValueError(f"tile_k must be 64 or 128, got {sc.tile_k}")
     if sc.tile_box_rows not in (16, 32, 64):
         raise ValueError(f"tile_box_rows must be 16, 32 or 64, got {sc.tile_box_rows}")
+    if sc.qkv_box_rows not in (0, 16, 32, 64):
+        raise ValueError(f"qkv_box_rows must be 0 (by build), 16, 32 or 64, got {sc.qkv_box_rows}")
     why = batch_limits(c, sc, batch)
     if why:
         raise ValueError(f"interpreter v10 cannot run this batch: {why}")
@@ -2600,7 +2609,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
     # a batch's QKV tile fills carry QXR of each half's rows: fewer bytes than a slot where QXR < 64 (64-dim heads),
     # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
-    qxr = min(sc.tile_box_rows, c.hd // 2) if sc.tile_box_rows > 16 else 16
+    qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch)
+    qxr = min(sc.tile_box_rows, qbox, c.hd // 2) if sc.tile_box_rows > 16 else 16
     # ... unless K-packed: a half's GR / QXR boxes hold the same rows at consecutive sub-chunks (`_issue_tile`)
     qkp = GR.value // qxr if tile and sc.qkv_kpack and c.hidden_size % (64 * kt * (GR.value // qxr)) == 0 else 1
     qkv_fill = 2 * qxr * 64 * kt * 2 * qkp if tile else slot_bytes
