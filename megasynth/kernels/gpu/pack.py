@@ -78,6 +78,8 @@ def v10_qkv_box_rows(head_dim: int, batch: int) -> int:
     batch 16, where QKV tiles of 16 pairs run on twice the SMs (llama-1b at batch 16: 1.065 ms against 1.084 with
     whole heads; at batch 8 they cost the pipelined stage's registers: docs/perf-notes.md)."""
     return min(16 if head_dim <= 64 and batch >= 16 else 32, head_dim // 2)
+
+
 #: How to select each interpreter, for the messages that send an op to another one.
 _HOW = {"v10": "StreamConfig, Megakernel's default on Hopper", "v9": "KernelConfig"}
 
