@@ -2607,7 +2607,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # `StreamConfig.inflight` counts batch-1 slots: a batch's tile slots of kt wgmma tiles keep as many bytes in
     # flight, in kt times fewer fills (rounded up), since a release's fence waits for them all
     inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
-    # a batch's QKV tile fills carry QXR of each half's rows: fewer bytes than a slot where QXR < 64 (64-dim heads),
+    # a batch's QKV tile fills carry QXR of each half's rows (`qkv_box_rows`): fewer bytes than a slot where QXR < 64,
     # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
     qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch)
     qxr = min(sc.tile_box_rows, qbox, c.hd // 2) if sc.tile_box_rows > 16 else 16
