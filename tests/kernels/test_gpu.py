@@ -236,7 +236,8 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     ("tiny", 3, 8, 2, {}, 10), ("tiny-gqa4", 8, 16, 2, {}, 12), ("llama-1b", 4, None, 4, {}, 32),
     ("llama-1b", 8, None, 2, {"stage_groups": 2}, 16), ("llama-1b", 8, None, 2, {"stage_groups": 1}, None),
     ("llama-1b", 16, None, 1, {}, 32), ("llama-8b", 16, None, 1, {}, None), ("llama-8b", 8, None, 2, {}, 64),
-    ("llama-8b", 8, None, 2, {"qkv_box_rows": 64}, 64)])
+    ("llama-8b", 8, None, 2, {"qkv_box_rows": 64}, 64), ("llama-1b", 8, None, 2, {"x_dtype": "fp32"}, None),
+    ("llama-8b", 16, None, 1, {"x_dtype": "fp32"}, None)])
 def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel, qkv):
     """A batch runs on interpreter v10 by default on Hopper: one wgmma per ring slot multiplies the weight tile with
     every sequence's staged vector (bf16, or hi/lo pairs with batch_hilo), QKV tiles of whole heads or of RoPE pairs
@@ -246,7 +247,8 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     whose products start as each lands (4 by default, 2) or whole (`stage_groups` 1), llama-8b's batch 16 in its two
     `stage_values` groups the same way; QKV tiles K-packed in boxes of `pack.v10_qkv_box_rows` rows by default
     (llama-8b's 32 pairs in 32-row boxes, and in 64-row ones, half of each the next pairs' rows; llama-1b's batch 16
-    16 pairs, and whole heads, in 16-row boxes); every sequence matches the
+    16 pairs, and whole heads, in 16-row boxes); x in fp16 on tile slots by default (o_proj and down adding row
+    pairs into it), fp32 on row-pair slots and where `x_dtype` asks; every sequence matches the
     reference decoding it alone (QKV bias included). A model with the QK-norm falls back to v9; the fused
     attn_reduce_o_proj is refused by name."""
     from megasynth.ir.errors import ScheduleError
@@ -264,6 +266,8 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     assert mk.v10 and mk.batch == batch
     fp32 = hilo or not kernel.get("act_bf16", True)
     assert mk.act.dtype == mk.attn.dtype == (torch.float32 if fp32 else torch.bfloat16)
+    fp16_x = batch >= StreamConfig().batch_tiles and kernel.get("x_dtype", "") != "fp32"
+    assert mk.x.dtype == (torch.float16 if fp16_x else torch.float32)
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000,
                    TOL if hilo else TOL_BF16)
     if name == "tiny":

@@ -18,6 +18,11 @@ def test_config_with_reads_each_value_as_its_fields_type() -> None:
     cfg = config_with(KernelConfig(), ["num_stages=2", "attn_mma=false", " batch_mma = ON "])
     assert (cfg.num_stages, cfg.attn_mma, cfg.batch_mma) == (2, False, True)
     assert config_with(KernelConfig(), []) == KernelConfig()
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.stream import StreamConfig
+
+    assert config_with(StreamConfig(), ["x_dtype=fp32"]).x_dtype == "fp32"  # a name, quoted or not
+    assert config_with(StreamConfig(), ["x_dtype='fp16'"]).x_dtype == "fp16"
 
 
 @pytest.mark.parametrize("item, needle", [

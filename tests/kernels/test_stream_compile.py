@@ -279,7 +279,7 @@ def test_attention_rows_geometry_and_build() -> None:
     slot holds a K and a V block of 16 positions per compute warp in 128 B rows, or two slots do (llama-1b at batch 8
     and 16: 128 positions a slot, 128 B swizzled boxes; llama-8b's 128-dim heads at batch 8: K in one slot, V in the
     next, [128, 64] boxes), not at batch 1 or on row-pair slots, nor where a K block would take more than a slot;
-    the batch-8 builds issue mma.sync without spills."""
+    the batch-8 builds issue mma.sync (llama-1b's without spills)."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
     from megasynth.kernels.gpu.stream import KV_ROWS, SMEM_LIMIT, StreamConfig, kv_box_layout, stream_geometry
@@ -300,7 +300,8 @@ def test_attention_rows_geometry_and_build() -> None:
     assert stream_geometry(big, on, 16)["KV_RING"] == 1  # 16 KB slots: a K block would take two
     for cfg in (llama, big):
         kernel, res = compile_v10(cfg, 4096, on, batch=8)
-        assert res.stack == 0 and res.shared <= SMEM_LIMIT
+        # llama-8b's stage of fp16 x in two pipelined groups spills 16 B (measured 2.7 % faster than the whole stage)
+        assert res.stack <= (16 if cfg is big else 0) and res.shared <= SMEM_LIMIT
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in kernel.asm["ptx"]
 
 
@@ -347,8 +348,9 @@ def test_batch_epilogue_takes_no_shared_scratch() -> None:
 
 
 def test_batch_stages_in_few_load_groups() -> None:
-    """A batch's staging keeps up to `stage_values` fp32 values of loads in flight: x of a batch-16 llama-1b in one
-    group, of llama-8b in two (16 K values took twice as many groups); a smaller budget gives more groups. The
+    """A batch's staging keeps up to `stage_values` values of loads in flight: x of a batch-16 llama-1b in one
+    group, of llama-8b in two (16 K values took twice as many groups; at batch 8 llama-8b's fp16 x goes in two
+    pipelined groups, fp32 x in one); a smaller budget gives more groups. The
     batch-16 llama-1b build with two K-packed QKV sub-chunks holds its one group's 128 values a thread without
     spilling (the default's four spill 32 B: `test_batch_products_one_wgmma_as_wide_as_the_operand`), and loads its K
     windows in 16-byte vectors. (o_proj's and down's windows start and end at any column; loaded element by element,
@@ -361,12 +363,13 @@ def test_batch_stages_in_few_load_groups() -> None:
 
     llama1, llama8 = get_model("llama-1b").config, get_model("llama-8b").config
 
-    def groups(cfg, batch: int, **kw: int) -> int:
+    def groups(cfg, batch: int, **kw: int | str) -> int:
         geo = stream_geometry(cfg, StreamConfig(**kw), batch)
         return geo["NCHH"] // geo["CG"]
 
     assert [groups(llama1, b, stage_groups=1) for b in (8, 16)] == [1, 1]
-    assert [groups(llama8, b) for b in (8, 16)] == [1, 2]
+    assert [groups(llama8, b) for b in (8, 16)] == [2, 2]
+    assert [groups(llama8, b, x_dtype="fp32") for b in (8, 16)] == [1, 2]
     assert [groups(llama1, 16, stage_values=16384), groups(llama8, 16, stage_values=16384)] == [2, 4]
     kernel, res = compile_v10(llama1, 4096, StreamConfig(qkv_box_rows=32), batch=16)
     assert res.stack == 0
@@ -375,16 +378,18 @@ def test_batch_stages_in_few_load_groups() -> None:
 
 def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) in 4 groups where the operand
-    is at most `STAGE_PIPE_VALUES` fp32 values (llama-1b's batch 8: groups of 2 chunks), and in `stage_values`' groups
-    where those are several (llama-8b's batch 16: two); llama-1b's batch 16 and llama-8b's batch 8 stage whole (their
-    pipelined builds spill), and so does every build on row-pair slots. `stage_groups` asks for a number of groups
+    is at most `STAGE_PIPE_VALUES` values (llama-1b's batch 8: groups of 2 chunks); above, with x in fp16 (the tile
+    builds' default), in 2 groups up to `STAGE_PIPE_F16_BATCH` sequences (llama-8b's batch 8) and whole above (its
+    batch 16, llama-1b's: their pipelined builds spill); with fp32 x in `stage_values`' groups where those are several
+    (llama-8b's batch 16: two), llama-8b's batch 8 whole; every build on row-pair slots stages whole.
+    `stage_groups` asks for a number of groups
     (1: the whole stage, in `stage_values`' groups one after the other), and a negative one is refused by name."""
     from megasynth.kernels.gpu.stream import STAGE_PIPE_VALUES, StreamConfig, stream_geometry
     from megasynth.lowering.models import get_model
 
     llama1, llama8 = get_model("llama-1b").config, get_model("llama-8b").config
 
-    def pipe(cfg, batch: int, **kw: int) -> tuple[bool, int]:
+    def pipe(cfg, batch: int, **kw: int | str) -> tuple[bool, int]:
         geo = stream_geometry(cfg, StreamConfig(**kw), batch)
         return geo["SPIPE"], geo["NCHH"] // geo["CG"]
 
@@ -392,8 +397,9 @@ def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     assert pipe(llama1, 8) == (True, 4)
     assert pipe(llama1, 8, stage_groups=2) == (True, 2)
     assert pipe(llama1, 8, stage_groups=1) == (False, 1)
-    assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (False, 1)
-    assert pipe(llama8, 16) == (True, 2) and pipe(llama8, 16, stage_groups=1) == (False, 2)
+    assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (True, 2) and pipe(llama8, 16) == (False, 2)
+    assert pipe(llama8, 8, x_dtype="fp32") == (False, 1) and pipe(llama8, 16, x_dtype="fp32") == (True, 2)
+    assert pipe(llama8, 16, stage_groups=1) == (False, 2) and pipe(llama8, 16, stage_groups=2) == (True, 2)
     assert pipe(llama1, 16, stage_groups=4) == (True, 4)
     assert pipe(llama1, 4)[0] is False and pipe(llama1, 4, stage_groups=4)[0] is False  # row-pair slots
     with pytest.raises(ValueError, match="stage_groups"):
@@ -670,7 +676,8 @@ def test_v9_batch_builds_compile_without_spills() -> None:
 @pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 8), ("llama-1b", 4),
                                           ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8)])
 def test_v10_batch_builds_fit(model: str, batch: int) -> None:
-    """Interpreter v10's batch builds for sm_90: no spill stack, shared memory within a CTA's; the staged operand
+    """Interpreter v10's batch builds for sm_90: no spill stack (llama-8b's batch 8 16 B), shared memory within a
+    CTA's; the staged operand
     (every sequence's vector, 1 or 2 bf16 rows per 64-wide sub-chunk, the batch padded to 8 rows at least on
     the [128, 64] tiles of a batch of 8 or more; 4 or 8 per 256-wide chunk on the row-pair slots below) leaves
     a ring of at least 5 slots of 16 KB (4 of 32 KB on tiles of 128 K columns) and holds attention's lane
@@ -696,7 +703,9 @@ def test_v10_batch_builds_fit(model: str, batch: int) -> None:
         assert geo["ring_bytes"] >= 5 * 16 * 1024
     if model.startswith("tiny") or batch in (4, 8):
         _, res = compile_v10(spec.config, spec.max_seq_len, StreamConfig(), batch=batch)
-        assert res.stack == 0, f"{model} batch {batch}: {res.stack} bytes of spill stack"
+        # llama-8b's batch 8 stages its fp16 x in two pipelined groups: 16 B of spill, measured 2.7 % faster
+        spill = 16 if (model, batch) == ("llama-8b", 8) else 0
+        assert res.stack <= spill, f"{model} batch {batch}: {res.stack} bytes of spill stack"
         assert res.shared <= SMEM_LIMIT
 
 
@@ -807,6 +816,13 @@ def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
         assert stream_geometry(big, StreamConfig(qkv_box_rows=64), batch)["QKP"] == 1
     with pytest.raises(ValueError, match="qkv_box_rows must be"):
         stream_geometry(llama, StreamConfig(qkv_box_rows=8), 8)
+    # a tile build's residual stream in fp16 by default; other builds keep fp32; a bad type is refused by name
+    assert stream_geometry(llama, StreamConfig(), 8)["X_DTYPE"] == "fp16"
+    assert stream_geometry(llama, StreamConfig(x_dtype="fp32"), 16)["X_DTYPE"] == "fp32"
+    assert stream_geometry(llama, StreamConfig(x_dtype="fp16"), 4)["X_DTYPE"] == "fp32"  # row-pair slots
+    assert stream_geometry(llama, StreamConfig(), 1)["X_DTYPE"] == "fp32"
+    with pytest.raises(ValueError, match="x_dtype must be fp32 or fp16 .*, got 'bf16'"):
+        stream_geometry(llama, StreamConfig(x_dtype="bf16"), 8)
     assert stream_geometry(get_model("tiny-gqa4").config, StreamConfig(), 8)["QKP"] == 1  # hidden 256
     assert stream_geometry(get_model("qwen2.5-0.5b").config, StreamConfig(), 8)["QKP"] == 1  # hidden 896
     assert stream_geometry(llama, StreamConfig(), 4)["QKP"] == 1  # row-pair slots

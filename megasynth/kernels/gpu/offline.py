@@ -217,4 +217,6 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
              "d_v": kvdesc}
     if geo["ACT_BF16"]:  # as `Megakernel` allocates them
         types.update(attn_ptr="*bf16", act_ptr="*bf16")
+    if geo["X_DTYPE"] != "fp32":
+        types.update(x_ptr=f"*{geo['X_DTYPE']}")
     return _compile(stream.stream_megakernel, GluonASTSource, consts, types, consts["num_warps"], {})

@@ -37,6 +37,14 @@ ASM_LOAD_ACQUIRE_LEAD = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u
                                      "@%p0 ld.acquire.gpu.global.b32 $0, [$1]; }")
 ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
                                   "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
+#: Two adjacent fp16 values += two fp32 values rounded to fp16, as one 32-bit reduction (relaxed, GPU scope), where
+#: the compiler's fp16 atomics issue one per element, two to the same word (measured 1.4x the step). Operands, two
+#: elements a call: the pair's addresses (the first's is the pair's, 4-byte aligned), its values, its masks (a masked
+#: element adds 0).
+ASM_RED_ADD_F16X2 = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<2>; or.b32 %t1, $6, $7; setp.ne.s32 %p0, %t1, 0; "
+                                 "cvt.rn.f16x2.f32 %t0, $5, $4; "
+                                 "@%p0 red.relaxed.gpu.global.add.noftz.f16x2 [$2], %t0; mov.u32 $0, 0; "
+                                 "mov.u32 $1, 0; }")
 #: An L2 prefetch of `size` bytes (a positive multiple of 16; none when size <= 0) by the copy engine: no registers,
 #: no wait, never faults.
 ASM_PREFETCH_L2 = tl.constexpr("{ .reg .pred %p<1>; setp.gt.s32 %p0, $2, 0; "
@@ -139,6 +147,15 @@ def gl_signal_release(ptr, add):
     CTA barrier."""
     return gl.inline_asm_elementwise(ASM_SIGNAL_RELEASE, "=r,l,r", [ptr, add], dtype=gl.int32, is_pure=False, pack=1)
 
+
+@gluon.jit
+def gl_red_add_f16x2(ptrs, y, m):
+    """`*ptrs += y` where m, for an fp16 destination, two adjacent elements a thread one 32-bit reduction: each
+    thread's elements must come in pairs of consecutive addresses, the first 4-byte aligned (size_per_thread 2 along
+    the contiguous dimension), and the layout must hold every element once."""
+    return gl.inline_asm_elementwise(ASM_RED_ADD_F16X2, "=r,=r,l,l,f,f,r,r",
+                                     [ptrs.to(gl.int64), gl.where(m, y, 0.0), m.to(gl.int32)], dtype=gl.int32,
+                                     is_pure=False, pack=2)
 
 
 _FUNC_START = re.compile(r"^(\.visible\s+|\.weak\s+)?\.func\b")

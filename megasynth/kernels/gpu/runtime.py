@@ -72,6 +72,8 @@ def config_with(base: Any, items: Sequence[str]) -> Any:
                 if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                     raise ValueError(text)
                 value: Any = text.lower() in ("true", "1", "yes", "on")
+            elif kind is str:  # a name (x_dtype=bf16), quoted or not
+                value = text.strip("'\"")
             else:
                 value = ast.literal_eval(text)
                 if type(value) is not kind:
@@ -198,7 +200,8 @@ class Megakernel:
         self.k_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.x = torch.zeros(b * c.hidden_size, **f32)
+        xdt = torch.float16 if self.geo.get("X_DTYPE") == "fp16" else torch.float32  # `StreamConfig.x_dtype`
+        self.x = torch.zeros(b * c.hidden_size, dtype=xdt, device=self.device)
         self.q = torch.zeros(b * c.q_size, **f32)
         # attn and act in bf16 where a v10 batch stages them in bf16 anyway (`StreamConfig.act_bf16`)
         acts = dict(f32, dtype=torch.bfloat16) if self.v10 and self.geo["ACT_BF16"] else f32

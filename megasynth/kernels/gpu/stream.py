@@ -919,7 +919,7 @@ def _op_embed_batch(embed_ptr, x_ptr, rt_ptr, start, end, H: gl.constexpr, BE: g
         cols = e + cols0
         m = ok & (cols < end)
         v = gl.load(src + cols, mask=m, other=0.0)
-        gl.store(dst + cols, v.to(gl.float32), mask=m)
+        gl.store(dst + cols, v.to(x_ptr.dtype.element_ty), mask=m)
 
 
 @gluon.jit
@@ -1790,7 +1790,10 @@ def _seq_rows(out_ptr, ostride, rows, y, a1, NB: gl.constexpr, RESIDUAL: gl.cons
     bs = gl.expand_dims(gl.arange(0, NBP, layout=gl.SliceLayout(0, ep)), 0)
     ptrs = out_ptr + bs * ostride + gl.expand_dims(rows, 1)
     m = (gl.expand_dims(rows, 1) < a1) & (bs < NB)
-    if RESIDUAL:
+    if RESIDUAL and out_ptr.dtype.element_ty != gl.float32:  # x in fp16 (`StreamConfig.x_dtype`): `ep` holds
+        # row pairs (`_batch_op`)
+        ptx.gl_red_add_f16x2(ptrs, y, m)
+    elif RESIDUAL:
         gl.atomic_add(ptrs, y, mask=m, sem="relaxed", scope="gpu")
     else:  # logits in fp32; act in bf16 with `StreamConfig.act_bf16`
         gl.store(ptrs, y.to(out_ptr.dtype.element_ty), mask=m)
@@ -1995,9 +1998,14 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     partial buffers, as the catalogue's footprints place them. attn_reduce_o_proj runs with one split only: its
     merge is then o_proj's staging of the partials."""
     # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
-    # (`_pair_rows_batch`); `ep` is one half
-    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32, num_warps * 32 // GR],
-                                                          [2, 1, 0]) if TILE else
+    # (`_pair_rows_batch`); `ep` is one half. With x in fp16 (`StreamConfig.x_dtype`, tile slots) a thread holds
+    # two adjacent rows of a sequence, which o_proj and down add into x as one 32-bit reduction (`_seq_rows`)
+    X16: gl.constexpr = x_ptr.dtype.element_ty != gl.float32
+    gl.static_assert(not X16 or (TILE and GR == 64 and NBP >= num_warps), "fp16 x: tile slots, a sequence a warp")
+    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 2, 1], [1, 32, 1], [1, 1, num_warps], [2, 1, 0]) if X16
+                                      else gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32,
+                                                                                    num_warps * 32 // GR], [2, 1, 0])
+                                      if TILE else
                                       gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
     if op == OP_EMBED:
         _op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, NB, NBP, num_warps)
@@ -2464,6 +2472,15 @@ class StreamConfig:
     #: products take their operand in bf16 anyway (without `batch_hilo`), so the staged values are the same bits
     #: and down's and o_proj's stages read half the bytes
     act_bf16: bool = True
+    #: a batch's residual stream x in "fp32" or "fp16" on tile slots (`batch_tiles`; other builds keep fp32); "": by
+    #: build, fp16 there. o_proj and down add into x atomically (fp16: two adjacent rows a 32-bit reduction), the
+    #: embedding stores it, and QKV, gate/up and the LM head stage it: every SM of their phase reads all of x from the
+    #: L2 at once (at batch 8 on llama-8b 128 KB of fp32 an SM), half the bytes in fp16. Measured at ctx 1024 against
+    #: fp32: llama-1b batch 8 -1.3 %, batch 16 -4.2 %, llama-8b batch 8 -1.1 %, the logits' error against the
+    #: reference the same (1.9e-2 against 1.7e-2, llama-8b 1.3e-2 against 0.9e-2). fp16 keeps 3 more mantissa bits
+    #: than the bf16 residual of PyTorch's step, and its range ends at 65504; bf16 measured 5-6.6e-2 (its K-split
+    #: partial sums each rounded to 8 bits) and is not offered (docs/perf-notes.md)
+    x_dtype: str = ""
     #: fp32 values a batch's staging loads at once (`_stage_batch`'s load group: 128 registers a thread at 32 K over
     #: the 8 compute warps). A group's loads wait ~0.7 us on top of their bytes, so fewer groups pay: 32 K against
     #: 16 K measured llama-1b's batch 16 -2.9 %, llama-8b's batch 8 -1.9 % and 16 -6.8 % (docs/perf-notes.md)
@@ -2471,10 +2488,12 @@ class StreamConfig:
     #: a tile build's weight ops stage their operand in this many groups of chunks and start each group's products
     #: (the first row group's slots over its K columns) as soon as it is in shared memory, the next group's loads in
     #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups, one after the other). 0: by
-    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` fp32 values, else the `stage_values` groups,
-    #: pipelined where there are several. Measured at ctx 1024 against the whole stage: llama-1b batch 8 -1.8 % with
-    #: 4, -1.0 % with 2; llama-8b batch 16 (two groups of 32 K values anyway) -1.3 %; larger operands in more groups
-    #: spill registers, and llama-1b's batch 16 took +3 % with 4 and llama-8b's batch 8 +2.4 % (4) and +0.5 % (2)
+    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` values; above, with fp16 x (`x_dtype`) 2 up to
+    #: `STAGE_PIPE_F16_BATCH` sequences and whole past them, with fp32 x the `stage_values` groups, pipelined where
+    #: there are several. Measured at ctx 1024 against the whole stage: llama-1b batch 8 -1.8 % with 4, -1.0 % with
+    #: 2; with fp32 x llama-8b batch 16 (two groups of 32 K values anyway) -1.3 %, with fp16 x llama-8b batch 8
+    #: -2.7 % with 2; larger operands in more groups spill registers, and llama-1b's batch 16 took +3 % with 4,
+    #: llama-8b's batch 8 with fp32 x +2.4 % (4) and +0.5 % (2), its batch 16 with fp16 x +11 % (2)
     #: (docs/perf-notes.md)
     stage_groups: int = 0
     be: int = 1024  # embedding copy block
@@ -2515,10 +2534,15 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
 #: hidden sizes from which the loader keeps 4 fills in flight rather than 3 (`StreamConfig.inflight`): llama-8b
 #: measured 0.5 % faster with 4 at ctx 1024 and at 32768, llama-1b and llama-3b slower (docs/perf-notes.md)
 INFLIGHT4_HIDDEN = 4096
+X_DTYPES = ("", "fp32", "fp16")  # `StreamConfig.x_dtype`
 CP_FILL_HIDDEN = 2048  # `StreamConfig.cp_fill` up to this hidden size, where a step is bound by the chain's latency
 #: the largest staged operand (fp32 values: the batch, padded, times the hidden size) that the weight ops stage in 4
 #: pipelined groups by default (`StreamConfig.stage_groups`): llama-1b's at batch 8
 STAGE_PIPE_VALUES = 16384
+#: with x in fp16 (`StreamConfig.x_dtype`), the largest padded batch whose larger operands stage in 2 pipelined
+#: groups by default; larger batches stage whole. Measured against fp16's whole stage: llama-8b batch 8 -2.7 % with
+#: 2; at batch 16 2 groups spill 192 B and took 5.98 ms against the whole stage's 5.38 (docs/perf-notes.md)
+STAGE_PIPE_F16_BATCH = 8
 
 
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
@@ -2645,9 +2669,19 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
                          "power-of-two number of heads")
     # a batch's staging loads at most `stage_values` fp32 values at once: CG chunks of every sequence on tiles (in
     # at least `stage_groups` groups), CG sequences' whole vectors on row-pair slots (`_stage_batch`)
+    if sc.x_dtype not in X_DTYPES:
+        raise ValueError(f"x_dtype must be fp32 or fp16 (or empty: by build), got {sc.x_dtype!r}")
     if sc.stage_groups < 0:
         raise ValueError(f"stage_groups must be 0 (by build) or more, got {sc.stage_groups}")
-    groups = sc.stage_groups or (4 if nbp * c.hidden_size <= STAGE_PIPE_VALUES else 1)
+    x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
+    if sc.stage_groups:
+        groups, pipe = sc.stage_groups, sc.stage_groups != 1
+    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES:
+        groups, pipe = 4, True
+    elif x_dtype == "fp16":  # two pipelined groups at batch 8, whole at 16 (spills otherwise)
+        groups, pipe = (2, True) if nbp <= STAGE_PIPE_F16_BATCH else (1, False)
+    else:
+        groups, pipe = 1, True  # the `stage_values` groups, pipelined where there are several
     cg = max(1, min(chunks["NCHH"] // _pow2_ceil(groups), _pow2_floor(sc.stage_values // (nbp * bk)))) \
         if tile else min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk)))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "INFLIGHT": inflight, "ring_bytes": slots * slot_bytes,
@@ -2655,8 +2689,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": qxr, "QKP": qkp,
-            "SPIPE": tile and chunks["NCHH"] > cg and sc.stage_groups != 1, "QIN": qin, "stage_k": window * bk,
+            "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
+            "X_DTYPE": x_dtype,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
