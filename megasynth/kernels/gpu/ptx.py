@@ -38,7 +38,7 @@ ASM_LOAD_ACQUIRE_LEAD = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u
 ASM_SIGNAL_RELEASE = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<1>; mov.u32 %t0, %tid.x; setp.eq.u32 %p0, %t0, 0; "
                                   "@%p0 red.release.gpu.global.add.s32 [$1], $2; mov.u32 $0, 0; }")
 #: Two adjacent fp16 values += two fp32 values rounded to fp16, as one 32-bit reduction (relaxed, GPU scope), where
-#: the compiler's fp16 atomics issue one per element, two to the same word (measured 1.4x the step). Operands, two
+#: the compiler's fp16 atomics issue one per element, two to the same word (measured 1.2-1.4x the step). Operands, two
 #: elements a call: the pair's addresses (the first's is the pair's, 4-byte aligned), its values, its masks (a masked
 #: element adds 0).
 ASM_RED_ADD_F16X2 = tl.constexpr("{ .reg .pred %p<1>; .reg .b32 %t<2>; or.b32 %t1, $6, $7; setp.ne.s32 %p0, %t1, 0; "
