@@ -56,3 +56,26 @@ def model_spec(model_name: str, max_seq_len: int | None, batch: int | None = Non
         sys.exit(2)
     except KeyError as exc:
         raise click.BadParameter(str(exc.args[0]), param_hint="--model") from None
+
+
+def kernel_options_option(more: str = "") -> Callable[[Callable[..., Any]], Any]:
+    """`--kernel-option KEY=VALUE` (repeatable): a field of the megakernel's interpreter config; `more` ends its
+    help."""
+    return click.option("--kernel-option", "kernel_options", multiple=True, metavar="KEY=VALUE",
+                        help="An interpreter setting of the megakernel, repeatable: a field of StreamConfig (v10, on "
+                             "Hopper) or KernelConfig (v9), e.g. inflight=4, batch_hilo=true or x_dtype=fp32; "
+                             f"interpreter=v9 runs v9 on Hopper.{more}")
+
+
+def kernel_options_config(items: tuple[str, ...] | list[str], model_name: str, max_seq_len: int | None, batch: int,
+                          device: str) -> Any:
+    """The interpreter config `--kernel-option` asks for at `batch` (None where it gives none: the Megakernel's own
+    choice), checked before anything runs: a bad item is click's bad-parameter error naming it."""
+    if not items:
+        return None
+    from megasynth.kernels.gpu import kernel_config
+
+    try:
+        return kernel_config(items, batch=batch, device=device, cfg=model_spec(model_name, max_seq_len, batch).config)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--kernel-option") from None

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from megasynth.commands import batch_option, int_list, max_seq_len_option, model_spec
+from megasynth.commands import (
+    batch_option,
+    int_list,
+    kernel_options_config,
+    kernel_options_option,
+    max_seq_len_option,
+    model_spec,
+)
 from megasynth.ir.errors import ScheduleError
 
 if TYPE_CHECKING:
@@ -74,10 +81,7 @@ def _ctx_values(ctx: tuple[str, ...], extra: tuple[int, ...]) -> list[int]:
 @click.option("--token", type=int, default=1, show_default=True, help="Token id decoded.")
 @click.option("--verify/--no-verify", default=True, show_default=True,
               help="Check the schedule's structure, coverage and deadlock-freedom before running it.")
-@click.option("--kernel-option", "kernel_options", multiple=True, metavar="KEY=VALUE",
-              help="An interpreter setting of the megakernel, repeatable: a field of StreamConfig (v10, on Hopper) "
-                   "or KernelConfig (v9), e.g. inflight=4 or batch_hilo=true; interpreter=v9 runs v9 on Hopper. "
-                   "Recorded in the JSON's settings.")
+@kernel_options_option(" Recorded in the JSON's settings.")
 @click.option("--dry-run", is_flag=True, help="Run on the CPU (no CUDA needed): exercises the command; times mean "
                                               "nothing for the GPU.")
 def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extra_ctx: tuple[int, ...],
@@ -105,15 +109,8 @@ def bench(model_name: str, schedule_file: str | None, ctx: tuple[str, ...], extr
     if dry_run:
         console.print("[yellow]dry run on the CPU: GPU variants are skipped and the times say nothing about a GPU"
                       "[/yellow]")
-    if kernel_options:
-        from megasynth.kernels.gpu import kernel_config
-
-        for b in batches:  # every batch's config, before anything runs
-            try:
-                kernel_config(kernel_options, batch=b, device=device,
-                              cfg=model_spec(model_name, max_seq_len, b).config)
-            except ValueError as exc:
-                raise click.BadParameter(str(exc), param_hint="--kernel-option") from None
+    for b in batches:  # every batch's config, before anything runs
+        kernel_options_config(kernel_options, model_name, max_seq_len, b, device)
     results = []
     for b in batches:
         spec = model_spec(model_name, max_seq_len, b)
@@ -229,9 +226,9 @@ Step = Callable[[list[int], int], list[int]]  # each sequence's last token and t
 
 
 def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weights,
-                     firsts: list[int]) -> tuple[Step, str]:
-    """The megakernel's greedy step over `spec.batch` sequences in lockstep, compiled and warmed up, and how it runs
-    (for the rate line)."""
+                     firsts: list[int], config: Any = None) -> tuple[Step, str]:
+    """The megakernel's greedy step over `spec.batch` sequences in lockstep (on interpreter config `config`, or
+    its own choice), compiled and warmed up, and how it runs (for the rate line)."""
     import torch
 
     from megasynth.ir.model import DoesNotFit
@@ -242,7 +239,7 @@ def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weight
         schedule, _ = load_bench_schedule(spec, schedule_file, verify=True)
         import megasynth.kernels.gpu as gpu
 
-        mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len)
+        mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len, config=config)
         one = mk.batch == 1
         mk.step(firsts[0] if one else firsts, 0 if one else [0] * mk.batch)  # compile + warm up; position 0 is
         # written again, identically, below
@@ -304,9 +301,10 @@ def _reference_step(cfg: ModelConfig, weights: Weights, tokens: int, batch: int,
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write tokens and timing here.")
 @max_seq_len_option()
 @batch_option("greedy per sequence, all at the same position each step.")
+@kernel_options_option()
 def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_token: str, weights_dir: str | None,
              seed: int, backend: str, check: bool, json_file: str | None, max_seq_len: int | None,
-             batch: int) -> None:
+             batch: int, kernel_options: tuple[str, ...]) -> None:
     """Greedy decode loop of 1-16 sequences in lockstep on the megakernel (CUDA) or the PyTorch reference; prints
     each sequence's token ids and tokens/s (all sequences)."""
     import torch
@@ -332,7 +330,8 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     if backend == "megakernel":
         from megasynth.lowering.models import with_batch
 
-        step, how = _megakernel_step(with_batch(spec, batch), schedule_file, weights, firsts)
+        config = kernel_options_config(kernel_options, model_name, max_seq_len, batch, device)
+        step, how = _megakernel_step(with_batch(spec, batch), schedule_file, weights, firsts, config)
     else:
         step, how = _reference_step(cfg, weights, tokens, batch, device)
     outs = [[first] for first in firsts]  # each sequence's first token, then its greedy tokens

@@ -279,6 +279,27 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
         assert not mk3.v10
 
 
+def test_fp16_residual_overflow_is_named():
+    """A tile batch keeps x in fp16 (`StreamConfig.x_dtype`): where a checkpoint's residual values pass 65504 the
+    logits turn non-finite, and `Megakernel.step` says so and names the fp32 build, which decodes the same weights
+    to finite logits."""
+    from megasynth.kernels.gpu import Megakernel, ResidualOverflow
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model("tiny-gqa4"), 8)
+    w = _weights(spec.config, seed=9)
+    w["embed"] = w["embed"] * 1e6  # x past fp16's range from the first op on
+    sched = lower(spec, 16, Strategy(attn_splits=2))
+    tokens, positions = list(range(1, 9)), [3] * 8
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len)
+    assert mk.x.dtype == torch.float16
+    with pytest.raises(ResidualOverflow, match="x_dtype=fp32"):
+        mk.step(tokens, positions)
+    mk32 = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(x_dtype="fp32"))
+    assert torch.isfinite(mk32.step(tokens, positions)).all()
+
+
 @pytest.mark.parametrize("name, batch, workers", [("tiny-gqa4", 8, 16), ("tiny", 3, 8), ("llama-1b", 8, None),
                                                    ("llama-1b", 16, None)])
 def test_batched_merge_folded_into_o_proj_with_one_split(name, batch, workers):

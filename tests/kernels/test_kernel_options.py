@@ -68,3 +68,23 @@ def test_bench_checks_kernel_options_first_and_records_them(tmp_path) -> None:
                                    "--json", str(out)])
     assert ok.exit_code == 0, ok.output
     assert json.loads(out.read_text())["settings"]["kernel_options"] == ["num_stages=2"]
+
+
+def test_kernel_options_config_names_the_bad_item() -> None:
+    """`synth bench` and `synth generate` check --kernel-option before anything runs: an unknown field or a value
+    its field refuses (a residual stream in bf16) is click's bad-parameter error on --kernel-option."""
+    import click
+
+    from megasynth.commands import kernel_options_config
+
+    assert kernel_options_config((), "llama-1b", None, 8, "cpu") is None  # the Megakernel's own choice
+    with pytest.raises(click.BadParameter, match="has no field 'nope'") as info:
+        kernel_options_config(("nope=1",), "llama-1b", None, 8, "cpu")
+    assert info.value.param_hint == "--kernel-option"
+    pytest.importorskip("triton.experimental.gluon")
+    cfg = kernel_options_config(("interpreter=v10", "x_dtype=fp32"), "llama-1b", None, 8, "cpu")
+    assert cfg.x_dtype == "fp32"
+    with pytest.raises(click.BadParameter, match="x_dtype must be fp32 or fp16 .*got 'bf16'"):
+        kernel_options_config(("interpreter=v10", "x_dtype=bf16"), "llama-1b", None, 8, "cpu")
+    assert "--kernel-option" in CliRunner().invoke(main, ["generate", "--help"]).output
+

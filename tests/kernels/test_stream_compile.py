@@ -822,7 +822,7 @@ def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     assert stream_geometry(llama, StreamConfig(x_dtype="fp16"), 4)["X_DTYPE"] == "fp32"  # row-pair slots
     assert stream_geometry(llama, StreamConfig(), 1)["X_DTYPE"] == "fp32"
     with pytest.raises(ValueError, match="x_dtype must be fp32 or fp16 .*, got 'bf16'"):
-        stream_geometry(llama, StreamConfig(x_dtype="bf16"), 8)
+        StreamConfig(x_dtype="bf16")
     assert stream_geometry(get_model("tiny-gqa4").config, StreamConfig(), 8)["QKP"] == 1  # hidden 256
     assert stream_geometry(get_model("qwen2.5-0.5b").config, StreamConfig(), 8)["QKP"] == 1  # hidden 896
     assert stream_geometry(llama, StreamConfig(), 4)["QKP"] == 1  # row-pair slots

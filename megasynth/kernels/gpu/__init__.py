@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KernelConfig", "Megakernel", "WatchdogError", "kernel_config", "time_schedule"]
+__all__ = ["KernelConfig", "Megakernel", "ResidualOverflow", "WatchdogError", "kernel_config", "time_schedule"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("Megakernel", "WatchdogError", "kernel_config"):
+    if name in ("Megakernel", "ResidualOverflow", "WatchdogError", "kernel_config"):
         from megasynth.kernels.gpu import runtime
 
         return getattr(runtime, name)

@@ -158,6 +158,11 @@ def stack_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor], device: to
     return out
 
 
+class ResidualOverflow(RuntimeError):
+    """A step's logits are not finite on a build whose residual stream x is fp16 (`StreamConfig.x_dtype`): x
+    probably passed fp16's 65504."""
+
+
 class Megakernel:
     """A compiled persistent interpreter for one model config, its weights, KV cache and workspace."""
 
@@ -426,7 +431,8 @@ class Megakernel:
 
     def step(self, token: int | Sequence[int], pos: int | Sequence[int]) -> torch.Tensor:
         """One decode step (CUDA-graph replay); returns a copy of the fp32 logits ([V], or [B, V] for a batch, which
-        gives a token and a position per sequence). Raises `WatchdogError` on a hang."""
+        gives a token and a position per sequence). Raises `WatchdogError` on a hang, and `ResidualOverflow` where
+        the residual stream is fp16 and the logits are not finite."""
         self.set_position(token, pos)
         p = self.packed
         if self.device.type == "cuda":
@@ -435,6 +441,10 @@ class Megakernel:
             self.launch(p)
         out = self.logits.clone()
         self.check(p)
+        if self.x.dtype == torch.float16 and not bool(torch.isfinite(out).all()):
+            raise ResidualOverflow("the logits are not finite: this batch build keeps the residual stream x in fp16 "
+                                  "(StreamConfig.x_dtype), which a checkpoint's activations past 65504 overflow; "
+                                  "build it in fp32 with --kernel-option x_dtype=fp32")
         return out.view(self.batch, -1) if self.batch > 1 else out
 
     def counters(self, packed: Packed | None = None) -> np.ndarray:

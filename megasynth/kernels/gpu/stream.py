@@ -2503,6 +2503,10 @@ class StreamConfig:
     #: TMA boxes: `pack.check_k_ranges`.)
     k_vec: bool = True
 
+    def __post_init__(self) -> None:
+        if self.x_dtype not in X_DTYPES:  # a name, so checked here rather than where the build uses it
+            raise ValueError(f"x_dtype must be fp32 or fp16 (or empty: by build), got {self.x_dtype!r}")
+
 
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, int(n)).bit_length() - 1)
@@ -2669,8 +2673,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
                          "power-of-two number of heads")
     # a batch's staging loads at most `stage_values` fp32 values at once: CG chunks of every sequence on tiles (in
     # at least `stage_groups` groups), CG sequences' whole vectors on row-pair slots (`_stage_batch`)
-    if sc.x_dtype not in X_DTYPES:
-        raise ValueError(f"x_dtype must be fp32 or fp16 (or empty: by build), got {sc.x_dtype!r}")
     if sc.stage_groups < 0:
         raise ValueError(f"stage_groups must be 0 (by build) or more, got {sc.stage_groups}")
     x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
