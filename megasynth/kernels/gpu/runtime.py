@@ -72,7 +72,7 @@ def config_with(base: Any, items: Sequence[str]) -> Any:
                 if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
                     raise ValueError(text)
                 value: Any = text.lower() in ("true", "1", "yes", "on")
-            elif kind is str:  # a name (x_dtype=bf16), quoted or not
+            elif kind is str:  # a name (x_dtype=fp32), quoted or not
                 value = text.strip("'\"")
             else:
                 value = ast.literal_eval(text)

@@ -2476,8 +2476,9 @@ class StreamConfig:
     #: build, fp16 there. o_proj and down add into x atomically (fp16: two adjacent rows a 32-bit reduction), the
     #: embedding stores it, and QKV, gate/up and the LM head stage it: every SM of their phase reads all of x from the
     #: L2 at once (at batch 8 on llama-8b 128 KB of fp32 an SM), half the bytes in fp16. Measured at ctx 1024 against
-    #: fp32: llama-1b batch 8 -1.3 %, batch 16 -4.2 %, llama-8b batch 8 -1.1 %, the logits' error against the
-    #: reference the same (1.9e-2 against 1.7e-2, llama-8b 1.3e-2 against 0.9e-2). fp16 keeps 3 more mantissa bits
+    #: fp32: llama-1b batch 8 -1.3 %, batch 16 -4.2 %, llama-8b batch 8 -4.1 % and 16 -4.3 % (with the stage groups
+    #: fp16 x wants, `stage_groups`), the logits' error against the reference the same (1.9e-2 against 1.7e-2,
+    #: llama-8b 1.3e-2 against 0.9e-2). fp16 keeps 3 more mantissa bits
     #: than the bf16 residual of PyTorch's step, and its range ends at 65504; bf16 measured 5-6.6e-2 (its K-split
     #: partial sums each rounded to 8 bits) and is not offered (docs/perf-notes.md)
     x_dtype: str = ""
