@@ -2002,10 +2002,10 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     # two adjacent rows of a sequence, which o_proj and down add into x as one 32-bit reduction (`_seq_rows`)
     X16: gl.constexpr = x_ptr.dtype.element_ty != gl.float32
     gl.static_assert(not X16 or (TILE and GR == 64 and NBP >= num_warps), "fp16 x: tile slots, a sequence a warp")
-    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, 2, 1], [1, 32, 1], [1, 1, num_warps], [2, 1, 0]) if X16
-                                      else gl.BlockedLayout([2, 1, 1], [1, 32, 1], [1, GR // 32,
-                                                                                    num_warps * 32 // GR], [2, 1, 0])
-                                      if TILE else
+    RP: gl.constexpr = 2 if X16 else 1  # a sequence's rows a thread holds
+    ep: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([2, RP, 1], [1, 32, 1], [1, GR // (32 * RP),
+                                                                                    num_warps * 32 * RP // GR],
+                                                          [2, 1, 0]) if TILE else
                                       gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
     if op == OP_EMBED:
         _op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, NB, NBP, num_warps)
@@ -2478,9 +2478,9 @@ class StreamConfig:
     #: L2 at once (at batch 8 on llama-8b 128 KB of fp32 an SM), half the bytes in fp16. Measured at ctx 1024 against
     #: fp32: llama-1b batch 8 -1.3 %, batch 16 -4.2 %, llama-8b batch 8 -4.1 % and 16 -4.3 % (with the stage groups
     #: fp16 x wants, `stage_groups`), the logits' error against the reference the same (1.9e-2 against 1.7e-2,
-    #: llama-8b 1.3e-2 against 0.9e-2). fp16 keeps 3 more mantissa bits
-    #: than the bf16 residual of PyTorch's step, and its range ends at 65504; bf16 measured 5-6.6e-2 (its K-split
-    #: partial sums each rounded to 8 bits) and is not offered (docs/perf-notes.md)
+    #: llama-8b 1.3e-2 against 0.9e-2). fp16 keeps 3 more mantissa bits than the bf16 residual of PyTorch's step, and
+    #: its range ends at 65504 (a step whose logits are then not finite raises `runtime.ResidualOverflow`); bf16
+    #: measured 5-6.6e-2 (its K-split partial sums each rounded to 8 bits) and is not offered (docs/perf-notes.md)
     x_dtype: str = ""
     #: fp32 values a batch's staging loads at once (`_stage_batch`'s load group: 128 registers a thread at 32 K over
     #: the 8 compute warps). A group's loads wait ~0.7 us on top of their bytes, so fewer groups pay: 32 K against
