@@ -87,4 +87,3 @@ def test_kernel_options_config_names_the_bad_item() -> None:
     with pytest.raises(click.BadParameter, match="x_dtype must be fp32 or fp16 .*got 'bf16'"):
         kernel_options_config(("interpreter=v10", "x_dtype=bf16"), "llama-1b", None, 8, "cpu")
     assert "--kernel-option" in CliRunner().invoke(main, ["generate", "--help"]).output
-
