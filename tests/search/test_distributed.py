@@ -355,8 +355,33 @@ def _free_port() -> int:
     return port
 
 
+def _search_on(storage: str, runs: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """`synth search` on the tiny model with `--storage storage`, and its wall time."""
+    t0 = time.monotonic()
+    res = subprocess.run([*SYNTH, "search", *TINY, "--runs-dir", str(runs), "--run", "r", "--storage", storage,
+                          "--budget", "3"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return res, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def start_up_s(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """How long `synth search` takes to refuse a storage it never connects to (a name that is no URL): its start-up
+    on this machine under this load, which the bounds below allow on top of the connect timeout."""
+    res, took = _search_on("megasynth-db", tmp_path_factory.mktemp("start_up") / "runs")
+    assert res.returncode == 2, res.stderr
+    return took
+
+
 @pytest.mark.parametrize("kind", ["refused", "silent", "scheme", "garbage", "sqlite-dir", "wrong-database"])
-def test_a_wrong_storage_is_a_one_line_error_within_10_s(tmp_path: Path, kind: str) -> None:
+def test_a_wrong_storage_is_a_one_line_error_within_the_connect_timeout(tmp_path: Path, kind: str,
+                                                                        start_up_s: float) -> None:
+    """A storage that refuses, never answers, is no URL, is a missing folder or a missing database: one line on
+    stderr (no traceback, no password), exit 2, nothing written, within the connect timeout's bound
+    (`study.CONNECT_TIMEOUT_S` + 1 s) on top of the command's start-up (measured alongside: on 2 busy cores it alone
+    took 6 s), never the 60 s a hang would."""
+    from megasynth.runs.study import CONNECT_TIMEOUT_S
+
     silent = None
     if kind == "refused":
         url, says = f"postgresql://megasynth@127.0.0.1:{_free_port()}/db", "Connection refused"
@@ -371,15 +396,12 @@ def test_a_wrong_storage_is_a_one_line_error_within_10_s(tmp_path: Path, kind: s
         url, says = f"sqlite:///{tmp_path / 'missing' / 'dir' / 'study.db'}", "unable to open"
     else:
         url, says = _postgres().rsplit("/", 1)[0] + "/no_such_database", "does not exist"
-    t0 = time.monotonic()
-    res = subprocess.run([*SYNTH, "search", *TINY, "--runs-dir", str(tmp_path / "runs"), "--run", "r",
-                          "--storage", url, "--budget", "3"], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
-    took = time.monotonic() - t0
+    res, took = _search_on(url, tmp_path / "runs")
     if silent is not None:
         silent.close()
     assert res.returncode == 2, res.stderr
     assert "Traceback" not in res.stderr and res.stderr.startswith("error: ") and says in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "hunter2" not in res.stderr
-    assert took < 10, f"{took:.1f} s"
+    bound = 1.5 * start_up_s + CONNECT_TIMEOUT_S + 1 + 1
+    assert took < bound, f"{took:.1f} s against {bound:.1f} s (start-up {start_up_s:.1f} s)"
     assert not (tmp_path / "runs" / "r" / "run.json").exists()  # nothing written for a storage that failed
