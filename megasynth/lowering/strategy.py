@@ -241,7 +241,7 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from `V10_TILE_BATCH`, where a
     v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a time (K split as much finer,
     as many instructions, at most the largest split offered), QKV tiles of at least as many pairs as the build's
-    K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads from batch 16), gate/up tiles of
+    K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads), gate/up tiles of
     whole 64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts
     from its seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the
     strategy as it is."""

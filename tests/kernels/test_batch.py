@@ -209,7 +209,8 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     b8 = for_batch(ref, with_batch(llama, 8))
     assert b8.tiles["o_proj_residual"] == b8.tiles["down_proj_residual"] == 128
     assert b8.k_splits == {"o_proj_residual": 8, "down_proj_residual": 8}
-    assert (b8.tiles["attn_norm_qkv_rope"], b8.tiles["mlp_norm_gate_up"], b8.tiles["final_norm_lm_head"]) == (64, 64,
+    # QKV tiles of 16 pairs: the K-packed 16-row QKV boxes of 64-dim heads
+    assert (b8.tiles["attn_norm_qkv_rope"], b8.tiles["mlp_norm_gate_up"], b8.tiles["final_norm_lm_head"]) == (32, 64,
                                                                                                              256)
     assert (b8.attn_splits, b8.fuse_attn_reduce, b8.assignment) == (1, True, "critical_path")
     assert b8.tiles["embed"] == EMBED_TILE_COLUMNS  # 8 embed instructions on llama-1b
@@ -221,7 +222,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
                 == llama.config.hidden_size // ref.tiles[op] * ref.k_splits[op])
     b16 = for_batch(ref, with_batch(llama, 16))
     assert (b16.attn_splits, b16.fuse_attn_reduce) == (1, True)
-    assert b16.tiles["attn_norm_qkv_rope"] == 32  # 16 pairs: the K-packed 16-row QKV boxes of batch 16's build
+    assert b16.tiles["attn_norm_qkv_rope"] == 32
     assert big.tiles["attn_norm_qkv_rope"] == 64  # 32 pairs of a 128-dim head, not the whole head
     check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"))
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay

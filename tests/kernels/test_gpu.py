@@ -234,7 +234,8 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     ("llama-1b", 8, None, 2, {}, None), ("llama-1b", 3, None, 4, {"batch_hilo": True}, None),
     ("llama-1b", 16, None, 1, {}, None), ("llama-1b", 8, None, 2, {"act_bf16": False}, None),
     ("tiny", 3, 8, 2, {}, 10), ("tiny-gqa4", 8, 16, 2, {}, 12), ("llama-1b", 4, None, 4, {}, 32),
-    ("llama-1b", 8, None, 2, {"stage_groups": 2}, 16), ("llama-1b", 8, None, 2, {"stage_groups": 1}, None),
+    ("llama-1b", 8, None, 2, {"stage_groups": 4}, 16), ("llama-1b", 8, None, 2, {"stage_groups": 1}, None),
+    ("llama-1b", 8, None, 2, {}, 32), ("llama-1b", 8, None, 2, {"qkv_box_rows": 32}, None),
     ("llama-1b", 16, None, 1, {}, 32), ("llama-8b", 16, None, 1, {}, None), ("llama-8b", 8, None, 2, {}, 64),
     ("llama-8b", 8, None, 2, {"qkv_box_rows": 64}, 64), ("llama-1b", 8, None, 2, {"x_dtype": "fp32"}, None),
     ("llama-8b", 16, None, 1, {"x_dtype": "fp32"}, None)])
@@ -244,12 +245,13 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     (on row-pair slots and on tiles), each sequence's attention streams its own history, and K spans longer than
     the staged window (tiny-qwen2's down) or starting off a 64-column box (its o_proj K split at 96) go in windows;
     act and attn are kept in bf16 (fp32 with hi/lo operands or act_bf16 off); llama-1b's batch 8 stages x in groups
-    whose products start as each lands (4 by default, 2) or whole (`stage_groups` 1), llama-8b's batch 16 in its two
-    `stage_values` groups the same way; QKV tiles K-packed in boxes of `pack.v10_qkv_box_rows` rows by default
-    (llama-8b's 32 pairs in 32-row boxes, and in 64-row ones, half of each the next pairs' rows; llama-1b's batch 16
-    16 pairs, and whole heads, in 16-row boxes); x in fp16 on tile slots by default (o_proj and down adding row
-    pairs into it), fp32 on row-pair slots and where `x_dtype` asks; every sequence matches the
-    reference decoding it alone (QKV bias included). A model with the QK-norm falls back to v9; the fused
+    whose products start as each lands (2 by default, 4 with 32-row QKV boxes, 4 asked for) or whole (`stage_groups`
+    1), llama-8b's batch 16 in its two `stage_values` groups the same way; QKV tiles K-packed in boxes of
+    `pack.v10_qkv_box_rows` rows by default (llama-8b's 32 pairs in 32-row boxes, and in 64-row ones, half of each the
+    next pairs' rows; llama-1b's 16 pairs, and whole heads, in 16-row boxes, and at batch 8 in 32-row boxes too); its
+    batch-8 gate/up keeps 3 fills in flight (`gate_up_inflight`); x in fp16 on tile slots by default (o_proj and down
+    adding row pairs into it), fp32 on row-pair slots and where `x_dtype` asks; every sequence matches the reference
+    decoding it alone (QKV bias included). A model with the QK-norm falls back to v9; the fused
     attn_reduce_o_proj is refused by name."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu import Megakernel

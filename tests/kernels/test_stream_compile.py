@@ -378,10 +378,11 @@ def test_batch_stages_in_few_load_groups() -> None:
 
 def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) in 4 groups where the operand
-    is at most `STAGE_PIPE_VALUES` values (llama-1b's batch 8: groups of 2 chunks); above, with x in fp16 (the tile
-    builds' default), in 2 groups up to `STAGE_PIPE_F16_BATCH` sequences (llama-8b's batch 8) and whole above (its
-    batch 16, llama-1b's: their pipelined builds spill); with fp32 x in `stage_values`' groups where those are several
-    (llama-8b's batch 16: two), llama-8b's batch 8 whole; every build on row-pair slots stages whole.
+    is at most `STAGE_PIPE_VALUES` values and QKV is K-packed at most 2 ways (llama-1b's batch 8 with 32-row QKV boxes:
+    groups of 2 chunks); else, with x in fp16 (the tile builds' default), in 2 groups up to `STAGE_PIPE_F16_BATCH`
+    sequences (llama-8b's batch 8, llama-1b's with its default 16-row QKV boxes) and whole above (their batch 16:
+    their pipelined builds spill); with fp32 x in `stage_values`' groups where those are several (llama-8b's batch 16:
+    two), llama-8b's batch 8 whole; every build on row-pair slots stages whole.
     `stage_groups` asks for a number of groups
     (1: the whole stage, in `stage_values`' groups one after the other), and a negative one is refused by name."""
     from megasynth.kernels.gpu.stream import STAGE_PIPE_VALUES, StreamConfig, stream_geometry
@@ -394,7 +395,8 @@ def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
         return geo["SPIPE"], geo["NCHH"] // geo["CG"]
 
     assert 8 * llama1.hidden_size <= STAGE_PIPE_VALUES < 16 * llama1.hidden_size
-    assert pipe(llama1, 8) == (True, 4)
+    assert pipe(llama1, 8) == (True, 2) and pipe(llama1, 8, qkv_box_rows=32) == (True, 4)
+    assert pipe(llama1, 8, x_dtype="fp32") == (False, 1)
     assert pipe(llama1, 8, stage_groups=2) == (True, 2)
     assert pipe(llama1, 8, stage_groups=1) == (False, 1)
     assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (True, 2) and pipe(llama8, 16) == (False, 2)
@@ -766,18 +768,20 @@ def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
     """`StreamConfig.inflight` is a byte budget in batch-1 slots: a tile batch's 32 KB slots keep half as many fills
     in flight (rounded up), its 16 KB slots (llama-8b at batch 16) and every row-pair batch as many, and the ring
     bounds it; the build's INFLIGHT is that count. A batch's QKV tile fills of a 64-dim head carry 16 KB (32 rows of
-    each half) unless K-packed (the default: 32 KB), so its QKV keeps as many bytes in flight in as many fills as
-    that takes (QIN; `qkv_inflight` sets it)."""
+    each half, 8 KB in 16-row boxes) unless K-packed (the default: 32 KB), so its QKV keeps as many bytes in flight in
+    as many fills as that takes (QIN; `qkv_inflight` sets it). A tile batch's gate/up keeps half the ring in flight
+    where that is more (GIN: llama-1b's batch 8, 3 of 6 slots; `gate_up_inflight` sets it)."""
     from megasynth.kernels.gpu.stream import StreamConfig, stream_config, stream_constexprs, stream_geometry
     from megasynth.lowering.models import get_model
 
-    for name, batch, kt, fills, qkv in (("llama-1b", 1, 1, 3, 3), ("llama-1b", 4, 1, 3, 3), ("llama-1b", 8, 2, 2, 2),
-                                        ("llama-1b", 16, 2, 2, 2), ("llama-8b", 1, 1, 4, 4), ("llama-8b", 8, 2, 2, 2),
-                                        ("llama-8b", 16, 1, 4, 4)):
+    for name, batch, kt, fills, qkv, gate_up in (
+            ("llama-1b", 1, 1, 3, 3, 3), ("llama-1b", 4, 1, 3, 3, 3), ("llama-1b", 8, 2, 2, 2, 3),
+            ("llama-1b", 16, 2, 2, 2, 2), ("llama-8b", 1, 1, 4, 4, 4), ("llama-8b", 8, 2, 2, 2, 2),
+            ("llama-8b", 16, 1, 4, 4, 4)):
         cfg = get_model(name).config
         sc = stream_config(cfg)
         geo = stream_geometry(cfg, sc, batch)
-        assert (geo["KT"], geo["INFLIGHT"], geo["QIN"]) == (kt, fills, qkv), (name, batch)
+        assert (geo["KT"], geo["INFLIGHT"], geo["QIN"], geo["GIN"]) == (kt, fills, qkv, gate_up), (name, batch)
         assert stream_constexprs(cfg, 4096, sc, False, batch)["INFLIGHT"] == fills
     llama = get_model("llama-1b").config
     assert stream_geometry(llama, StreamConfig(inflight=0), 8)["INFLIGHT"] == stream_geometry(llama, StreamConfig(),
@@ -785,15 +789,17 @@ def test_fills_in_flight_are_counted_in_batch_1_slots() -> None:
     assert stream_geometry(llama, StreamConfig(inflight=99), 1)["INFLIGHT"] == stream_geometry(llama, StreamConfig(),
                                                                                                 1)["NS"]
     assert stream_geometry(llama, StreamConfig(qkv_inflight=5), 8)["QIN"] == 5
-    assert stream_geometry(llama, StreamConfig(qkv_kpack=False), 8)["QIN"] == 3
+    assert stream_geometry(llama, StreamConfig(qkv_kpack=False, qkv_box_rows=32), 8)["QIN"] == 3
+    assert stream_geometry(llama, StreamConfig(qkv_kpack=False), 8)["QIN"] == 6  # the whole ring
+    assert stream_geometry(llama, StreamConfig(gate_up_inflight=2), 8)["GIN"] == 2
 
 
 def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     """A batch's weight products issue one wgmma per 64-row half and K step as wide as the staged operand (N = the
     padded batch, times hi/lo, times the K-packed QKV's sub-chunks), not several N-8 wgmmas that each read the weight
     tile from shared memory again. QKV tiles are K-packed (`StreamConfig.qkv_kpack`, boxes of `qkv_box_rows` rows of
-    each RoPE half at 64 / rows sub-chunks a tile: 32 rows at two at batch 8 and llama-8b's 128-dim heads, 16 at four
-    for 64-dim heads at batch 16; full 32 KB fills, so their fills in flight drop to as many bytes as the other ops');
+    each RoPE half at 64 / rows sub-chunks a tile: 32 rows at two for llama-8b's 128-dim heads, 16 at four for
+    64-dim heads; full 32 KB fills, so their fills in flight drop to as many bytes as the other ops');
     hidden sizes that the sub-chunks do not divide into whole slots and row-pair slots are not. Only llama-1b's batch
     16 build, whose four sub-chunks make QKV's operand 64 columns a sequence, spills (32 B; measured faster anyway)."""
     pytest.importorskip("triton.experimental.gluon")
@@ -805,7 +811,7 @@ def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     from megasynth.lowering.models import get_model
 
     llama, big = get_model("llama-1b").config, get_model("llama-8b").config
-    for batch, packed, unpacked_fills in ((8, (2, 32, 2), 3), (16, (4, 16, 2), 5)):
+    for batch, packed, unpacked_fills in ((8, (4, 16, 2), 6), (16, (4, 16, 2), 5)):
         geo = stream_geometry(llama, StreamConfig(), batch)
         assert (geo["QKP"], geo["QXR"], geo["QIN"]) == packed
         assert stream_geometry(llama, StreamConfig(qkv_box_rows=32), batch)["QKP"] == 2
@@ -826,7 +832,7 @@ def test_batch_products_one_wgmma_as_wide_as_the_operand() -> None:
     assert stream_geometry(get_model("tiny-gqa4").config, StreamConfig(), 8)["QKP"] == 1  # hidden 256
     assert stream_geometry(get_model("qwen2.5-0.5b").config, StreamConfig(), 8)["QKP"] == 1  # hidden 896
     assert stream_geometry(llama, StreamConfig(), 4)["QKP"] == 1  # row-pair slots
-    want = {8: {"m64n8k16", "m64n16k16"}, 16: {"m64n16k16", "m64n64k16"}, 4: {"m64n16k16"}}
+    want = {8: {"m64n8k16", "m64n32k16"}, 16: {"m64n16k16", "m64n64k16"}, 4: {"m64n16k16"}}
     for batch, shapes in want.items():
         kernel, res = compile_v10(llama, 4096, StreamConfig(), batch=batch)
         assert res.stack == (32 if batch == 16 else 0), (batch, res.stack)

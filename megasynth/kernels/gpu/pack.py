@@ -74,10 +74,10 @@ V10_TILE_BATCH = 8
 def v10_qkv_box_rows(head_dim: int, batch: int) -> int:
     """Rows of each RoPE half a v10 batch's QKV tile fill carries, K-packed (`StreamConfig.qkv_box_rows`' default):
     a QKV tile of that many pairs fills its ring slots, so the batch lowering rounds QKV tiles to twice as many rows
-    (`lowering.strategy.for_batch`). 32 (half a 64-dim head, a quarter of a 128-dim one); 16 for 64-dim heads from
-    batch 16, where QKV tiles of 16 pairs run on twice the SMs (llama-1b at batch 16: 1.065 ms against 1.084 with
-    whole heads; at batch 8 they cost the pipelined stage's registers: docs/perf-notes.md)."""
-    return min(16 if head_dim <= 64 and batch >= 16 else 32, head_dim // 2)
+    (`lowering.strategy.for_batch`). 32 (half a 64-dim head, a quarter of a 128-dim one); 16 for 64-dim heads, whose
+    QKV tiles of 16 pairs then run on twice the SMs (llama-1b at batch 16: 1.065 ms against 1.084 with whole heads;
+    at batch 8, with the stage in 2 groups, 0.850 against 0.862 with 32-pair tiles: docs/perf-notes.md)."""
+    return min(16 if head_dim <= 64 and batch >= V10_TILE_BATCH else 32, head_dim // 2)
 
 
 #: How to select each interpreter, for the messages that send an op to another one.

@@ -387,7 +387,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
             QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
-            QKP: gl.constexpr):
+            QKP: gl.constexpr, GIN: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -433,7 +433,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             if TILE:
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
-                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, INFLIGHT,
+                    t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, GIN,
                                         XR, KT)
             else:
                 for r in range(a0, a1, BR):
@@ -2262,7 +2262,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, SPIPE: gl.constexpr, num_warps: gl.constexpr,
+    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2299,7 +2299,7 @@ def stream_megakernel(
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF, QKP)),
+                   CPF, QKP, GIN)),
     ], [1], [LOADER_REGS])
 
 
@@ -2381,6 +2381,10 @@ class StreamConfig:
     #: are 2 of 32 KB, 2.0 % faster at batch 8 than 2 QKV fills, 4 the same as 3; K-packed they are 32 KB, 2 in
     #: flight, and 3 measured 0.5 % slower: docs/perf-notes.md)
     qkv_inflight: int = 0
+    #: fills in flight while a batch's gate/up tiles stream (0: by build, half the ring where that is more than
+    #: `inflight`'s: llama-1b at batch 8, 3 of 6 slots, 1 % faster than 2; 3 of 5 slots measured slower at llama-1b's
+    #: batch 16 and llama-8b's batch 8, as did more fills for down or for attention's K/V: docs/perf-notes.md)
+    gate_up_inflight: int = 0
     #: where a batch's QKV tile rows are fewer than a tile half's (64-dim heads: 32 rows of each RoPE half), a fill
     #: packs the same rows at two 64-column sub-chunks into the half's other boxes, and the product takes the two
     #: sub-chunks' operand as one wgmma twice as wide, so no row of the product is wasted and an instruction has half
@@ -2489,7 +2493,8 @@ class StreamConfig:
     #: a tile build's weight ops stage their operand in this many groups of chunks and start each group's products
     #: (the first row group's slots over its K columns) as soon as it is in shared memory, the next group's loads in
     #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups, one after the other). 0: by
-    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` values; above, with fp16 x (`x_dtype`) 2 up to
+    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` values and QKV's tiles are K-packed at most 2 ways
+    #: (4 ways, the 16-row boxes of 64-dim heads, 4 groups spill 152-192 B); else with fp16 x (`x_dtype`) 2 up to
     #: `STAGE_PIPE_F16_BATCH` sequences and whole past them, with fp32 x the `stage_values` groups, pipelined where
     #: there are several. Measured at ctx 1024 against the whole stage: llama-1b batch 8 -1.8 % with 4, -1.0 % with
     #: 2; with fp32 x llama-8b batch 16 (two groups of 32 K values anyway) -1.3 %, with fp16 x llama-8b batch 8
@@ -2541,8 +2546,9 @@ def attn_exp2_pays(c: ModelConfig) -> bool:
 INFLIGHT4_HIDDEN = 4096
 X_DTYPES = ("", "fp32", "fp16")  # `StreamConfig.x_dtype`
 CP_FILL_HIDDEN = 2048  # `StreamConfig.cp_fill` up to this hidden size, where a step is bound by the chain's latency
-#: the largest staged operand (fp32 values: the batch, padded, times the hidden size) that the weight ops stage in 4
-#: pipelined groups by default (`StreamConfig.stage_groups`): llama-1b's at batch 8
+#: the largest staged operand (fp32 values: the batch, padded, times the hidden size) that the weight ops may stage
+#: in 4 pipelined groups by default (`StreamConfig.stage_groups`): llama-1b's at batch 8 with fp32 x and 32-row QKV
+#: boxes
 STAGE_PIPE_VALUES = 16384
 #: with x in fp16 (`StreamConfig.x_dtype`), the largest padded batch whose larger operands stage in 2 pipelined
 #: groups by default; larger batches stage whole. Measured against fp16's whole stage: llama-8b batch 8 -2.7 % with
@@ -2679,7 +2685,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
     if sc.stage_groups:
         groups, pipe = sc.stage_groups, sc.stage_groups != 1
-    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES:
+    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2:  # with QKV K-packed 4 ways, 4 groups spill
         groups, pipe = 4, True
     elif x_dtype == "fp16":  # two pipelined groups at batch 8, whole at 16 (spills otherwise)
         groups, pipe = (2, True) if nbp <= STAGE_PIPE_F16_BATCH else (1, False)
@@ -2693,6 +2699,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": qxr, "QKP": qkp,
             "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
+            "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "X_DTYPE": x_dtype,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
@@ -2718,7 +2725,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], num_warps=sc.num_warps)
+        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
