@@ -27,6 +27,7 @@ from megasynth.kernels.gpu.timing import time_schedule  # noqa: E402
 from megasynth.kernels.reference import decode_batch, decode_step  # noqa: E402
 from megasynth.kernels.weights import random_weights  # noqa: E402
 from megasynth.lowering.models import get_model  # noqa: E402
+from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL  # noqa: E402
 
 
 def main() -> int:
@@ -71,12 +72,14 @@ def main() -> int:
                 ref = decode_step(cfg, w, kref, vref, 77, pos)
                 rel = float((got - ref).norm() / ref.norm())
             del kref, vref
+            # a batch's products take bf16 activations, as PyTorch's bf16 step does: its bound is that step's
+            tol = PYTORCH_TOL if mk.batch > 1 else CHECK_TOL
             for ctx in (int(c) for c in args.ctx.split(",")):
                 r = time_schedule(mk, None, ctx)
                 r.update({"model": args.model, "variant": name, "round": rnd, "rel_l2": rel, "batch": mk.batch})
                 rows.append(r)
                 print(f"{args.model} {name:8s} ctx {ctx:5d}: {r['median_ms']:.3f} ms (p10 {r['p10_ms']:.3f} "
-                      f"p90 {r['p90_ms']:.3f}) rel L2 {rel:.1e}{'' if rel <= 2e-2 else '  FAIL'}", flush=True)
+                      f"p90 {r['p90_ms']:.3f}) rel L2 {rel:.1e}{'' if rel <= tol else '  FAIL'}", flush=True)
             del mk
             torch.cuda.empty_cache()
     if args.json:
