@@ -189,18 +189,20 @@ def _batch_lines(spec: ModelSpec) -> list[str]:
         runs = (f"It runs on interpreter v9: QKV tiles of whole heads (multiples of head_dim {spec.config.hd}), "
                 f"fuse_attn_reduce false, qk_norm in_qkv.")
     else:
-        runs = ("It runs on interpreter v10: QKV tiles of RoPE pairs as at batch 1, fuse_attn_reduce false; from "
+        runs = ("It runs on interpreter v10: QKV tiles of RoPE pairs as at batch 1, fuse_attn_reduce only with "
+                "attn_splits 1 (o_proj then stages that split's output; a merge of more splits is refused); from "
                 "batch 8 a ring slot is a tile of 128 weight rows (gate/up: 64 gate and 64 up rows), so o_proj and "
                 "down tiles of 128 rows and gate/up tiles of multiples of 64 fill it.")
     return [f"Batch: {spec.batch} sequences per step, each at its own position (attn_partial and attn_reduce "
             f"instructions carry `seq`; weight ops serve every sequence, each weight tile read once per "
             f"instruction). {runs} Each weight instruction stages its K x {spec.batch} activations before "
             f"streaming its rows, so instructions of many rows pay (llama-1b at batch 8 on an H200: 1.215 ms with "
-            f"64-row o_proj and down instructions, 1.090 with 128-row ones; attention split 2 per sequence beat 1 "
-            f"and 4, and at batch 16 1 split beat 2; QKV tiles of 32 rows, on twice the SMs, measured the same as "
-            f"whole heads; waits per KV head between QKV, attention, its merge and o_proj instead of per stage: "
-            f"1.010 ms against 0.972 at batch 8, slower). On v10 down and o_proj stage bf16 activations and QKV and "
-            f"gate/up stage fp32 x with its norm (about 2 us an instruction at batch 8, 3.5 at 16)."]
+            f"64-row o_proj and down instructions, 1.090 with 128-row ones, on an earlier build). On the current "
+            f"build, llama-1b at batch 8: one attention split folded into o_proj 0.831 ms against two splits with "
+            f"the merge apart 0.856; QKV tiles of 32 rows (96 instructions) 0.850 against 64 rows (48) 0.862; "
+            f"waits per KV head between QKV, attention, its merge and o_proj instead of per stage measured slower "
+            f"(1.010 ms against 0.972 on an earlier build). Down and o_proj stage bf16 activations, QKV and gate/up "
+            f"stage x (fp16 from batch 8) with its norm: every SM of their phase reads all of it."]
 
 
 def _model_section(spec: ModelSpec, schedule: Schedule | None, seq: int) -> str:

@@ -476,7 +476,7 @@ def test_briefing_names_the_batch_and_what_it_runs_on() -> None:
     four = build_briefing(_ctx(), spec, lower(spec, 4), seq=64).user
     assert "Batch: one sequence per step." in one and "interpreter v9" not in one
     assert "Batch: 4 sequences per step" in four and "interpreter v10" in four and "RoPE pairs" in four
-    assert "fuse_attn_reduce false" in four
+    assert "fuse_attn_reduce only with attn_splits 1" in four
     qk = with_batch(get_model("tiny-qwen3"), 4)
     v9 = build_briefing(_ctx(), qk, lower(qk, 4), seq=64).user
     assert "interpreter v9" in v9 and f"multiples of head_dim {qk.config.hd}" in v9
