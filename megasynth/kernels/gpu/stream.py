@@ -96,8 +96,6 @@ KV_MMA: gl.constexpr = gl.constexpr(2)
 #: `KV_RING` == KV_ROWS: a batch's attention on the tensor cores with the positions as the product's rows
 #: (`_attn_ring_rows`): BTK = 16 positions per compute warp, K and V in [BTK, 64] blocks (`_issue_kv_rows`)
 KV_ROWS: gl.constexpr = gl.constexpr(3)
-#: `KV_RING` == KV_ROWS2: KV_ROWS with two blocks a loop step (`_rows_step`)
-KV_ROWS2: gl.constexpr = gl.constexpr(4)
 ABORT: gl.constexpr = gl.constexpr(7)  # err_ptr[ABORT] (worker 0's spare field): set once any worker timed out
 #: A waiting worker reads the global abort flag only once it has waited this long (ns): every waiting worker's poll
 #: loop reading one more word each round is the kind of L2 hot spot the first-warp poll removes for the counters,
@@ -458,7 +456,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 lo = a1 * (pos + 1) // a2
                 hi = (a1 + 1) * (pos + 1) // a2
                 for b0 in range(lo, hi, BTK):
-                    if KV_RING >= KV_ROWS:
+                    if KV_RING == KV_ROWS:
                         t = _issue_kv_rows(d_k, d_v, row0 + b0, t, ring, ready, empty, NS, INFLIGHT, SB * KT, BTK,
                                            HD)
                     else:
@@ -1041,7 +1039,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         LD: gl.constexpr = min(32, HD // 8)  # lanes along the head dim (8 elements each): exactly HD, no duplicates
         L3: gl.constexpr = gl.BlockedLayout([GP, 1, 8], [1, 32 // LD, LD], [1, num_warps, 1], [2, 1, 0])
         # the merge's heads: GP, or `_attn_ring_rows`' product columns (at least 8, mma.sync's N)
-        HN: gl.constexpr = max(8, GP) if KV_RING >= KV_ROWS else GP
+        HN: gl.constexpr = max(8, GP) if KV_RING == KV_ROWS else GP
         # the merge's layout: each (head, dim) output has one owner thread
         LR: gl.constexpr = gl.BlockedLayout([1, num_warps, 1], [1, 1, 32], [min(HN, num_warps), 1,
                                                                             num_warps // min(HN, num_warps)],
@@ -1057,9 +1055,9 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                          gl.expand_dims((go < G) & cur, 1), nq, QS, HD, EPS, QK_NORM, 1)
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
-        if KV_RING >= KV_ROWS:
+        if KV_RING == KV_ROWS:
             t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB, BTK,
-                                KV_RING, ATTN_EXP2, num_warps)
+                                ATTN_EXP2, num_warps)
         else:
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
                             empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
@@ -1203,7 +1201,7 @@ def _rows_q(q_ptr, h0, d0, G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, 
 @gluon.jit
 def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr, G: gl.constexpr,
                     HN: gl.constexpr, QS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
-                    KV_RING: gl.constexpr, EXP2: gl.constexpr, num_warps: gl.constexpr):
+                    EXP2: gl.constexpr, num_warps: gl.constexpr):
     """`_attn_lanes` on the tensor cores (mma.sync m16n8k16) with the positions as the products' rows: each warp
     takes 16 of a block's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
     K q^T ([16, HN]: the query heads as the HN >= 8 columns, zero past G; q as bf16 hi + lo, K is bf16 in the
@@ -1224,11 +1222,9 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     LM: gl.constexpr = gl.SliceLayout(1, MMA3)  # [num_warps, HN]: per warp and head
     kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
     qh0, ql0 = _rows_q(q_ptr, h0, 0, G, HN, QS, HD, LB, num_warps)
-    acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)  # (unused with 64-dim heads)
     if DH == 2:
         qh1, ql1 = _rows_q(q_ptr, h0, 64, G, HN, QS, HD, LB, num_warps)
-    else:
-        qh1, ql1 = qh0, ql0
+        acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
     prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, 16, 1]
@@ -1239,19 +1235,39 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     # `_kv_blocks`' [BTK, 64] blocks, each seen as the warps' [16, 64] row groups
     NBLK: gl.constexpr = ring.shape[0] * ring.shape[1] * ring.shape[2] // (BTK * 64)
     kv = ring._reinterpret(gl.bfloat16, [NBLK, num_warps, 16, 64], kv3)
-    if KV_RING == KV_ROWS2:  # two blocks a step (their scores' chains side by side), then an odd block alone
-        nblk = (hi - lo + BTK - 1) // BTK
-        for b0 in range(lo, lo + (nblk // 2) * 2 * BTK, 2 * BTK):
-            t, m_i, l_i, acc0, acc1 = _rows_step(kv, ready, empty, t, b0, hl, prow, qh0, ql0, qh1, ql1, m_i, l_i,
-                                                 acc0, acc1, 2, NS, BTK, DH, KPS, SPP, EXP2, MMA3, LA, LB)
-        if nblk % 2 == 1:
-            t, m_i, l_i, acc0, acc1 = _rows_step(kv, ready, empty, t, lo + (nblk - 1) * BTK, hl, prow, qh0, ql0,
-                                                 qh1, ql1, m_i, l_i, acc0, acc1, 1, NS, BTK, DH, KPS, SPP, EXP2, MMA3,
-                                                 LA, LB)
-    else:
-        for b0 in range(lo, hi, BTK):
-            t, m_i, l_i, acc0, acc1 = _rows_step(kv, ready, empty, t, b0, hl, prow, qh0, ql0, qh1, ql1, m_i, l_i,
-                                                 acc0, acc1, 1, NS, BTK, DH, KPS, SPP, EXP2, MMA3, LA, LB)
+    for b0 in range(lo, hi, BTK):
+        s = t % NS
+        mbarrier.wait(ready.index(s), (t // NS) & 1)
+        if SPP == 2:
+            s2 = (t + 1) % NS
+            mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
+        # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
+        k0 = kv.index(KPS * s).load(LA)
+        sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
+        sc = mma_v2(k0, ql0, sc)
+        if DH == 2:
+            k1 = kv.index(KPS * s + 1).load(LA)
+            sc = mma_v2(k1, qh1, sc)
+            sc = mma_v2(k1, ql1, sc)
+            v0 = kv.index(KPS * s2)
+            v1 = kv.index(KPS * s2 + 1)
+        elif SPP == 2:
+            v0 = kv.index(KPS * s2)
+        else:
+            v0 = kv.index(KPS * s + 1)
+        sc = gl.where(b0 + prow < hl, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
+        p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
+        l_i = l_i * alpha + p
+        pb = gl.convert_layout(p.to(gl.bfloat16), LB)
+        acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
+        if DH == 2:
+            acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
+        m_i = m_new
+        t = _release(t, empty, NS)
+        if SPP == 2:
+            t = _release(t, empty, NS)
     pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
     pv.slice(0, 64, dim=2).store(gl.permute(acc0, [2, 0, 1]))
     if DH == 2:
@@ -1259,76 +1275,6 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     mv.store(gl.permute(gl.expand_dims(m_i, 1), [2, 0, 1]))
     dv.store(gl.permute(gl.expand_dims(gl.sum(l_i, axis=1), 1), [2, 0, 1]))
     return t
-
-
-@gluon.jit
-def _rows_blocks(kv, t, NS: gl.constexpr, DH: gl.constexpr, KPS: gl.constexpr, SPP: gl.constexpr):
-    """`_attn_ring_rows`' block at ring position t: its K and V chunks' [num_warps, 16, 64] views (the second
-    chunk the first again with 64-dim heads). Block c of the pair (K's chunks, then V's) is block c % KPS of the
-    pair's slot c // KPS."""
-    s = t % NS
-    s2 = (t + 1) % NS
-    if DH == 2:
-        return kv.index(KPS * s), kv.index(KPS * s + 1), kv.index(KPS * s2), kv.index(KPS * s2 + 1)
-    elif SPP == 2:
-        return kv.index(KPS * s), kv.index(KPS * s), kv.index(KPS * s2), kv.index(KPS * s2)
-    else:
-        return kv.index(KPS * s), kv.index(KPS * s), kv.index(KPS * s + 1), kv.index(KPS * s + 1)
-
-
-@gluon.jit
-def _rows_scores(ka, kb, qh0, ql0, qh1, ql1, z, DH: gl.constexpr, LA: gl.constexpr):
-    """The scores K q^T ([num_warps, 16, HN]) of a block's K chunks: q's hi and lo halves in accumulators of their
-    own (chains of 4 mma.sync, 8 with 128-dim heads), summed after."""
-    k0 = ka.load(LA)
-    hi = mma_v2(k0, qh0, z)
-    lo = mma_v2(k0, ql0, z)
-    if DH == 2:
-        k1 = kb.load(LA)
-        hi = mma_v2(k1, qh1, hi)
-        lo = mma_v2(k1, ql1, lo)
-    return hi + lo
-
-
-@gluon.jit
-def _rows_step(kv, ready, empty, t, b0, hl, prow, qh0, ql0, qh1, ql1, m_i, l_i, acc0, acc1, NBK: gl.constexpr,
-               NS: gl.constexpr, BTK: gl.constexpr, DH: gl.constexpr, KPS: gl.constexpr, SPP: gl.constexpr,
-               EXP2: gl.constexpr, MMA3: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
-    """One online-softmax update of `_attn_ring_rows` over NBK (1 or 2) consecutive blocks, positions [b0, b0 + NBK
-    BTK): both blocks' score chains are independent, so the warp's scheduler interleaves them, and the step's
-    maximum, rescale and slot release (a CTA barrier) are paid once for both."""
-    # every slot of the step waited for first: the compiler puts a CTA barrier before each wait (and between two
-    # arrives), which the two blocks' products could not be interleaved across
-    for i in gl.static_range(NBK * SPP):
-        mbarrier.wait(ready.index((t + i) % NS), ((t + i) // NS) & 1)
-    z = gl.zeros_like(l_i)
-    ka, kb, v0, v1 = _rows_blocks(kv, t, NS, DH, KPS, SPP)
-    sc = gl.where(b0 + prow < hl, _rows_scores(ka, kb, qh0, ql0, qh1, ql1, z, DH, LA), float("-inf"))
-    if NBK == 2:
-        ja, jb, w0, w1 = _rows_blocks(kv, t + SPP, NS, DH, KPS, SPP)
-        sc2 = gl.where(b0 + BTK + prow < hl, _rows_scores(ja, jb, qh0, ql0, qh1, ql1, z, DH, LA), float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(gl.maximum(sc, sc2), axis=1))
-    else:
-        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-    alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
-    p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
-    l_i = l_i * alpha + p
-    pb = gl.convert_layout(p.to(gl.bfloat16), LB)
-    acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
-    if DH == 2:
-        acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
-    if NBK == 2:
-        p2 = _exp(sc2 - gl.expand_dims(m_new, 1), EXP2)
-        l_i = l_i + p2
-        pb2 = gl.convert_layout(p2.to(gl.bfloat16), LB)
-        acc0 = mma_v2(w0.permute([0, 2, 1]).load(LA), pb2, acc0)
-        if DH == 2:
-            acc1 = mma_v2(w1.permute([0, 2, 1]).load(LA), pb2, acc1)
-    fence_async_shared()  # `_release` of the step's NBK SPP slots, behind one barrier
-    gl.thread_barrier()
-    for i in gl.static_range(NBK * SPP):
-        mbarrier.arrive(empty.index((t + i) % NS))
-    return t + NBK * SPP, m_new, l_i, acc0, acc1
 
 
 #: `_op_attn_partial` as a function of its own (`StreamConfig.attn_call`): inlined into the instruction loop, the
@@ -1569,7 +1515,7 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
-                 TRACE: gl.constexpr, msp=1, MG: gl.constexpr = 0):
+                 TRACE: gl.constexpr):
     """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
     the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`), whole
     before any product. With NORM the values are times the norm weight and each sequence's rstd: the returned [NBP]
@@ -1578,9 +1524,8 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     takes several groups multiplies as they land instead: `_staged_rows_batch`.)"""
     if TILE:
         rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                          num_warps, msp, MG)
+                          num_warps)
     else:
-        gl.static_assert(MG == 0, "the split merge stages tiles only")
         rs = _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
                              num_warps)
     fence_async_shared()
@@ -1591,45 +1536,24 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
 
 
 @gluon.jit
-def _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB: gl.constexpr, lse_ptr=None, msp=1,
-                 MG: gl.constexpr = 0):
+def _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB: gl.constexpr):
     """Sequences seq's src[k0 + idx] in fp32 where klo <= k0 + idx < k1, zero elsewhere and for the padding
     sequences (seq >= NB), and that mask. The loads take whole 8-element runs (16 B of bf16): their mask is the
     bounds rounded out to multiples of 8 (still inside each sequence's row, whose length is a multiple of 64), the
     exact one is applied in registers, and k0 is a multiple of 64 (a box's first column), so a K window that starts
-    anywhere (o_proj's, down's) loads as vectors, not element by element.
-
-    With MG (the head dim) src is attention's normalised split partials (sequence b's msp splits of sstride values
-    each at b msp sstride) and lse_ptr their log-sum-exps (msp splits of sstride / MG heads a sequence): each value
-    is its splits' partials weighed by exp(lse - their maximum), as attn_reduce merges them; the two splits' loads
-    are all issued before the first exponential."""
+    anywhere (o_proj's, down's) loads as vectors, not element by element."""
     k0 = gl.multiple_of(k0, SUB)
     hi = gl.multiple_of((k1 - k0 + 7) // 8 * 8, 8)
     lo = gl.multiple_of((klo - k0) // 8 * 8, 8)  # at most klo - k0 where that is positive (idx >= 0 anyway)
-    lm = (idx < hi) & (idx >= lo) & (seq < NB)
-    if MG:
-        nh = sstride // MG  # heads a split
-        col = k0 + idx
-        p0 = src_ptr + seq * msp * sstride + col  # split 0's partial; split 1's is sstride further
-        q0 = lse_ptr + seq * msp * nh + col // MG
-        two = lm & (msp > 1)
-        o0 = gl.load(p0, mask=lm, other=0.0, cache_modifier=".cg")
-        o1 = gl.load(p0 + sstride, mask=two, other=0.0, cache_modifier=".cg")
-        l0 = gl.load(q0, mask=lm, other=0.0, cache_modifier=".cg")
-        l1 = gl.load(q0 + nh, mask=two, other=float("-inf"), cache_modifier=".cg")
-        # (w0 o0 + w1 o1) / (w0 + w1) with w = exp(lse - max): o0 + (o1 - o0) / (1 + exp(l0 - l1)); an empty split's
-        # lse is -inf, its weight 0
-        r = 1.0 / (1.0 + gl.exp(l0 - l1))
-        v = o0 + (o1 - o0) * r
-    else:
-        v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=lm, other=0.0, cache_modifier=".cg").to(gl.float32)
+    v = gl.load(src_ptr + seq * sstride + k0 + idx, mask=(idx < hi) & (idx >= lo) & (seq < NB), other=0.0,
+                cache_modifier=".cg").to(gl.float32)
     m = (idx < k1 - k0) & (idx >= klo - k0)
     return gl.where(m, v, 0.0), m
 
 
 @gluon.jit
 def _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
-               NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr, msp=1, MG: gl.constexpr = 0):
+               NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr):
     """The loads of a tile stage's group c0 .. c0 + CG - 1 of chunks: every sequence's values there ([NBP, CG, BK]
     fp32, `_load_window`) and, with NORM, the norm weight's ([1, CG, BK]; without, the mask). Issued apart from
     `_tile_store` so that they are in flight while the products of the group before run. The warps split the group's
@@ -1642,7 +1566,7 @@ def _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM: gl.constexpr, BK
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
     seq = gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [NBP, 1, 1]
     idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-    v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB, nw_ptr, msp, MG)  # [NBP, CG, BK], [1, CG, BK]
+    v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
     if NORM:
         w = gl.load(nw_ptr + idx, mask=m, other=0.0)
     else:
@@ -1687,7 +1611,7 @@ def _tile_ops(vstage, NCHK: gl.constexpr, BK: gl.constexpr, NBP: gl.constexpr, C
 @gluon.jit
 def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, msp=1, MG: gl.constexpr = 0):
+                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
     """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
     and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
@@ -1707,7 +1631,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, CPS * NBP, SUB], MMA_BOX)
     for c0 in gl.static_range(0, NCHK, CG):
         idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB, nw_ptr, msp, MG)  # [NBP, CG, BK], [1, CG, BK]
+        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
@@ -1818,7 +1742,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
                        NORM: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
                        NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, NS: gl.constexpr,
                        KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                       KP: gl.constexpr = 1, msp=1, MG: gl.constexpr = 0):
+                       KP: gl.constexpr = 1):
     """A tile build's stage of its operand (`_stage_batch`: every sequence's src[k0:k1], zero below klo) and the
     products of its first row group (`_pair_rows_batch`) in one: the operand goes in groups of CG chunks, and a
     group's products (the slots of its K columns) are issued as soon as it is in shared memory, with the next group's
@@ -1834,7 +1758,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
     ops = _tile_ops(vstage, NCHK, BK, NBP, CPS)
     xs = _kpacked(vstage, KP)
     acc = gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl)
-    v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, 0, NORM, BK, NB, NBP, CG, num_warps, msp, MG)
+    v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, 0, NORM, BK, NB, NBP, CG, num_warps)
     for g in gl.static_range(NG):
         if g == 0:
             ss = _tile_store(ops, v, w, 0, NORM, CG, CPS, NBP, BK)
@@ -1843,8 +1767,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
         fence_async_shared()
         gl.thread_barrier()
         if g + 1 < NG:
-            v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, (g + 1) * CG, NORM, BK, NB, NBP, CG, num_warps,
-                              msp, MG)
+            v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, (g + 1) * CG, NORM, BK, NB, NBP, CG, num_warps)
         elif TRACE:
             gl.store(tr + 6, ptx.gl_globaltimer())
         t, acc = _mma_slots(t, ring, ready, empty, xs, gl.minimum(nkb, (g + 1) * GS), acc, NS, KT, True,
@@ -1882,29 +1805,27 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
                       KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                      SPIPE: gl.constexpr = False, msp=1, MG: gl.constexpr = 0):
+                      SPIPE: gl.constexpr = False):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
     at a time, each window's products added into x (residual ops only: the LM head's K is the hidden size). Rows go
-    2 RG at a time (`_load_k`'s slots). With MG (the head dim) src is attention's split partials and nw_ptr their
-    log-sum-exps, merged over msp splits as they are staged (`_load_window`)."""
+    2 RG at a time (`_load_k`'s slots)."""
     RG: gl.constexpr = GR if TILE else BR  # rows per half of a slot
     KS: gl.constexpr = SUB * KT if TILE else BK  # K per slot
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
     for w0 in range(k0 // SUB * SUB, k1, KW):  # `_load_k`'s windows
         w1 = gl.minimum(w0 + KW, k1)
-        if SPIPE and NCHK > CG and MG == 0:  # the stage in groups, the first rows' products with it
+        if SPIPE and NCHK > CG:  # the stage in groups, the first rows' products with it
             nkb = (w1 - w0 + KS - 1) // KS
             t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, w0, w1, k0,
-                                               nkb, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS, NS, KT, ep,
-                                               num_warps, tr, TRACE)
+                                               nkb, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS, NS, KT, ep, num_warps,
+                                               tr, TRACE)
             _kpaired_rows(out_ptr, ostride, a0, ir, y1, y2, rs, a1, NB, NORM and TILE, RESIDUAL, RG, ep)
             r0 = a0 + 2 * RG
         else:
-            # (a merge's four loads a value go one chunk at a time)
-            rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP,
-                              1 if MG else CG, CPS, TILE, num_warps, tr, TRACE, msp, MG)
+            rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG,
+                              CPS, TILE, num_warps, tr, TRACE)
             nkb = (w1 - w0 + KS - 1) // KS
             r0 = a0
         for r in range(r0, a1, 2 * RG):
@@ -2070,7 +1991,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, FM: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -2104,16 +2025,11 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, attn_ptr, NH * HD, attn_ptr, x_ptr, H, a0, a1, a2, a3,
                               False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE, SPIPE)
-    elif op == OP_FUSED:
-        if FM:  # o_proj stages each sequence's attention output merged from its seq_splits splits' partials
-            t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, lse_ptr, x_ptr, H, a0, a1, a2,
-                                  a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                                  num_warps, tr, TRACE, SPIPE, seq_splits, HD)
-        else:  # one attention split (`pack.check_runs_batched_on_v10`): the merge is the identity, o_proj stages
-            # each sequence's attention output from its only split's partial (fp32, normalised)
-            t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2,
-                                  a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                                  num_warps, tr, TRACE, SPIPE)
+    elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
+        # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
+                              num_warps, tr, TRACE, SPIPE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
                               NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, SPIPE)
@@ -2261,7 +2177,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
-             QKP: gl.constexpr, SPIPE: gl.constexpr, FM: gl.constexpr):
+             QKP: gl.constexpr, SPIPE: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -2289,7 +2205,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
                           attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, FM)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2346,7 +2262,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, FM: gl.constexpr, num_warps: gl.constexpr,
+    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2379,7 +2295,7 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE, FM)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
@@ -2497,12 +2413,6 @@ class StreamConfig:
     #: Measured at ctx 1024 (alternating rounds): llama-1b batch 8 1.046 -> 1.025 ms, batch 16 1.375 -> 1.338,
     #: llama-8b batch 8 4.918 -> 4.882 (docs/perf-notes.md)
     attn_rows: bool = True
-    #: `_attn_ring_rows`' K/V blocks per loop step (1 or 2): two blocks' score chains side by side, and one maximum,
-    #: rescale and slot release for both; its loop is latency-bound (~0.39 us a 128-position block at batch 8)
-    attn_row_blocks: int = 2
-    #: a batch's attn_reduce folded into o_proj merges every attention split as o_proj stages them (each value's
-    #: splits weighed by their log-sum-exps: 2 loads and 1 exponential a split), not only one split's partial
-    fold_merge: bool = True
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
     #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
@@ -2602,8 +2512,6 @@ class StreamConfig:
     def __post_init__(self) -> None:
         if self.x_dtype not in X_DTYPES:  # a name, so checked here rather than where the build uses it
             raise ValueError(f"x_dtype must be fp32 or fp16 (or empty: by build), got {self.x_dtype!r}")
-        if self.attn_row_blocks not in (1, 2):
-            raise ValueError(f"attn_row_blocks must be 1 or 2, got {self.attn_row_blocks}")
 
 
 def _pow2_floor(n: int) -> int:
@@ -2787,13 +2695,13 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         if tile else min(nbp, _pow2_floor(sc.stage_values // (chunks["NCHH"] * bk)))
     return {"BK": bk, "NCH": nch, **chunks, "NS": slots, "INFLIGHT": inflight, "ring_bytes": slots * slot_bytes,
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
-            "KV_RING": (2 + sc.attn_row_blocks) if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
+            "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
             "QXR": qxr, "QKP": qkp,
             "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
             "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
-            "X_DTYPE": x_dtype, "FM": tile and sc.fold_merge,
+            "X_DTYPE": x_dtype,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
@@ -2817,8 +2725,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], FM=geo["FM"],
-        num_warps=sc.num_warps)
+        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
