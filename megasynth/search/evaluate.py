@@ -22,6 +22,7 @@ from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.patches import apply_patches
 from megasynth.lowering.strategy import Strategy
+from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL
 from megasynth.runs.rundir import BASELINE, RunDir, schedule_key
 from megasynth.search.config import SearchConfig
 from megasynth.search.proposers.base import Proposal, Result
@@ -58,12 +59,28 @@ def gpu_name() -> str:
     return str(torch.cuda.get_device_name(0))
 
 
+def check_tolerance(batch: int) -> float:
+    """How far (relative L2 of the worst sequence's logits) a correct schedule's step may be from the naive
+    schedule's on the same build. At batch 1 the interpreter computes in fp32 and schedules agree far inside the
+    bench's CHECK_TOL. A batch stages x and its activations in 16 bits: each schedule's logits are ~2e-2 from the
+    fp32 reference with rounding of its own (the order of its K splits' atomic adds), and correct schedules measured
+    1.6-2.4e-2 from the naive one on llama-1b at batch 8 (docs/perf-notes.md). So a batch is held to PyTorch's bf16
+    bound, as `synth bench` holds a bf16 step. A wrong step is off by ~1."""
+    return CHECK_TOL if batch == 1 else PYTORCH_TOL
+
+
+def worst_rel_l2(got: Any, ref: Any) -> float:
+    """Relative L2 distance of logits `got` from `ref`: of the worst sequence where they are [batch, vocab], so that
+    one sequence's error is not diluted by the others'."""
+    if got.dim() == 1:
+        return float((got - ref).norm() / ref.norm())
+    return max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True))
+
+
 class GpuTimer:
     """Times schedules on the persistent interpreter (one compiled kernel; each schedule is new tables). Every timed
     schedule's logits are first compared with the naive schedule's at the same position (a kernel bug in a new
-    tiling shows up here, not in the leaderboard)."""
-
-    TOLERANCE = 2e-2  # relative L2 of the logits (bf16 weights, different reduction orders)
+    tiling shows up here, not in the leaderboard), within `tolerance` (`check_tolerance` of the build's batch)."""
 
     def __init__(self, schedule: Schedule, ctx: int, reps: int = 50, seed: int = 0) -> None:
         import torch
@@ -87,15 +104,15 @@ class GpuTimer:
         self.token = 7
         self.device = torch.cuda.get_device_name(0)
         self.reference = self._logits(schedule)
+        self.tolerance = check_tolerance(self.mk.batch)
 
     def _logits(self, schedule: Schedule) -> Any:
         self.mk.set_schedule(schedule)
         return self.mk.step(*self.mk.uniform_inputs(self.token, self.ctx - 1)).float().clone()
 
     def check(self, schedule: Schedule) -> float:
-        """Relative L2 distance of this schedule's logits from the naive schedule's."""
-        got = self._logits(schedule)
-        return float((got - self.reference).norm() / self.reference.norm())
+        """Relative L2 distance of this schedule's logits from the naive schedule's (`worst_rel_l2`)."""
+        return worst_rel_l2(self._logits(schedule), self.reference)
 
     def time(self, schedule: Schedule) -> dict[str, Any]:
         from megasynth.kernels.gpu import time_schedule
@@ -246,7 +263,7 @@ class Evaluator:
             timer = self.gpu_timer()
             try:
                 err = timer.check(schedule)
-                timing = timer.time(schedule) if err <= GpuTimer.TOLERANCE else {}
+                timing = timer.time(schedule) if err <= timer.tolerance else {}
             except Exception as exc:  # noqa: BLE001 - a watchdog hang or a kernel limit: keep it as evidence
                 record.update(reason="gpu_error", error=f"{type(exc).__name__}: {exc}"[:2000], validation=validation)
                 self.run.save_rejected(cid, record)
@@ -254,9 +271,9 @@ class Evaluator:
                 if isinstance(exc, GpuHangError):  # nothing more can run on this GPU: the search stops here
                     raise
                 return Result(cid, proposal, False, error=record["error"])
-            if not err <= GpuTimer.TOLERANCE:
+            if not err <= timer.tolerance:
                 record.update(reason="gpu_mismatch", error=f"logits differ from the naive schedule's by {err:.3g} "
-                              f"(relative L2 > {GpuTimer.TOLERANCE}): a kernel bug for this schedule",
+                              f"(relative L2 > {timer.tolerance:g}): a kernel bug for this schedule",
                               validation=validation)
                 self.run.save_rejected(cid, record)
                 return Result(cid, proposal, False, error=record["error"])

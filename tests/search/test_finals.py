@@ -24,7 +24,7 @@ class _LuckyNaiveTimer:
     search's single in-loop measurement makes the slowest schedule its best, as noise does to close candidates on a
     real GPU."""
 
-    TOLERANCE = 2e-2
+    tolerance = 2e-2
     device = "fake GPU"
     reps = 7
 

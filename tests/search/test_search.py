@@ -297,8 +297,8 @@ class _FakeTimer:
 
     device = "fake GPU"
 
-    def __init__(self, err: float = 0.0, fail: bool = False) -> None:
-        self.err, self.fail = err, fail
+    def __init__(self, err: float = 0.0, fail: bool = False, tolerance: float = 2e-2) -> None:
+        self.err, self.fail, self.tolerance = err, fail, tolerance
 
     def check(self, schedule) -> float:
         if self.fail:
@@ -328,6 +328,36 @@ def test_gpu_path_checks_logits_and_keeps_failures(tmp_path: Path) -> None:
     res = search.evaluator.evaluate("c0003", Proposal(Strategy(attn_splits=4), proposer="test"))
     rec = json.loads((tmp_path / "r" / "rejected" / "c0003.json").read_text())
     assert not res.accepted and rec["reason"] == "gpu_error" and "watchdog" in rec["error"]
+
+
+def test_the_evaluator_rejects_by_the_timers_tolerance(tmp_path: Path) -> None:
+    search = Search(_cfg(tmp_path, gpu=True))
+    search.run.init({"model": "tiny"})
+    search.evaluator.timer = _FakeTimer(err=0.03, tolerance=5e-2)  # a batch's bound: bf16 rounding passes
+    assert search.evaluator.evaluate("c0001", Proposal(Strategy(attn_splits=2), proposer="test")).accepted
+    search.evaluator.timer = _FakeTimer(err=0.03, tolerance=2e-2)
+    res = search.evaluator.evaluate("c0002", Proposal(Strategy(attn_splits=3), proposer="test"))
+    rec = json.loads((tmp_path / "r" / "rejected" / "c0002.json").read_text())
+    assert not res.accepted and rec["reason"] == "gpu_mismatch" and "> 0.02)" in rec["error"]
+
+
+def test_the_gpu_check_holds_a_batch_to_bf16_rounding_on_every_sequence() -> None:
+    torch = pytest.importorskip("torch")
+    from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL
+    from megasynth.search.evaluate import check_tolerance, worst_rel_l2
+
+    assert check_tolerance(1) == CHECK_TOL and check_tolerance(8) == PYTORCH_TOL
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(8, 1000, generator=gen)
+    noise = torch.randn(8, 1000, generator=gen)
+    unit = noise / noise.norm(dim=1, keepdim=True) * ref.norm(dim=1, keepdim=True)
+    # two correct batch-8 steps, every sequence 2.3e-2 apart by rounding (llama-1b's measured 1.6-2.4e-2): accepted
+    assert 0.02 < worst_rel_l2(ref + 0.023 * unit, ref) <= check_tolerance(8)
+    # one sequence 0.1 off (say, its attention raced): 0.035 over the whole batch, inside the bound; caught per sequence
+    wrong = ref.clone()
+    wrong[3] += 0.1 * unit[3]
+    assert float((wrong - ref).norm() / ref.norm()) < check_tolerance(8) < worst_rel_l2(wrong, ref)
+    assert worst_rel_l2(ref[0] * 1.01, ref[0]) == pytest.approx(0.01, rel=1e-4)  # batch 1: one vector
 
 
 def test_a_best_that_fails_the_full_replay_is_demoted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

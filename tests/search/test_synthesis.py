@@ -336,6 +336,7 @@ def test_no_seed_search_reaches_the_model_optimum(tmp_path: Path) -> None:
 
 class _FakeTimer:
     device = "fake GPU"
+    tolerance = 2e-2
 
     def check(self, schedule) -> float:
         return 0.0
@@ -536,7 +537,7 @@ class _ModelTimer:
     """Stands in for the GPU (no CUDA here): the cost model's estimate, off by a few % per schedule, as the GPU is."""
 
     device = "fake GPU"
-    TOLERANCE = 2e-2
+    tolerance = 2e-2
 
     def __init__(self, schedule, ctx: int, *args, **kwargs) -> None:
         self.ctx = ctx
