@@ -1210,8 +1210,7 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     next). So every product row is a real position, where `_attn_ring_mma`'s rows are query heads (4 of 16 real on
     llama-1b). The row at pos is left out, as `_attn_lanes` leaves it; the warps' states go to `scratch` in
     `_lane_views`' form. A batch has no QK-norm on v10, so q is taken as it is."""
-    WR: gl.constexpr = BTK // num_warps  # a warp's positions per block: 16, or 32 (two products' row tiles)
-    gl.static_assert((WR == 16) | (WR == 32), "16 or 32 positions per warp and block")
+    gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per block")
     gl.static_assert((HD == 64) | (HD == 128), "64- or 128-dim heads")
     DH: gl.constexpr = HD // 64
     KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * 64)  # [BTK, 64] blocks per slot
@@ -1227,15 +1226,15 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
         qh1, ql1 = _rows_q(q_ptr, h0, 64, G, HN, QS, HD, LB, num_warps)
         acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
-    r = gl.arange(0, WR, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
-    prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * WR + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, WR, 1]
+    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
+    prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, 16, 1]
     m_i = gl.full([num_warps, HN], -1.0e30, gl.float32, LM)
-    l_i = gl.zeros([num_warps, WR, HN], gl.float32, MMA3)  # summed over the rows after the loop
+    l_i = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)  # summed over the rows after the loop
     acc0 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     hl = gl.where((pos >= lo) & (pos < hi), pos, hi)  # the row at pos left out, as `_attn_lanes` does
-    # `_kv_blocks`' [BTK, 64] blocks, each seen as the warps' [WR, 64] row groups
+    # `_kv_blocks`' [BTK, 64] blocks, each seen as the warps' [16, 64] row groups
     NBLK: gl.constexpr = ring.shape[0] * ring.shape[1] * ring.shape[2] // (BTK * 64)
-    kv = ring._reinterpret(gl.bfloat16, [NBLK, num_warps, WR, 64], kv3)
+    kv = ring._reinterpret(gl.bfloat16, [NBLK, num_warps, 16, 64], kv3)
     for b0 in range(lo, hi, BTK):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
@@ -1244,7 +1243,7 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
             mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
         # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
         k0 = kv.index(KPS * s).load(LA)
-        sc = mma_v2(k0, qh0, gl.zeros([num_warps, WR, HN], gl.float32, MMA3))
+        sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
         sc = mma_v2(k0, ql0, sc)
         if DH == 2:
             k1 = kv.index(KPS * s + 1).load(LA)
@@ -2414,9 +2413,6 @@ class StreamConfig:
     #: Measured at ctx 1024 (alternating rounds): llama-1b batch 8 1.046 -> 1.025 ms, batch 16 1.375 -> 1.338,
     #: llama-8b batch 8 4.918 -> 4.882 (docs/perf-notes.md)
     attn_rows: bool = True
-    #: `_attn_ring_rows`' positions per compute warp and block: 16 (one mma.sync row tile), or 32 (two, whose products
-    #: interleave; a block of 32 num_warps positions fills a slot with K, the next with V)
-    attn_warp_rows: int = 16
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
     #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
@@ -2664,16 +2660,14 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     kv_ring = sc.kv_ring and btk > 0 and bt > 0 and btk % bt == 0
     # a batch's attention on the tensor cores with positions as rows (`_attn_ring_rows`): 16 per compute warp, K and V
     # in [16 num_warps, 64] blocks (128 B rows), a K/V pair in one slot or two, and the merge in the staging buffer
-    if sc.attn_warp_rows not in (16, 32):
-        raise ValueError(f"attn_warp_rows must be 16 or 32, got {sc.attn_warp_rows}")
-    kv_block = sc.attn_warp_rows * sc.num_warps * 64 * 2
+    kv_block = 16 * sc.num_warps * 64 * 2
     kps = slot_bytes // kv_block  # blocks per slot
     rows = (kv_ring and _rows_wanted(c, sc, tile)
             and slot_bytes % kv_block == 0 and kps >= 1 and (2 * c.hd // 64) % kps == 0
             and (2 * c.hd // 64) // kps <= 2 and slots >= 2 * ((2 * c.hd // 64) // kps)
             and max(8, gp) * sc.num_warps * (2 * c.hd) * 4 <= stage_bytes)
     if rows:
-        btk = sc.attn_warp_rows * sc.num_warps
+        btk = 16 * sc.num_warps
     # the tensor cores read the K/V blocks as NWB = BTK / 16 groups of 16 positions, each on num_warps / NWB warps,
     # and merge the groups' [16 num_warps / NWB, hd] outputs through the staging buffer
     nwb = btk // 16
