@@ -176,8 +176,9 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
         if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not its times
             click.echo(f"note: the cost model is fitted at batch 1 and does not price a batch's staging: on "
                        f"interpreter v10 its estimates for llama-1b and llama-8b ran from 1 % under to 12 % over the "
-                       f"measured steps at batches 1-16 (docs/search.md); time it: synth bench --batch "
-                       f"{cfg.sequences} --schedule {summary.run_dir}/best/schedule.json.gz")
+                       f"measured steps at batches 1-16, and a third under for schedules far from the seeds "
+                       f"(docs/search.md); time it: synth bench --batch {cfg.sequences} --schedule "
+                       f"{summary.run_dir}/best/schedule.json.gz")
     if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
         seeds = summary.best_by_proposer.get("seeds")
         parts = []
