@@ -22,7 +22,7 @@ from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.patches import apply_patches
 from megasynth.lowering.strategy import Strategy
-from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL
+from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, compare
 from megasynth.runs.rundir import BASELINE, RunDir, schedule_key
 from megasynth.search.config import SearchConfig
 from megasynth.search.proposers.base import Proposal, Result
@@ -70,11 +70,10 @@ def check_tolerance(batch: int) -> float:
 
 
 def worst_rel_l2(got: Any, ref: Any) -> float:
-    """Relative L2 distance of logits `got` from `ref`: of the worst sequence where they are [batch, vocab], so that
-    one sequence's error is not diluted by the others'."""
-    if got.dim() == 1:
-        return float((got - ref).norm() / ref.norm())
-    return max(float((g - r).norm() / r.norm()) for g, r in zip(got, ref, strict=True))
+    """Relative L2 distance of logits `got` from `ref` (`torch_step.compare`): of the worst sequence where they are
+    [batch, vocab], so that one sequence's error is not diluted by the others'."""
+    c = compare(got, ref)
+    return float(c.get("rel_l2_max", c["rel_l2"]))
 
 
 class GpuTimer:
