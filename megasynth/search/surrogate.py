@@ -22,7 +22,7 @@ from typing import Any
 from megasynth.ir.program import resolve
 from megasynth.lowering.costmodel import CostParams, simulate
 from megasynth.lowering.lower import lower
-from megasynth.lowering.models import ModelSpec, get_model
+from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.strategy import Strategy
 from megasynth.search.proposers.base import strategy_key
 
@@ -56,10 +56,9 @@ def extrapolated_ms(spec: ModelSpec, workers: int, strategy: Strategy, params: C
     return (span + params.launch_us) / 1000
 
 
-def _worker(args: tuple[str, int, dict[str, Any], dict[str, Any], int]) -> float:
-    name, workers, strategy, params, ctx = args
-    return extrapolated_ms(get_model(name), workers, Strategy.model_validate(strategy), CostParams.from_json(params),
-                           ctx)
+def _worker(args: tuple[ModelSpec, int, dict[str, Any], dict[str, Any], int]) -> float:
+    spec, workers, strategy, params, ctx = args
+    return extrapolated_ms(spec, workers, Strategy.model_validate(strategy), CostParams.from_json(params), ctx)
 
 
 class Surrogate:
@@ -83,11 +82,12 @@ class Surrogate:
         return [self.cache[k] for k in keys]
 
     def _run(self, strategies: list[Strategy]) -> list[float]:
-        if self.jobs <= 1 or len(strategies) < 2 or self.spec.name not in _model_names():
+        if self.jobs <= 1 or len(strategies) < 2:
             return [extrapolated_ms(self.spec, self.workers, s, self.params, self.ctx) for s in strategies]
         if self._pool is None:
             self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
-        args = [(self.spec.name, self.workers, s.model_dump(mode="json"), self.params.to_json(), self.ctx)
+        # the whole spec, not its name: a name would lose the batch, the context length and a checkpoint's config
+        args = [(self.spec, self.workers, s.model_dump(mode="json"), self.params.to_json(), self.ctx)
                 for s in strategies]
         try:
             return list(self._pool.map(_worker, args, chunksize=max(1, len(args) // (4 * self.jobs))))
@@ -99,9 +99,3 @@ class Surrogate:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
-
-
-def _model_names() -> set[str]:
-    from megasynth.lowering.models import MODELS
-
-    return set(MODELS)

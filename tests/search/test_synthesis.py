@@ -255,6 +255,25 @@ def test_surrogate_extrapolates_the_layers_it_leaves_out() -> None:
         assert extrapolated_ms(TINY6, 8, st, V10, 64) == pytest.approx(full, rel=0.02)
 
 
+def test_surrogate_workers_estimate_the_spec_they_were_given() -> None:
+    """With `jobs` > 1 the estimates come from spawned processes: they must price the spec the surrogate holds (its
+    batch and context length), not the named model's defaults. A batch of 4 prices higher than one sequence, so a
+    worker that dropped the batch would give the batch-1 numbers."""
+    from megasynth.lowering.models import with_batch
+    from megasynth.search.surrogate import Surrogate, extrapolated_ms
+
+    spec = with_batch(replace(TINY6, name="llama-1b"), 4)  # a name the registry knows, with other fields
+    sts = [Strategy(), Strategy(attn_splits=2)]
+    here = [extrapolated_ms(spec, 8, st, V10, 64) for st in sts]
+    one = [extrapolated_ms(replace(spec, batch=1), 8, st, V10, 64) for st in sts]
+    assert all(b > a for a, b in zip(one, here, strict=True))
+    sur = Surrogate(spec, 8, V10, 64, jobs=2)
+    try:
+        assert sur.many(sts) == pytest.approx(here, rel=1e-9)
+    finally:
+        sur.close()
+
+
 def _descent(spec: ModelSpec = TINY6, workers: int = 8, **kw):
     from megasynth.search.proposers.descent import DescentProposer
 
