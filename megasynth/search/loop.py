@@ -127,7 +127,7 @@ class Search:
             if info.get("max_seq_len") is not None and info["max_seq_len"] != self.spec.max_seq_len:
                 if cfg.max_seq_len is not None:
                     raise ValueError(f"run {path} is for max_seq_len {info['max_seq_len']}, not {cfg.max_seq_len}")
-                self.spec = get_model(cfg.model, int(info["max_seq_len"]))
+                self.spec = with_batch(get_model(cfg.model, int(info["max_seq_len"])), self.spec.batch)
             if int(info.get("batch", 1)) != self.spec.batch:
                 if cfg.sequences != 1:
                     raise ValueError(f"run {path} is for --batch {info.get('batch', 1)}, not {cfg.sequences}")

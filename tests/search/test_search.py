@@ -442,3 +442,10 @@ def test_auto_falls_back_to_builtin_when_the_agent_is_exhausted() -> None:
     assert len(notices) == 1 and "built-in search" in notices[0]
     auto.propose(ctx, 1)
     assert len(notices) == 1  # said once
+
+
+def test_resume_keeps_the_runs_batch_and_context_length(tmp_path: Path) -> None:
+    """A batch run searched at a context length of its own resumes with both, without --max-seq-len again."""
+    run_search(_cfg(tmp_path, budget=2, sequences=2, max_seq_len=128))
+    search = Search(_cfg(tmp_path, budget=3, resume=True, sequences=2))
+    assert (search.spec.batch, search.spec.max_seq_len) == (2, 128)
