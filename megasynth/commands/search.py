@@ -175,9 +175,9 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
             click.echo("finals: " + finals_text(summary.finals))
         if summary.estimated and cfg.sequences > 1:  # estimates rank a batch's schedules; they are not its times
             click.echo(f"note: the cost model is fitted at batch 1 and does not price a batch's staging: on "
-                       f"interpreter v10 its estimates for llama-1b and llama-8b ran from 1 % under to 12 % over the "
-                       f"measured steps at batches 1-16, and a third under for schedules far from the seeds "
-                       f"(docs/search.md); time it: synth bench --batch {cfg.sequences} --schedule "
+                       f"interpreter v10 its estimates of the candidates of llama-1b's batch-8 and batch-16 searches "
+                       f"ran from 25 % under (the naive lowering) to 15 % over the measured steps (docs/search.md); "
+                       f"time it: synth bench --batch {cfg.sequences} --schedule "
                        f"{summary.run_dir}/best/schedule.json.gz")
     if len(summary.best_by_proposer) > 1:  # side by side: each proposer's best, against the hand-written seeds'
         seeds = summary.best_by_proposer.get("seeds")
