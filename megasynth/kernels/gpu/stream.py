@@ -1021,10 +1021,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
 
     With TRACE (the CUDA- and tensor-core paths that merge the warps after their loop) the trace row's staged field
     gets when the positions' loop ended: what follows is the warps' merge, the row at pos and the stores."""
-    E2: gl.constexpr = ATTN_EXP2 % 2  # bit 1: a batch's scores with q in bf16 alone (no lo part)
-    QLO: gl.constexpr = (ATTN_EXP2 // 2) % 2 == 0
-    RF: gl.constexpr = (ATTN_EXP2 // 4) % 2 == 0  # bit 2: the ring loop's slot releases without the proxy fence
-    DG: gl.constexpr = ATTN_EXP2 // 8  # diagnostic: 1 no softmax, 2 no P V, 4 no scores (results wrong)
     T = pos + 1
     lo = split * T // splits
     hi = (split + 1) * T // splits
@@ -1051,8 +1047,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         LO: gl.constexpr = gl.SliceLayout(1, LR)  # [HN, HD]
         go = gl.arange(0, HN, layout=gl.SliceLayout(1, LO))
         do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
-        # scores in base 2 with E2: q times log2(e) as well
-        QS: gl.constexpr = SCALE * 1.4426950408889634 if E2 else SCALE
+        # scores in base 2 with ATTN_EXP2: q times log2(e) as well
+        QS: gl.constexpr = SCALE * 1.4426950408889634 if ATTN_EXP2 else SCALE
         if KV_RING:
             # its q and rows in the merge's layout, loaded now (masked off unless cur) so the loop hides their latency
             qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
@@ -1061,10 +1057,10 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
                                      QK_NORM)
         if KV_RING == KV_ROWS:
             t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB, BTK,
-                                E2, QLO, RF, DG, num_warps)
+                                ATTN_EXP2, num_warps)
         else:
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
-                            empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, E2, L3,
+                            empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
                             num_warps)
         if TRACE:  # the trace row's staged field (megasynth/kernels/gpu/pack.py)
             gl.store(tr + 6, ptx.gl_globaltimer())
@@ -1075,7 +1071,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         mw = gl.sum(mv.load(LR), axis=2)  # [HN, num_warps]: one value each, summed over a length-1 axis
         dw = gl.sum(dv.load(LR), axis=2)
         mx = gl.max(mw, axis=1)  # [HN]
-        ww = _exp(mw - gl.expand_dims(mx, 1), E2)
+        ww = _exp(mw - gl.expand_dims(mx, 1), ATTN_EXP2)
         den = gl.convert_layout(gl.sum(dw * ww, axis=1), gl.SliceLayout(1, LO))
         o = gl.sum(pv.load(LR) * gl.expand_dims(ww, 2), axis=1)  # [HN, HD] in LO
         mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
@@ -1083,12 +1079,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             if cur:  # the row at pos, left out of the ring loop: one more position for each head
                 sc = gl.sum(qo * gl.expand_dims(cur_k, 0), axis=1)
                 m_new = gl.maximum(mx, sc)
-                alpha = _exp(mx - m_new, E2)
-                pc = _exp(sc - m_new, E2)
+                alpha = _exp(mx - m_new, ATTN_EXP2)
+                pc = _exp(sc - m_new, ATTN_EXP2)
                 den = den * alpha + pc
                 o = o * gl.expand_dims(alpha, 1) + gl.expand_dims(pc, 1) * gl.expand_dims(cur_v, 0)
                 mx = m_new
-        if E2:  # the split's log-sum-exp in base e, as attn_reduce merges it
+        if ATTN_EXP2:  # the split's log-sum-exp in base e, as attn_reduce merges it
             mx = mx * 0.6931471805599453
         safe, lse = _split_lse(den, mx, hi <= lo)
         o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(safe, 1))
@@ -1205,8 +1201,7 @@ def _rows_q(q_ptr, h0, d0, G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, 
 @gluon.jit
 def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr, G: gl.constexpr,
                     HN: gl.constexpr, QS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
-                    EXP2: gl.constexpr, QLO: gl.constexpr, RF: gl.constexpr, DG: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    EXP2: gl.constexpr, num_warps: gl.constexpr):
     """`_attn_lanes` on the tensor cores (mma.sync m16n8k16) with the positions as the products' rows: each warp
     takes 16 of a block's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
     K q^T ([16, HN]: the query heads as the HN >= 8 columns, zero past G; q as bf16 hi + lo, K is bf16 in the
@@ -1247,54 +1242,32 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
             s2 = (t + 1) % NS
             mbarrier.wait(ready.index(s2), ((t + 1) // NS) & 1)
         # block c of the pair (K's chunks, then V's) is block c % KPS of the pair's slot c // KPS
-        if (DG // 4) % 2 == 0:
-            k0 = kv.index(KPS * s).load(LA)
-            sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
-            if QLO:
-                sc = mma_v2(k0, ql0, sc)
-            if DH == 2:
-                k1 = kv.index(KPS * s + 1).load(LA)
-                sc = mma_v2(k1, qh1, sc)
-                if QLO:
-                    sc = mma_v2(k1, ql1, sc)
-        else:
-            sc = gl.zeros([num_warps, 16, HN], gl.float32, MMA3) + b0.to(gl.float32)
+        k0 = kv.index(KPS * s).load(LA)
+        sc = mma_v2(k0, qh0, gl.zeros([num_warps, 16, HN], gl.float32, MMA3))
+        sc = mma_v2(k0, ql0, sc)
         if DH == 2:
+            k1 = kv.index(KPS * s + 1).load(LA)
+            sc = mma_v2(k1, qh1, sc)
+            sc = mma_v2(k1, ql1, sc)
             v0 = kv.index(KPS * s2)
             v1 = kv.index(KPS * s2 + 1)
         elif SPP == 2:
             v0 = kv.index(KPS * s2)
         else:
             v0 = kv.index(KPS * s + 1)
-        if DG % 2 == 0:
-            sc = gl.where(b0 + prow < hl, sc, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-            alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
-            p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
-            l_i = l_i * alpha + p
-        else:
-            m_new = m_i
-            alpha = gl.full([num_warps, 1, HN], 1.0, gl.float32, MMA3)
-            p = sc
-        if (DG // 2) % 2 == 0:
-            pb = gl.convert_layout(p.to(gl.bfloat16), LB)
-            acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
-            if DH == 2:
-                acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
-        else:
-            l_i = l_i + p
+        sc = gl.where(b0 + prow < hl, sc, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
+        p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
+        l_i = l_i * alpha + p
+        pb = gl.convert_layout(p.to(gl.bfloat16), LB)
+        acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
+        if DH == 2:
+            acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
         m_i = m_new
-        if RF:
+        t = _release(t, empty, NS)
+        if SPP == 2:
             t = _release(t, empty, NS)
-            if SPP == 2:
-                t = _release(t, empty, NS)
-        else:
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(t % NS))
-            t = t + 1
-            if SPP == 2:
-                mbarrier.arrive(empty.index(t % NS))
-                t = t + 1
     pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
     pv.slice(0, 64, dim=2).store(gl.permute(acc0, [2, 0, 1]))
     if DH == 2:
@@ -2447,11 +2420,6 @@ class StreamConfig:
     #: at 32768 with attention inlined, 7 % faster with `attn_call`. `stream_config` turns it on where it pays
     #: (`attn_exp2_pays`); a plain StreamConfig() leaves it off (docs/perf-notes.md)
     attn_exp2: bool = False
-    #: a batch's attention scores with q as bf16 hi + lo (about fp32); off: q in bf16 alone, half the score products
-    attn_q_lo: bool = True
-    #: diagnostic: off, a batch's attention loop hands its slots back without the proxy fence
-    attn_release_fence: bool = True
-    attn_diag: int = 0  # diagnostic: 1 no softmax, 2 no P V, 4 no scores (results wrong)
     #: attention (`_op_attn_partial`) as a function of its own rather than inlined into the instruction loop, where
     #: the compiler keeps every op's loop-invariant index arithmetic in registers across it and then serialises the
     #: ring loop's lane shuffles: llama-8b at ctx 32768 5.48 ms inlined -> 5.10 as a function with the base-2
@@ -2750,8 +2718,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=geo["INFLIGHT"], QIN=geo["QIN"], SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        ATTN_EXP2=int(sc.attn_exp2) + (0 if sc.attn_q_lo else 2) + (0 if sc.attn_release_fence else 4)
-        + 8 * sc.attn_diag, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
+        ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
