@@ -232,14 +232,15 @@ def search_ranges(cfg: SearchConfig, bounds: list[int], model: str, max_seq_len:
               help="Print the values the built-in search tries for each knob on MODEL instead (see --workers).")
 @click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True,
               help="SMs the search space is for (one-wave tiles and splits depend on it).")
-def strategy_schema(patches: bool, space_model: str | None, workers: int) -> None:
+@batch_option("the search space at that batch (from batch 8 the weight tiles are whole tile slots) with --space.")
+def strategy_schema(patches: bool, space_model: str | None, workers: int, batch: int) -> None:
     """Print the JSON Schema of a strategy (what `synth lower --strategy` takes), of a patch, or the search space."""
     if space_model:
-        from megasynth.lowering.models import get_model
+        from megasynth.lowering.models import get_model, with_batch
         from megasynth.lowering.strategy import SearchSpace
 
         try:
-            spec = get_model(space_model)
+            spec = with_batch(get_model(space_model), batch)
         except KeyError as exc:
             raise click.BadParameter(str(exc.args[0]), param_hint="--space") from None
         click.echo("\n".join(SearchSpace(spec, workers).describe()))

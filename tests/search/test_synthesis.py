@@ -72,6 +72,11 @@ def test_strategy_schema_prints_the_space() -> None:
     res = CliRunner().invoke(main, ["strategy-schema", "--space", "llama-1b", "--workers", "132"])
     assert res.exit_code == 0 and "tiles.final_norm_lm_head: [256, 486, 496, 512, 972, 976," in res.output
     assert len(res.output.strip().splitlines()) == len(SearchSpace(get_model("llama-1b"), 132).knobs)
+    # at a batch the space is the batch's: from batch 8 o_proj's tiles are whole tile slots
+    res = CliRunner().invoke(main, ["strategy-schema", "--space", "llama-1b", "--batch", "8"])
+    assert res.exit_code == 0 and "tiles.o_proj_residual: [128, 256]" in res.output
+    one = CliRunner().invoke(main, ["strategy-schema", "--space", "llama-1b"]).output
+    assert "tiles.o_proj_residual: [8, 16," in one
 
 
 def test_box_rows_is_the_interpreters() -> None:
