@@ -705,7 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from megasynth.lowering.lower import lower
-    from megasynth.lowering.models import get_model
+    from megasynth.lowering.models import get_model, with_batch
     from megasynth.search.proposers.base import Proposal
 
     parser = argparse.ArgumentParser(prog="python -m megasynth.search.briefing", description=main.__doc__)
@@ -713,10 +713,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=132)
     parser.add_argument("--budget", type=int, default=DEFAULT_BUDGET)
     parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (1-16)")
     args = parser.parse_args(argv)
     try:
-        spec = get_model(args.model)
-    except KeyError as exc:
+        spec = with_batch(get_model(args.model), args.batch)
+    except (KeyError, ValueError) as exc:  # an unknown model, a batch out of range
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
     if not 1 <= args.workers <= 4096 or args.budget < 500:

@@ -449,6 +449,9 @@ def test_briefing_preview_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith("You tune megakernel schedules") and "## Best so far" in out
     assert "tokens (budget 8000, detail level 0)" in err
     assert main(["--model", "nope"]) == 2 and "unknown model" in capsys.readouterr().err
+    assert main(["--model", "tiny", "--workers", "8", "--ctx", "64", "--batch", "3"]) == 0  # a batch's briefing
+    assert "Batch: 3 sequences per step" in capsys.readouterr().out
+    assert main(["--model", "tiny", "--batch", "17"]) == 2 and "--batch 17" in capsys.readouterr().err
 
 
 def test_briefing_names_the_model_features() -> None:
