@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from megasynth.ir.errors import ScheduleError  # noqa: E402
 from megasynth.ir.model import ModelConfig  # noqa: E402
 from megasynth.ir.schedule import load_schedule  # noqa: E402
 from megasynth.kernels.gpu import Megakernel  # noqa: E402
@@ -71,8 +72,11 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=None, help="KV cache positions (default: the schedule's)")
     ap.add_argument("--ctx", type=int, default=None, help="the step's context (default: max-seq-len)")
     ap.add_argument("options", nargs="*", help="StreamConfig fields, KEY=VALUE")
-    args = ap.parse_args()
-    sched = load_schedule(args.schedule)
+    args = ap.parse_intermixed_args()  # KEY=VALUE options after --ctx, as the usage above writes them
+    try:
+        sched = load_schedule(args.schedule)
+    except ScheduleError as exc:
+        ap.error(str(exc))
     assert sched.model is not None
     msl = args.max_seq_len or sched.model.max_seq_len
     ctx = args.ctx or msl
