@@ -1021,8 +1021,6 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
 
     With TRACE (the CUDA- and tensor-core paths that merge the warps after their loop) the trace row's staged field
     gets when the positions' loop ended: what follows is the warps' merge, the row at pos and the stores."""
-    E2: gl.constexpr = ATTN_EXP2 % 2
-    PIPE: gl.constexpr = ATTN_EXP2 // 2
     T = pos + 1
     lo = split * T // splits
     hi = (split + 1) * T // splits
@@ -1050,7 +1048,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         go = gl.arange(0, HN, layout=gl.SliceLayout(1, LO))
         do = gl.arange(0, HD, layout=gl.SliceLayout(0, LO))
         # scores in base 2 with ATTN_EXP2: q times log2(e) as well
-        QS: gl.constexpr = SCALE * 1.4426950408889634 if E2 else SCALE
+        QS: gl.constexpr = SCALE * 1.4426950408889634 if ATTN_EXP2 else SCALE
         if KV_RING:
             # its q and rows in the merge's layout, loaded now (masked off unless cur) so the loop hides their latency
             qo = _load_q(q_ptr, sq_ptr, gl.expand_dims(h0 + go, 1), gl.expand_dims(do, 0),
@@ -1058,15 +1056,11 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
         if KV_RING == KV_ROWS:
-            if PIPE:
-                t = _attn_ring_rows_pipe(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS,
-                                         SB, BTK, E2, PIPE == 2, num_warps)
-            else:
-                t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB,
-                                    BTK, E2, num_warps)
+            t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB, BTK,
+                                ATTN_EXP2, num_warps)
         else:
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
-                            empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, E2, L3,
+                            empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
                             num_warps)
         if TRACE:  # the trace row's staged field (megasynth/kernels/gpu/pack.py)
             gl.store(tr + 6, ptx.gl_globaltimer())
@@ -1077,7 +1071,7 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
         mw = gl.sum(mv.load(LR), axis=2)  # [HN, num_warps]: one value each, summed over a length-1 axis
         dw = gl.sum(dv.load(LR), axis=2)
         mx = gl.max(mw, axis=1)  # [HN]
-        ww = _exp(mw - gl.expand_dims(mx, 1), E2)
+        ww = _exp(mw - gl.expand_dims(mx, 1), ATTN_EXP2)
         den = gl.convert_layout(gl.sum(dw * ww, axis=1), gl.SliceLayout(1, LO))
         o = gl.sum(pv.load(LR) * gl.expand_dims(ww, 2), axis=1)  # [HN, HD] in LO
         mx = gl.convert_layout(mx, gl.SliceLayout(1, LO))
@@ -1085,12 +1079,12 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             if cur:  # the row at pos, left out of the ring loop: one more position for each head
                 sc = gl.sum(qo * gl.expand_dims(cur_k, 0), axis=1)
                 m_new = gl.maximum(mx, sc)
-                alpha = _exp(mx - m_new, E2)
-                pc = _exp(sc - m_new, E2)
+                alpha = _exp(mx - m_new, ATTN_EXP2)
+                pc = _exp(sc - m_new, ATTN_EXP2)
                 den = den * alpha + pc
                 o = o * gl.expand_dims(alpha, 1) + gl.expand_dims(pc, 1) * gl.expand_dims(cur_v, 0)
                 mx = m_new
-        if E2:  # the split's log-sum-exp in base e, as attn_reduce merges it
+        if ATTN_EXP2:  # the split's log-sum-exp in base e, as attn_reduce merges it
             mx = mx * 0.6931471805599453
         safe, lse = _split_lse(den, mx, hi <= lo)
         o = gl.where(hi <= lo, 0.0, o / gl.expand_dims(safe, 1))
@@ -1274,116 +1268,6 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
         t = _release(t, empty, NS)
         if SPP == 2:
             t = _release(t, empty, NS)
-    pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
-    pv.slice(0, 64, dim=2).store(gl.permute(acc0, [2, 0, 1]))
-    if DH == 2:
-        pv.slice(64, 64, dim=2).store(gl.permute(acc1, [2, 0, 1]))
-    mv.store(gl.permute(gl.expand_dims(m_i, 1), [2, 0, 1]))
-    dv.store(gl.permute(gl.expand_dims(gl.sum(l_i, axis=1), 1), [2, 0, 1]))
-    return t
-
-
-@gluon.jit
-def _rows_scores(kv, ready, t, b0, hl, prow, qh0, ql0, qh1, ql1, NS: gl.constexpr, KPS: gl.constexpr,
-                 SPP: gl.constexpr, DH: gl.constexpr, MMA3: gl.constexpr, LA: gl.constexpr, SPLIT: gl.constexpr):
-    """`_attn_ring_rows_pipe`'s first stage: block t's scores K q^T ([num_warps, 16, HN]) once its slot(s) are
-    ready, rows at or past hl -inf, and each head's maximum over them."""
-    s = t % NS
-    mbarrier.wait(ready.index(s), (t // NS) & 1)
-    if SPP == 2:
-        mbarrier.wait(ready.index((t + 1) % NS), ((t + 1) // NS) & 1)
-    k0 = kv.index(KPS * s).load(LA)
-    z = gl.zeros([k0.shape[0], 16, qh0.shape[2]], gl.float32, MMA3)
-    if SPLIT:  # q's hi and lo halves in products of their own, summed after: chains of half the mma.sync
-        sc = mma_v2(k0, qh0, z)
-        sl = mma_v2(k0, ql0, z)
-        if DH == 2:
-            k1 = kv.index(KPS * s + 1).load(LA)
-            sc = sc + mma_v2(k1, qh1, z)
-            sl = sl + mma_v2(k1, ql1, z)
-        sc = sc + sl
-    else:
-        sc = mma_v2(k0, qh0, z)
-        sc = mma_v2(k0, ql0, sc)
-        if DH == 2:
-            k1 = kv.index(KPS * s + 1).load(LA)
-            sc = mma_v2(k1, qh1, sc)
-            sc = mma_v2(k1, ql1, sc)
-    sc = gl.where(b0 + prow < hl, sc, float("-inf"))
-    return sc, gl.max(sc, axis=1)
-
-
-@gluon.jit
-def _rows_update(kv, empty, t, sc, mx, m_i, l_i, acc0, acc1, NS: gl.constexpr, KPS: gl.constexpr,
-                 SPP: gl.constexpr, DH: gl.constexpr, EXP2: gl.constexpr, LA: gl.constexpr, LB: gl.constexpr):
-    """`_attn_ring_rows_pipe`'s second stage: block t's scores into the online softmax and P V, then its slot(s)
-    released."""
-    if SPP == 2:
-        v0 = kv.index(KPS * ((t + 1) % NS))
-    else:  # K's chunks, then V's, in one slot
-        v0 = kv.index(KPS * (t % NS) + DH)
-    m_new = gl.maximum(m_i, mx)
-    alpha = gl.expand_dims(_exp(m_i - m_new, EXP2), 1)
-    p = _exp(sc - gl.expand_dims(m_new, 1), EXP2)
-    l_i = l_i * alpha + p
-    pb = gl.convert_layout(p.to(gl.bfloat16), LB)
-    acc0 = mma_v2(v0.permute([0, 2, 1]).load(LA), pb, acc0 * alpha)
-    if DH == 2:
-        if SPP == 2:
-            v1 = kv.index(KPS * ((t + 1) % NS) + 1)
-        else:
-            v1 = kv.index(KPS * (t % NS) + 3)
-        acc1 = mma_v2(v1.permute([0, 2, 1]).load(LA), pb, acc1 * alpha)
-    t = _release(t, empty, NS)
-    if SPP == 2:
-        t = _release(t, empty, NS)
-    return t, m_new, l_i, acc0, acc1
-
-
-@gluon.jit
-def _attn_ring_rows_pipe(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr,
-                         G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr,
-                         BTK: gl.constexpr, EXP2: gl.constexpr, SPLIT: gl.constexpr, num_warps: gl.constexpr):
-    """`_attn_ring_rows` in two stages a block: the next block's scores (and their maxima) are computed while the
-    current block's softmax and P V run, so a block's dependent chain is the softmax and P V alone."""
-    gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per block")
-    gl.static_assert((HD == 64) | (HD == 128), "64- or 128-dim heads")
-    DH: gl.constexpr = HD // 64
-    KPS: gl.constexpr = SB * ring.shape[1] * ring.shape[2] // (BTK * 64)  # [BTK, 64] blocks per slot
-    SPP: gl.constexpr = 2 * DH // KPS  # slots per K/V block pair: 1 or 2
-    gl.static_assert(NS >= 2 * SPP, "two blocks' slots held at once")
-    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1, 1],
-                                                   instr_shape=[1, 16, 8])
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
-    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
-    LM: gl.constexpr = gl.SliceLayout(1, MMA3)  # [num_warps, HN]: per warp and head
-    kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    qh0, ql0 = _rows_q(q_ptr, h0, 0, G, HN, QS, HD, LB, num_warps)
-    if DH == 2:
-        qh1, ql1 = _rows_q(q_ptr, h0, 64, G, HN, QS, HD, LB, num_warps)
-    else:
-        qh1, ql1 = qh0, ql0
-    w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
-    r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
-    prow = gl.expand_dims(gl.expand_dims(w, 1), 2) * 16 + gl.expand_dims(gl.expand_dims(r, 0), 2)  # [nw, 16, 1]
-    m_i = gl.full([num_warps, HN], -1.0e30, gl.float32, LM)
-    l_i = gl.zeros([num_warps, 16, HN], gl.float32, MMA3)  # summed over the rows after the loop
-    acc0 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
-    acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)  # 64-dim heads: unused
-    hl = gl.where((pos >= lo) & (pos < hi), pos, hi)  # the row at pos left out, as `_attn_lanes` does
-    NBLK: gl.constexpr = ring.shape[0] * ring.shape[1] * ring.shape[2] // (BTK * 64)
-    kv = ring._reinterpret(gl.bfloat16, [NBLK, num_warps, 16, 64], kv3)
-    if hi > lo:
-        sc, mx = _rows_scores(kv, ready, t, lo, hl, prow, qh0, ql0, qh1, ql1, NS, KPS, SPP, DH, MMA3, LA, SPLIT)
-        for b0 in range(lo + BTK, hi, BTK):
-            scn, mxn = _rows_scores(kv, ready, t + SPP, b0, hl, prow, qh0, ql0, qh1, ql1, NS, KPS, SPP, DH, MMA3,
-                                    LA, SPLIT)
-            t, m_i, l_i, acc0, acc1 = _rows_update(kv, empty, t, sc, mx, m_i, l_i, acc0, acc1, NS, KPS, SPP, DH,
-                                                   EXP2, LA, LB)
-            sc = scn
-            mx = mxn
-        t, m_i, l_i, acc0, acc1 = _rows_update(kv, empty, t, sc, mx, m_i, l_i, acc0, acc1, NS, KPS, SPP, DH, EXP2,
-                                               LA, LB)
     pv, mv, dv = _lane_views(scratch, HN, HD, num_warps)
     pv.slice(0, 64, dim=2).store(gl.permute(acc0, [2, 0, 1]))
     if DH == 2:
@@ -2529,7 +2413,6 @@ class StreamConfig:
     #: Measured at ctx 1024 (alternating rounds): llama-1b batch 8 1.046 -> 1.025 ms, batch 16 1.375 -> 1.338,
     #: llama-8b batch 8 4.918 -> 4.882 (docs/perf-notes.md)
     attn_rows: bool = True
-    attn_pipe: int = 0
     #: the CUDA-core attention's softmax in base 2 (q scaled by log2(e) as it is loaded) with the flush-to-zero
     #: ex2: one MUFU.EX2 an exponential instead of five instructions (the range check and two rescales of
     #: `gl.exp`), 48 of the ring loop's 375 instructions a slot on llama-1b (`compile_check.py --loops`). Measured on
@@ -2835,7 +2718,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         GP=_group_lanes(c), QKV_BIAS=c.qkv_bias, QK_NORM=c.qk_norm, QG=qk_groups(c), NS=geo["NS"],
         INFLIGHT=geo["INFLIGHT"], QIN=geo["QIN"], SB=sc.boxes, NCH=geo["NCH"], NCHH=geo["NCHH"],
         NCHQ=geo["NCHQ"], NCHI=geo["NCHI"], BK=geo["BK"], BTK=geo["BTK"], KV_RING=geo["KV_RING"],
-        ATTN_EXP2=int(sc.attn_exp2) + 2 * sc.attn_pipe, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
+        ATTN_EXP2=sc.attn_exp2, ATTN_CALL=sc.attn_call and FUNCTIONS_OK,
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
