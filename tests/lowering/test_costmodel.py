@@ -380,3 +380,63 @@ def test_calibrate_fits_only_the_parameters_named_by_free(tmp_path: Path) -> Non
     assert after["attn_mma_flop_rate"] > 0 and after["source"].startswith(before["source"] + "; then ")
     res = CliRunner().invoke(calibrate, ["--measured", str(path), "--free", "no_such_param", "-o", str(out)])
     assert res.exit_code == 2 and "no_such_param" in res.output and "attn_mma_flop_rate" in res.output
+
+
+def test_batch_terms_leave_batch_one_alone_and_price_a_batch() -> None:
+    """The batch terms (attention's consume rate and fixed time on the tensor cores, the stage of a batch's
+    activations) change no batch-1 estimate. At a batch the stage costs each matrix instruction its sequences' input
+    vectors, so a schedule of many small tiles pays more of it than one of few large ones; attention's terms apply
+    from `attn_mma_batch` on and not below it."""
+    from dataclasses import replace
+
+    from megasynth.ir.program import resolve
+    from megasynth.lowering.costmodel import staged_bytes
+    from megasynth.lowering.models import with_batch
+
+    base = replace(load_params(), attn_mma_flop_rate=1e5, attn_mma_consume_bw=0.0, attn_mma_overhead_us=0.0,
+                   stage_bw=0.0)
+    terms = replace(base, attn_mma_consume_bw=2e3, attn_mma_overhead_us=9.0, stage_bw=2e3)
+    one = lower(TINY, 8, Strategy(attn_splits=1))
+    assert estimate(one, 64, base).makespan_ms == estimate(one, 64, terms).makespan_ms
+
+    small, large = (Strategy(attn_splits=1, tiles={op: rows for op in ("o_proj_residual", "mlp_norm_gate_up",
+                                                                     "down_proj_residual")})
+                    for rows in (16, 64))
+    b8 = with_batch(TINY, 8)
+    stage = replace(base, stage_bw=2e3)
+    staged = {}
+    for name, st in (("small", small), ("large", large)):
+        prog = resolve(lower(b8, 8, st))
+        staged[name] = sum(staged_bytes(prog.geometry, prog.op[i], prog.args[i], 64) for i in range(prog.n))
+        assert estimate(prog, 64, stage).makespan_ms > estimate(prog, 64, base).makespan_ms, name
+    assert staged["small"] > staged["large"] > 0, staged
+
+    geo = resolve(lower(b8, 8, large)).geometry
+    two = replace(geo, batch=2)
+    for op, args in (("mlp_norm_gate_up", {"start": 0, "end": 64}),
+                     ("down_proj_residual", {"start": 0, "end": 64, "k_start": 0, "k_end": 32})):
+        assert staged_bytes(geo, op, args, 64) == 7 * staged_bytes(two, op, args, 64) > 0, op
+        assert staged_bytes(replace(geo, batch=1), op, args, 64) == 0
+    assert staged_bytes(geo, "attn_partial", {"kv_head": 0, "split": 0, "splits": 1}, 64) == 0
+
+    attn = replace(base, attn_mma_consume_bw=2e3, attn_mma_overhead_us=9.0)
+    for batch, changes in ((8, True), (4, False)):
+        s = lower(with_batch(TINY, batch), 8, Strategy(attn_splits=1))
+        assert (estimate(s, 64, attn).makespan_ms > estimate(s, 64, base).makespan_ms) == changes, batch
+
+
+def test_step_fit_frees_the_batch_terms_its_prior_models() -> None:
+    """A default step fit frees a batch term only where the prior has it set; a fit that names an unset one starts
+    from the parameter it stands in for."""
+    from dataclasses import replace
+
+    from megasynth.search.calibrate import _get, step_free_params
+
+    p = replace(load_params(), attn_mma_consume_bw=0.0, attn_mma_overhead_us=0.0, stage_bw=0.0)
+    free = step_free_params(p, {"attn_partial"})
+    assert "attn_mma_consume_bw" not in free and "stage_bw" not in free
+    assert _get(p, "attn_mma_consume_bw") == p.consume_bw
+    assert _get(p, "attn_mma_overhead_us") == p.op("attn_partial").overhead_us and _get(p, "stage_bw") > 0
+    q = replace(p, attn_mma_consume_bw=5e4, stage_bw=3e4)
+    free = step_free_params(q, {"attn_partial"})
+    assert "attn_mma_consume_bw" in free and "stage_bw" in free and "attn_mma_overhead_us" not in free
