@@ -30,7 +30,7 @@ import heapq
 import json
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,16 +79,6 @@ class CostParams:
     #: attention on the tensor cores (`StreamConfig.attn_rows`); 0: `attn_flop_rate`'s
     attn_mma_flop_rate: float = 0.0
     attn_mma_batch: int = 8
-    #: bytes/µs at which one SM's compute warps consume attention's K/V blocks on the tensor cores (from
-    #: `attn_mma_batch` on); 0: `consume_bw`, as other ops
-    attn_mma_consume_bw: float = 0.0
-    #: attention's fixed time per instruction on the tensor cores (from `attn_mma_batch` on: q's round trip after the
-    #: wait, the warps' merge, the stores); 0: the op's `overhead_us`
-    attn_mma_overhead_us: float = 0.0
-    #: bytes/µs at which one SM's compute warps move a batch's activations beyond batch 1's in a matrix instruction
-    #: (`staged_bytes`: the other sequences' input vectors, staged from the L2, and outputs); 0: not modelled, and
-    #: they count in the loader's stream as batch 1's do
-    stage_bw: float = 0.0
     source: str = "prior"
     notes: str = ""
 
@@ -98,11 +88,8 @@ class CostParams:
 
     def attn_rate(self, batch: int) -> float:
         """Attention's flop rate at `batch` sequences per step (`attn_mma_flop_rate` where it applies)."""
-        return self.attn_mma_flop_rate if self.batch_attn(batch) else self.attn_flop_rate
-
-    def batch_attn(self, batch: int) -> bool:
-        """Whether attention runs on the tensor cores at `batch` sequences per step, with rates of its own."""
-        return batch >= self.attn_mma_batch and self.attn_mma_flop_rate > 0
+        return self.attn_mma_flop_rate if batch >= self.attn_mma_batch and self.attn_mma_flop_rate > 0 \
+            else self.attn_flop_rate
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "ops": {k: asdict(v) for k, v in self.ops.items()}}
@@ -151,17 +138,6 @@ def moved_bytes(geo: Geometry, op: str, args: dict[str, int], nbytes: int, box_r
     return nbytes * moved // rows
 
 
-def staged_bytes(geo: Geometry, op: str, args: dict[str, int], ctx: int, one: Geometry | None = None) -> int:
-    """What a batch's matrix instruction moves beyond the same instruction at batch 1: the other sequences'
-    activations (input vectors staged from the L2 before the products, outputs), which its compute warps move, not
-    the loader's weight stream. 0 at batch 1 (whose activation bytes the batch-1 fit counts in the stream) and for
-    other ops. `one`: `geo` at batch 1, when the caller has it."""
-    if geo.batch <= 1 or op not in _BOXED:
-        return 0
-    one = one or replace(geo, batch=1)
-    return instruction_cost(geo, op, None, args, ctx)[0] - instruction_cost(one, op, None, args, ctx)[0]
-
-
 def nominal_us(params: CostParams, op: str, nbytes: int, active: int) -> float:
     """Duration of an instruction when `active` SMs stream at once (used by the lowering's schedulers)."""
     p = params.op(op)
@@ -203,26 +179,18 @@ def simulate(prog: Program, params: CostParams, ctx: int) -> tuple[list[float], 
     leff = [1.0] * n
     consume = [0.0] * n  # time the compute warps need to consume the loaded bytes
     over = [0.0] * n
-    one = replace(geo, batch=1) if geo is not None and geo.batch > 1 and params.stage_bw > 0 else None
     for i in range(n):
         op = prog.op[i]
         nbytes, flops = instruction_cost(geo, op, prog.layer[i], prog.args[i], ctx) if geo else (0, 0)
-        staged = staged_bytes(geo, op, prog.args[i], ctx, one) if one is not None else 0
-        nbytes -= staged  # with the stage modelled, the loader streams the batch-1 instruction's bytes
         if geo is not None:
             nbytes = moved_bytes(geo, op, prog.args[i], nbytes, params.box_rows)
         p = params.op(op)
-        batch = geo.batch if geo else 1
-        mma_attn = op == "attn_partial" and params.batch_attn(batch)
-        cbw = params.attn_mma_consume_bw if mma_attn and params.attn_mma_consume_bw > 0 else params.consume_bw
         if ring and op in LOADER_OPS:
             lbytes[i], leff[i] = float(nbytes), p.eff
-            consume[i] = nbytes / cbw if cbw > 0 else 0.0
+            consume[i] = nbytes / params.consume_bw if params.consume_bw > 0 else 0.0
         else:
             work[i] = nbytes / p.eff
-        fixed = params.attn_mma_overhead_us if mma_attn and params.attn_mma_overhead_us > 0 else p.overhead_us
-        over[i] = fixed + params.wait_us * len(prog.waits[i])
-        over[i] += staged / params.stage_bw if staged else 0.0
+        over[i] = p.overhead_us + params.wait_us * len(prog.waits[i])
         if op == "attn_partial" and params.attn_flop_rate > 0:  # a long split is arithmetic on one SM
             rate = params.attn_rate(geo.batch if geo else 1)
             if ring:  # v10 computes each K/V block as its ring slot lands: arithmetic and stream overlap

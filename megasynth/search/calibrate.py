@@ -242,8 +242,7 @@ def measured_steps(run_dirs: list[str]) -> list[tuple[Schedule, int, float]]:
 # finite differences, parameters in log space, a weak pull towards the prior for those the data cannot tell).
 
 #: Parameters of the step fit: global ones and, per op, "overhead_us:<op>" / "eff:<op>".
-GLOBAL_FREE = ("hop_us", "sm_peak", "consume_bw", "launch_us", "attn_flop_rate", "attn_mma_flop_rate",
-               "attn_mma_consume_bw", "attn_mma_overhead_us", "stage_bw")
+GLOBAL_FREE = ("hop_us", "sm_peak", "consume_bw", "launch_us", "attn_flop_rate", "attn_mma_flop_rate")
 STEP_DIFF = 0.04  # finite-difference step, in log units
 PRIOR_WEIGHT = 0.03  # residual per log unit away from the prior, for each free parameter
 OP_MEAN_WEIGHT = 0.5  # weight of a traced op's mean duration against a whole step's time
@@ -266,31 +265,24 @@ class Step:
 
 def step_free_params(prior: CostParams, ops: set[str]) -> list[str]:
     """The parameters a step fit frees: hop latency, one SM's peak bandwidth, the ring's consume rate (v10), the
-    per-step launch cost, attention's flop rate and the batch terms (those the prior models), the overhead of every
-    op present, and the efficiency of the four big streams (gate/up, down, LM head, and attention's K/V history at
-    long contexts)."""
+    per-step launch cost, attention's flop rate (when the prior models it), the overhead of every op present, and the
+    efficiency of the four big streams (gate/up, down, LM head, and attention's K/V history at long contexts)."""
     free = [g for g in GLOBAL_FREE if (g != "consume_bw" or prior.ring_bytes > 0)
             and (g != "attn_flop_rate" or prior.attn_flop_rate > 0)
-            and (g not in _BATCH_FREE or getattr(prior, g) > 0)]
+            and (g != "attn_mma_flop_rate" or prior.attn_mma_flop_rate > 0)]
     free += [f"overhead_us:{op}" for op in sorted(ops) if op != "embed"]
     free += [f"eff:{op}" for op in ("mlp_norm_gate_up", "down_proj_residual", "final_norm_lm_head",
                                                      "attn_partial") if op in ops]
     return free
 
 
-#: The batch terms: a default fit frees them only where the prior has them; unset, each means another parameter's
-#: value (or, for the stage, one SM's fair share of the L2), from which a fit that frees them starts.
-_BATCH_FREE = ("attn_mma_flop_rate", "attn_mma_consume_bw", "attn_mma_overhead_us", "stage_bw")
-STAGE_BW_START = 40e3
-
-
 def _get(params: CostParams, name: str) -> float:
     kind, _, op = name.partition(":")
     if op:
         return float(getattr(params.op(op), kind))
-    unset = {"attn_mma_flop_rate": params.attn_flop_rate, "attn_mma_consume_bw": params.consume_bw,
-             "attn_mma_overhead_us": params.op("attn_partial").overhead_us, "stage_bw": STAGE_BW_START}
-    return float(getattr(params, name) or unset.get(name, 0.0))
+    if name == "attn_mma_flop_rate":  # unset, it is attention's CUDA-core rate: a fit starts from there
+        return float(params.attn_mma_flop_rate or params.attn_flop_rate)
+    return float(getattr(params, name))
 
 
 def free_param_names(prior: CostParams) -> list[str]:
