@@ -22,7 +22,7 @@ from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.patches import apply_patches
 from megasynth.lowering.strategy import Strategy
-from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, compare
+from megasynth.measure.torch_step import PYTORCH_TOL, compare
 from megasynth.runs.rundir import BASELINE, RunDir, schedule_key
 from megasynth.search.config import SearchConfig
 from megasynth.search.proposers.base import Proposal, Result
@@ -59,14 +59,22 @@ def gpu_name() -> str:
     return str(torch.cuda.get_device_name(0))
 
 
+#: How far a correct schedule's batch-1 step may be from the naive schedule's on the same build: both compute in
+#: fp32 and differ only in the order of their additions (K splits' atomic adds, attention's split merge). Searches of
+#: llama-1b and qwen3-0.6b on the H200 measured at most 2.0e-6 and 3.0e-6 over 12 candidates each (docs/perf-notes.md),
+#: so this leaves ~30x; a schedule whose race corrupts one partial sum is off by far more.
+SCHEDULE_TOL = 1e-4
+
+
 def check_tolerance(batch: int) -> float:
     """How far (relative L2 of the worst sequence's logits) a correct schedule's step may be from the naive
-    schedule's on the same build. At batch 1 the interpreter computes in fp32 and schedules agree far inside the
-    bench's CHECK_TOL. A batch stages x and its activations in 16 bits: each schedule's logits are ~2e-2 from the
-    fp32 reference with rounding of its own (the order of its K splits' atomic adds), and correct schedules measured
-    1.6-2.4e-2 from the naive one on llama-1b at batch 8 (docs/perf-notes.md). So a batch is held to PyTorch's bf16
-    bound, as `synth bench` holds a bf16 step. A wrong step is off by ~1."""
-    return CHECK_TOL if batch == 1 else PYTORCH_TOL
+    schedule's on the same build. At batch 1 the interpreter computes in fp32 and schedules agree to ~1e-6
+    (`SCHEDULE_TOL`), far inside the bench's CHECK_TOL against the reference. A batch stages x and its activations in
+    16 bits: each schedule's logits are ~2e-2 from the fp32 reference with rounding of its own (the order of its K
+    splits' atomic adds), and correct schedules measured 1.6-2.4e-2 from the naive one on llama-1b at batch 8
+    (docs/perf-notes.md). So a batch is held to PyTorch's bf16 bound, as `synth bench` holds a bf16 step. A wrong
+    step is off by ~1."""
+    return SCHEDULE_TOL if batch == 1 else PYTORCH_TOL
 
 
 def worst_rel_l2(got: Any, ref: Any) -> float:
