@@ -252,7 +252,9 @@ def test_search_times_on_the_gpu(tmp_path: Path) -> None:
     summary = run_search(_cfg(tmp_path, gpu=True, budget=3, workers=None))
     assert not summary.estimated and summary.best_ms is not None
     timing = json.loads((summary.run_dir / "best" / "timing.json").read_text())
-    assert timing["estimated"] is False and timing["check_rel_l2"] <= 2e-2
+    from megasynth.search.evaluate import SCHEDULE_TOL
+
+    assert timing["estimated"] is False and timing["check_rel_l2"] <= SCHEDULE_TOL  # fp32: ~1e-6 from the naive one
     trace = RunDir(summary.run_dir).best_trace()
     assert trace is not None and trace["metadata"]["estimated"] is False
 
