@@ -117,7 +117,9 @@ class SassLoop:
         instruction issues, in order within a warp, once the registers it reads are ready (`LATENCY`). Fewer
         instructions do not make a loop faster when its dependency chains are what sets the pace: the model
         says which (the base-2 softmax in docs/perf-notes.md: llama-1b's attention loop 1140 -> 853 cycles,
-        llama-8b's 1292 -> 1618; measured faster and slower)."""
+        llama-8b's 1292 -> 1618; measured faster and slower). It leaves out the mbarrier waits, the CTA barriers'
+        cost and the tensor pipe's throughput: on a batch's attention loop (mma.sync) three changes it rated 8-20 %
+        faster traced the same or slower, so measure such a loop before trusting it."""
         flow = [_dataflow(t) for t in self.body]
         if not flow:
             return 0.0
