@@ -27,7 +27,7 @@ ARG_TYPES = {
     "ins_ptr": "*i32", "waits_ptr": "*i32", "sigs_ptr": "*i32", "qoff_ptr": "*i32", "qitems_ptr": "*i32",
     "counters_ptr": "*i32", "err_ptr": "*i32", "trace_ptr": "*i64", "smid_ptr": "*i32", "rt_ptr": "*i32",
     "embed_ptr": "*bf16", "attn_norm_ptr": "*fp32", "wqkv_ptr": "*bf16", "wo_ptr": "*bf16", "mlp_norm_ptr": "*fp32",
-    "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16", "wtab_ptr": "*i64",
+    "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16",
     "bqkv_ptr": "*fp32", "qk_norm_ptr": "*fp32",
     "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
     "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",

@@ -177,9 +177,8 @@ def _cp_box(ptr, nrows, K: gl.constexpr, r, c, dst, ok, ROWS: gl.constexpr, COLS
     offsets the compiler knows; one that crosses its end has the rows and columns past it zero-filled, as TMA fills
     past a descriptor's bounds. Completion is the caller's `async_copy.mbarrier_arrive` on the slot's barrier."""
     TC: gl.constexpr = min(32, COLS // 8)
-    LW: gl.constexpr = gl.num_warps()  # the loader partition's warps
-    RG: gl.constexpr = min(ROWS, 32 // TC * 4 * LW)  # rows a copy: up to 4 of 16 bytes a thread
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [LW, 1], [1, 0])
+    RG: gl.constexpr = 32 // TC * 4  # rows a copy: 4 of 16 bytes a thread (the loader warp has few registers)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [1, 1], [1, 0])
     lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
     lc = gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
     off = gl.expand_dims(lr * K, 1) + gl.expand_dims(lc, 0)
@@ -239,8 +238,6 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
         async_copy.mbarrier_arrive(bar, increment_count=False)
     else:
         mbarrier.expect(bar, 2 * BTK * HD * 2)
-        if ready.shape[0] > NS:  # hybrid fills: the barrier counts the loader's threads
-            mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
         tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
         tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
     return t + 1
@@ -259,8 +256,6 @@ def _issue_kv_rows(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGH
         s = _claim(t, ready, empty, NS, INFLIGHT)
         bar = ready.index(s)
         mbarrier.expect(bar, KPS * BTK * 64 * 2)
-        if ready.shape[0] > NS:  # hybrid fills: the barrier counts the loader's threads
-            mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
         for i in gl.static_range(KPS):  # block j KPS + i of the pair: K's chunks, then V's
             if j * KPS + i < DH:
                 tma.async_copy_global_to_shared(dk, [row, (j * KPS + i) * 64], bar, kv.index(KPS * s + i))
@@ -284,7 +279,7 @@ def _kv_blocks(ring, BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr)
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
             TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, wp, NR: gl.constexpr, KD: gl.constexpr,
-            CPF: gl.constexpr, wtab_ptr, WI: gl.constexpr, hb=0, hm=0):
+            CPF: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. With KW > 0
     (a batch; at batch 1 `StreamConfig.down_window`) K goes in windows of at most KW, all rows per window (the
@@ -298,7 +293,7 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
                 for r in range(a0, a1, 2 * GR):
                     t = _load_tile_rows(desc, desc, base + r, base + r + GR, gl.minimum(a1 - r, GR),
                                         gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT,
-                                        XR, KT, 1, wtab_ptr, WI, WI, KD, hb, hm)
+                                        XR, KT)
             else:
                 t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
                                MMA, wp, NR, KD, CPF)
@@ -322,55 +317,23 @@ def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constex
 
 
 @gluon.jit
-def _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr,
-             KP: gl.constexpr, wtab_ptr, IA: gl.constexpr, IB: gl.constexpr, KD: gl.constexpr):
-    """`_issue_tile`'s copies by the loader warps' cp.async, 16 bytes a copy, into the same swizzled tiles, each
-    thread arriving on the slot's barrier when its copies land. One box a loop iteration, not unrolled: the copies'
-    code is at every tile call site of the loader, and unrolled it spilled the loader's registers. A tile box lies
-    inside its matrix (the K columns and the rows of the served models), so no copy is masked but a box's."""
-    NG: gl.constexpr = GR // XR
-    LW: gl.constexpr = gl.num_warps()
-    RG: gl.constexpr = min(XR, 8 * LW)  # rows a copy: two 16-byte vectors a thread (one swizzle atom a warp)
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
-    lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
-    lc = gl.arange(0, SUB, layout=gl.SliceLayout(0, lay))
-    off = gl.expand_dims(lr * KD, 1) + gl.expand_dims(lc, 0)
-    groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)
-    # the matrices' addresses from the table (loaded here, not held in the loader's registers as arguments)
-    pa = gl.multiple_of(gl.load(wtab_ptr + IA).to(gl.pointer_type(gl.bfloat16), bitcast=True), 16)
-    pb = gl.multiple_of(gl.load(wtab_ptr + IB).to(gl.pointer_type(gl.bfloat16), bitcast=True), 16)
-    for i in range(2 * KT * NG):  # box i: half i % 2 (a, b), then (q, g) = divmod(i // 2, NG)
-        hb = i % 2
-        q = i // 2 // NG
-        g = i // 2 % NG
-        if KP > 1:
-            r = gl.where(hb == 0, ra, rb)
-            col = c + (q * KP + g) * SUB
-        else:
-            r = gl.where(hb == 0, ra, rb) + g * XR
-            col = c + q * SUB
-        ok = gl.where(hb == 0, na, nb) > (0 if KP > 1 else g * XR)
-        col = gl.multiple_of(col, SUB)  # a box's first column (`_load_k` rounds K windows down to one)
-        base = gl.where(hb == 0, pa, pb) + (r.to(gl.int64) * KD + col)
-        dst = groups.index((KT * s + q) * 2 * NG + hb * NG + g)
-        if ok:
-            for j in gl.static_range(XR // RG):
-                async_copy.async_copy_global_to_shared(dst.slice(j * RG, RG, dim=0), base + j * RG * KD + off)
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
-def _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr,
-              KP: gl.constexpr, HYB: gl.constexpr):
-    """`_issue_tile`'s copies by TMA (with HYB the barrier counts the loader's threads: the expect-tx is one)."""
+def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+                XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
+    [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
+    descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
+    second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
+    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With KP = GR / XR > 1 (a
+    64-dim head's QKV tiles, `StreamConfig.qkv_kpack`) a half's KP boxes hold the same XR rows at KP consecutive
+    64-column sub-chunks, so a tile spans 64 KP columns and no row of the product is wasted (`_pair_rows_batch`)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
     NG: gl.constexpr = GR // XR  # boxes per half
     if KP > 1:
         _expect(bar, KT * NG * ((na > 0).to(gl.int32) + (nb > 0).to(gl.int32)), 2 * NG * KT, XR * SUB * 2)
     else:
         _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
                 XR * SUB * 2)
-    if HYB:
-        mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
     groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)  # a tile: 2 halves of [GR, 64]
     for q in gl.static_range(KT):  # past K the copies are zero-filled; the staged operand is zero past a window
         for g in gl.static_range(NG):
@@ -385,46 +348,15 @@ def _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.
                                                 pred=g * XR < na)
                 tma.async_copy_global_to_shared(db, [rb + g * XR, c + q * SUB], bar, groups.index(tile + NG + g),
                                                 pred=g * XR < nb)
-
-
-@gluon.jit
-def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, wtab_ptr, IA: gl.constexpr,
-                IB: gl.constexpr, KD: gl.constexpr, cp=False):
-    """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
-    [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
-    descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
-    second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
-    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With KP = GR / XR > 1 (a
-    64-dim head's QKV tiles, `StreamConfig.qkv_kpack`) a half's KP boxes hold the same XR rows at KP consecutive
-    64-column sub-chunks, so a tile spans 64 KP columns and no row of the product is wasted (`_pair_rows_batch`)."""
-    s = _claim(t, ready, empty, NS, INFLIGHT)
-    bar = ready.index(s)
-    NG: gl.constexpr = GR // XR  # boxes per half
-    if ready.shape[0] >= NS + 5:  # every tile fill by cp.async (no TMA path for them)
-        _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, wtab_ptr, IA, IB, KD)
-    elif ready.shape[0] >= NS + 3:  # diagnostic: a hybrid build without the cp.async path
-        _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, True)
-    elif ready.shape[0] > NS:  # hybrid fills (`StreamConfig.tile_cp_window`): this one by cp.async where cp
-        if cp:
-            _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, wtab_ptr, IA, IB, KD)
-        else:
-            _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, True)
-    else:
-        _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, False)
     return t + 1
 
 
 @gluon.jit
 def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
-                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, wtab_ptr,
-                    IA: gl.constexpr, IB: gl.constexpr, KD: gl.constexpr, hb=0, hm=0):
-    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT KP columns per slot. In a hybrid build, fill
-    t goes by cp.async where bit t - hb of hm is set (`_loader`)."""
+                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT KP columns per slot."""
     for c in range(k0, k1, SUB * KT * KP):
-        d = gl.minimum(t - hb, 62)
-        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP, wtab_ptr, IA,
-                        IB, KD, ((hm >> d) & 1) != 0)
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP)
     return t
 
 
@@ -448,14 +380,14 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr,
             wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H: gl.constexpr, IS: gl.constexpr,
             NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
             QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
-            QKP: gl.constexpr, GIN: gl.constexpr, HYBM: gl.constexpr):
+            QKP: gl.constexpr, GIN: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -472,17 +404,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
     q1 = gl.load(qoff_ptr + pid + 1)
     t = qi * 0
     pos = gl.load(rt_ptr + 1)
-    hb = qi * 0  # hybrid fills (HYBM): the latest instruction's first fill, and which fills from it go by cp.async
-    hm = (qi * 0).to(gl.int64)
     op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_reach = ptx.gl_globaltimer()
-        if HYBM > 0:  # hybrid fills: which of the fills from this instruction's first go by cp.async: the window
-            # after this start and what is left of the earlier starts' windows
-            hm = (hm >> gl.minimum(t - hb, 62)) | HYBM
-            hb = t
         is_qkv = op == OP_QKV
         if QK_NORM:
             is_qkv = is_qkv | (op == OP_QKV_SQ)
@@ -495,7 +421,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                 ra = base + head * HD + j
                 if TILE:
                     t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIN,
-                                        QXR, KT, QKP, wtab_ptr, 0, 0, H, hb, hm)
+                                        QXR, KT, QKP)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -508,7 +434,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
                     t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, GIN,
-                                        XR, KT, 1, wtab_ptr, 2, 3, H, hb, hm)
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
@@ -516,10 +442,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                                         INFLIGHT, SB, BK, BOX_BYTES, MMA, wg_ptr, wu_ptr, NL * IS, NL * IS, H, CPF)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF, wtab_ptr, 1, hb, hm)
+                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF, wtab_ptr, 4, hb, hm)
+                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -538,7 +464,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                                       KV_RING, kc_ptr, vc_ptr, NL * NKV * S, CPF)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF, wtab_ptr, 5, hb, hm)
+                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -605,9 +531,6 @@ def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.con
     for kb in range(kb0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        if (ready.shape[0] == NS + 1) | (ready.shape[0] == NS + 3) | (ready.shape[0] == NS + 5):  # a slot may
-            # have come by cp.async (the
-            fence_async_shared()  # generic proxy): wgmma reads the async one (NS + 2, NS + 4: diagnostics)
         for q in gl.static_range(KT):
             acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
@@ -2325,7 +2248,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
-    d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, wtab_ptr,
+    d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -2339,15 +2262,13 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, HYBM: gl.constexpr, HYBF: gl.constexpr, LOADER_WARPS: gl.constexpr,
-    num_warps: gl.constexpr,
+    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
-    # a hybrid-fill build (HYBM > 0: `StreamConfig.tile_cp_window`) has a spare `ready` entry, which tells the ops
-    ready = gl.allocate_shared_memory(gl.int64, [NS + (HYBF if HYBM > 0 else 0), 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
@@ -2365,8 +2286,7 @@ def stream_megakernel(
         vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
     for i in gl.static_range(NS):
-        # with CPF each loader thread's copies arrive; hybrid fills: each loader thread's (TMA: one and the rest)
-        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS if (CPF or HYBM > 0) else 1)
+        mbarrier.init(ready.index(i), count=32 if CPF else 1)  # with CPF each loader thread's copies arrive
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
@@ -2376,11 +2296,11 @@ def stream_megakernel(
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF, QKP, GIN, HYBM)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+                   CPF, QKP, GIN)),
+    ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -2478,18 +2398,14 @@ class StreamConfig:
     #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
     #: the chain's latency bounds a step: `stream_config` turns it on up to CP_FILL_HIDDEN (side by side at ctx
     #: 1024: qwen3-1.7b 2-5 % faster, llama-1b 0-2 %, qwen3-0.6b within 1 %; llama-3b 1.7 % and llama-8b 0.6 %
-    #: slower). A batch's tile fills by cp.async measured slower from one loader warp (llama-1b batch 8 +1 % and
-    #: +11 %, batch 16 +13 % and +27 %: it issues a 32 KB slot's copies too slowly); from four warps the releases
-    #: shrink as at batch 1, but the copies stream ~9 % slower than TMA: llama-1b batch 8 -1 %, batch 16 +13 %,
-    #: llama-8b batch 8 +10 %. So a batch keeps TMA (docs/perf-notes.md)
+    #: slower). A batch's tile fills by cp.async: from one loader warp copying a slot's boxes unrolled, too slow to
+    #: issue (llama-1b batch 8 +11 %); from four warps the releases shrink as at batch 1, but the copies stream
+    #: ~9 % slower than TMA (batch 16 +13 %, llama-8b batch 8 +10 %); from one warp copying a box a loop iteration
+    #: as fast as TMA, the releases 7.4 -> 4.0 us a layer, but QKV's and down's staging loads queue behind the
+    #: copies (llama-1b batch 8 the same, batch 16 -0.7 %, llama-8b batch 8 +3.5 %); and only the fills a release
+    #: would wait for by cp.async, 3-4 % faster than the same build with all of them by TMA, whose loader, holding
+    #: both kinds of copy, costs 5-13 %. So a batch keeps TMA (docs/perf-notes.md)
     cp_fill: bool = False
-    #: experiment: a batch's tile fills go by cp.async (from the loader's warps) while the compute warps' current
-    #: instruction has at most this many fills left, by TMA otherwise (0: TMA only)
-    tile_cp_window: int = 0
-    #: experiment: ... and the first this many fills of every instruction
-    tile_cp_start: int = 0
-    tile_cp_fence: bool = True  # diagnostic: False drops the proxy fence (not correct by the memory model)
-    loader_warps: int = 1  # experiment: warps of the loader partition
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
@@ -2790,9 +2706,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "X_DTYPE": x_dtype,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
-            "HYBM": (1 << 61 if sc.tile_cp_window < 0 else  # diagnostic: a hybrid build whose fills are all TMA
-                     (((1 << sc.tile_cp_window) - 1) << max(0, slots - sc.tile_cp_window))
-                     | ((1 << sc.tile_cp_start) - 1)) if tile else 0,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
 
@@ -2812,9 +2725,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] or geo["HYBM"] else TILE_LOADER_REGS
-                                       if geo["TILE"] else 32),
-        HYBM=geo["HYBM"], HYBF=(1 if sc.tile_cp_fence else 2) + (2 if sc.tile_cp_window == -2 else 4 if sc.tile_cp_window == -3 else 0), LOADER_WARPS=sc.loader_warps,
+        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
         CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], num_warps=sc.num_warps)
