@@ -27,7 +27,7 @@ ARG_TYPES = {
     "ins_ptr": "*i32", "waits_ptr": "*i32", "sigs_ptr": "*i32", "qoff_ptr": "*i32", "qitems_ptr": "*i32",
     "counters_ptr": "*i32", "err_ptr": "*i32", "trace_ptr": "*i64", "smid_ptr": "*i32", "rt_ptr": "*i32",
     "embed_ptr": "*bf16", "attn_norm_ptr": "*fp32", "wqkv_ptr": "*bf16", "wo_ptr": "*bf16", "mlp_norm_ptr": "*fp32",
-    "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16", "wtab_ptr": "*i64",
+    "wg_ptr": "*bf16", "wu_ptr": "*bf16", "wd_ptr": "*bf16", "final_norm_ptr": "*fp32", "lm_head_ptr": "*bf16",
     "bqkv_ptr": "*fp32", "qk_norm_ptr": "*fp32",
     "x_ptr": "*fp32", "q_ptr": "*fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "opart_ptr": "*fp32",
     "lse_ptr": "*fp32", "attn_ptr": "*fp32", "act_ptr": "*fp32", "logits_ptr": "*fp32", "cos_ptr": "*fp32",
@@ -216,9 +216,7 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
     qdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, qkv=True))
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {geo['KVW']}],{stream.kv_box_layout(geo)!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
-             "d_v": kvdesc, "d_act": kvdesc}
-    if geo["DT"]:
-        types["d_act"] = f"tensordesc<bf16[{geo['DT']}, {geo['NBP']}, 64],{stream.MMA_BOX!r}>"
+             "d_v": kvdesc}
     if geo["ACT_BF16"]:  # as `Megakernel` allocates them
         types.update(attn_ptr="*bf16", act_ptr="*bf16")
     if geo["X_DTYPE"] != "fp32":

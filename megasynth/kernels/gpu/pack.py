@@ -237,7 +237,7 @@ def check_runs_batched_on_v10(p: Packed) -> None:
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
     batched schedule `p`: a batch folds attn_reduce into o_proj only where attention has one split (then o_proj
     stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower)."""
-    fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] > 2) | (p.max_splits > 2))
+    fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
     _refuse(p, "v10", "", (
         (fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at a batch only with 1 attention split; {{}} merges "
                 "more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),))

@@ -235,7 +235,7 @@ class Megakernel:
         if self.v10:
             from megasynth.kernels.gpu.stream import stream_descriptors
 
-            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo, self.act)
+            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo)
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None
@@ -314,8 +314,7 @@ class Megakernel:
 
             args = [d["ins"], d["waits"], d["sigs"], d["qoff"], d["counters"], d["err"], d["trace"], self.smids,
                     self.rt, w["embed"], w["attn_norm"], w["mlp_norm"], w["final_norm"], *extra, *self.descs,
-                    w["wqkv"], w["wo"], w["w_gate"], w["w_up"], w["w_down"], w["lm_head"], self._wtab(), self.x,
-                    self.q,
+                    w["wqkv"], w["wo"], w["w_gate"], w["w_up"], w["w_down"], w["lm_head"], self.x, self.q,
                     self.k_cache, self.v_cache, d["opart"], d["lse"], self.attn, self.act,
                     self.logits, self.cos, self.sin, self.qk_sq, self.k_new, self.timeout_ns, p.max_splits]
             return stream_megakernel, args, stream_constexprs(c, self.max_seq_len, k, trace, self.batch)
@@ -325,17 +324,6 @@ class Megakernel:
                 self.v_cache, d["opart"], d["lse"], self.attn, self.act, self.logits, self.cos, self.sin, self.vs,
                 self.timeout_ns, p.max_splits]
         return v9_megakernel, args, kernel_constexprs(c, self.max_seq_len, k, trace, self.batch)
-
-    def _wtab(self) -> Any:
-        """The six weight matrices' addresses (wqkv, wo, w_gate, w_up, w_down, lm_head) as an int64 tensor: where
-        the loader's cp.async tile fills read them (`stream._tile_cp`)."""
-        if getattr(self, "_wtab_t", None) is None:
-            import torch
-
-            names = ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head")
-            self._wtab_t = torch.tensor([self.w[n].data_ptr() for n in names], dtype=torch.int64,
-                                        device=self.w["wqkv"].device)
-        return self._wtab_t
 
     def _check_residency(self, p: Packed, trace: bool) -> None:
         """Compile (once per trace flag) and refuse a grid whose programs cannot all be resident at once."""

@@ -177,9 +177,8 @@ def _cp_box(ptr, nrows, K: gl.constexpr, r, c, dst, ok, ROWS: gl.constexpr, COLS
     offsets the compiler knows; one that crosses its end has the rows and columns past it zero-filled, as TMA fills
     past a descriptor's bounds. Completion is the caller's `async_copy.mbarrier_arrive` on the slot's barrier."""
     TC: gl.constexpr = min(32, COLS // 8)
-    LW: gl.constexpr = gl.num_warps()  # the loader partition's warps
-    RG: gl.constexpr = min(ROWS, 32 // TC * 4 * LW)  # rows a copy: up to 4 of 16 bytes a thread
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [LW, 1], [1, 0])
+    RG: gl.constexpr = 32 // TC * 4  # rows a copy: 4 of 16 bytes a thread (the loader warp has few registers)
+    lay: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [1, 1], [1, 0])
     lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
     lc = gl.arange(0, COLS, layout=gl.SliceLayout(0, lay))
     off = gl.expand_dims(lr * K, 1) + gl.expand_dims(lc, 0)
@@ -239,8 +238,6 @@ def _issue_kv(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl
         async_copy.mbarrier_arrive(bar, increment_count=False)
     else:
         mbarrier.expect(bar, 2 * BTK * HD * 2)
-        if ready.shape[0] > NS:  # hybrid fills: the barrier counts the loader's threads
-            mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
         tma.async_copy_global_to_shared(dk, [row, 0], bar, kv.index(KPS * s))
         tma.async_copy_global_to_shared(dv, [row, 0], bar, kv.index(KPS * s + 1))
     return t + 1
@@ -259,8 +256,6 @@ def _issue_kv_rows(dk, dv, row, t, ring, ready, empty, NS: gl.constexpr, INFLIGH
         s = _claim(t, ready, empty, NS, INFLIGHT)
         bar = ready.index(s)
         mbarrier.expect(bar, KPS * BTK * 64 * 2)
-        if ready.shape[0] > NS:  # hybrid fills: the barrier counts the loader's threads
-            mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
         for i in gl.static_range(KPS):  # block j KPS + i of the pair: K's chunks, then V's
             if j * KPS + i < DH:
                 tma.async_copy_global_to_shared(dk, [row, (j * KPS + i) * 64], bar, kv.index(KPS * s + i))
@@ -284,7 +279,7 @@ def _kv_blocks(ring, BTK: gl.constexpr, HD: gl.constexpr, KV_RING: gl.constexpr)
 def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BOX_BYTES: gl.constexpr, MMA: gl.constexpr, KW: gl.constexpr,
             TILE: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, wp, NR: gl.constexpr, KD: gl.constexpr,
-            CPF: gl.constexpr, wtab_ptr, WI: gl.constexpr, hb=0, hm=0, CPK: gl.constexpr = 0):
+            CPF: gl.constexpr):
     """The slots of W[a0:a1, k0:k1] (rows from base): rows r and r + 16 over the same K chunks (the second box only
     while r + 16 < a1), so that both boxes of a slot multiply one activation chunk, as gate/up's do. With KW > 0
     (a batch; at batch 1 `StreamConfig.down_window`) K goes in windows of at most KW, all rows per window (the
@@ -298,7 +293,7 @@ def _load_k(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
                 for r in range(a0, a1, 2 * GR):
                     t = _load_tile_rows(desc, desc, base + r, base + r + GR, gl.minimum(a1 - r, GR),
                                         gl.minimum(a1 - r - GR, GR), w0, w1, t, ring, ready, empty, NS, INFLIGHT,
-                                        XR, KT, 1, wtab_ptr, WI, WI, KD, hb, hm, CPK)
+                                        XR, KT)
             else:
                 t = _load_rows(desc, base, a0, a1, w0, w1, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES,
                                MMA, wp, NR, KD, CPF)
@@ -322,55 +317,23 @@ def _load_rows(desc, base, a0, a1, k0, k1, t, ring, ready, empty, NS: gl.constex
 
 
 @gluon.jit
-def _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr,
-             KP: gl.constexpr, wtab_ptr, IA: gl.constexpr, IB: gl.constexpr, KD: gl.constexpr):
-    """`_issue_tile`'s copies by the loader warps' cp.async, 16 bytes a copy, into the same swizzled tiles, each
-    thread arriving on the slot's barrier when its copies land. One box a loop iteration, not unrolled: the copies'
-    code is at every tile call site of the loader, and unrolled it spilled the loader's registers. A tile box lies
-    inside its matrix (the K columns and the rows of the served models), so no copy is masked but a box's."""
-    NG: gl.constexpr = GR // XR
-    LW: gl.constexpr = gl.num_warps()
-    RG: gl.constexpr = min(XR, 8 * LW)  # rows a copy: two 16-byte vectors a thread (one swizzle atom a warp)
-    lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [LW, 1], [1, 0])
-    lr = gl.arange(0, RG, layout=gl.SliceLayout(1, lay))
-    lc = gl.arange(0, SUB, layout=gl.SliceLayout(0, lay))
-    off = gl.expand_dims(lr * KD, 1) + gl.expand_dims(lc, 0)
-    groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)
-    # the matrices' addresses from the table (loaded here, not held in the loader's registers as arguments)
-    pa = gl.multiple_of(gl.load(wtab_ptr + IA).to(gl.pointer_type(gl.bfloat16), bitcast=True), 16)
-    pb = gl.multiple_of(gl.load(wtab_ptr + IB).to(gl.pointer_type(gl.bfloat16), bitcast=True), 16)
-    for i in range(2 * KT * NG):  # box i: half i % 2 (a, b), then (q, g) = divmod(i // 2, NG)
-        hb = i % 2
-        q = i // 2 // NG
-        g = i // 2 % NG
-        if KP > 1:
-            r = gl.where(hb == 0, ra, rb)
-            col = c + (q * KP + g) * SUB
-        else:
-            r = gl.where(hb == 0, ra, rb) + g * XR
-            col = c + q * SUB
-        ok = gl.where(hb == 0, na, nb) > (0 if KP > 1 else g * XR)
-        col = gl.multiple_of(col, SUB)  # a box's first column (`_load_k` rounds K windows down to one)
-        base = gl.where(hb == 0, pa, pb) + (r.to(gl.int64) * KD + col)
-        dst = groups.index((KT * s + q) * 2 * NG + hb * NG + g)
-        if ok:
-            for j in gl.static_range(XR // RG):
-                async_copy.async_copy_global_to_shared(dst.slice(j * RG, RG, dim=0), base + j * RG * KD + off)
-    async_copy.mbarrier_arrive(bar, increment_count=False)
-
-
-@gluon.jit
-def _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr,
-              KP: gl.constexpr, HYB: gl.constexpr):
-    """`_issue_tile`'s copies by TMA (with HYB the barrier counts the loader's threads: the expect-tx is one)."""
+def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
+                XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
+    [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
+    descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
+    second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
+    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With KP = GR / XR > 1 (a
+    64-dim head's QKV tiles, `StreamConfig.qkv_kpack`) a half's KP boxes hold the same XR rows at KP consecutive
+    64-column sub-chunks, so a tile spans 64 KP columns and no row of the product is wasted (`_pair_rows_batch`)."""
+    s = _claim(t, ready, empty, NS, INFLIGHT)
+    bar = ready.index(s)
     NG: gl.constexpr = GR // XR  # boxes per half
     if KP > 1:
         _expect(bar, KT * NG * ((na > 0).to(gl.int32) + (nb > 0).to(gl.int32)), 2 * NG * KT, XR * SUB * 2)
     else:
         _expect(bar, KT * ((gl.maximum(na, 0) + XR - 1) // XR + (gl.maximum(nb, 0) + XR - 1) // XR), 2 * NG * KT,
                 XR * SUB * 2)
-    if HYB:
-        mbarrier.arrive(bar, count=32 * gl.num_warps() - 1)
     groups = ring._reinterpret(gl.bfloat16, [NS * KT * 2 * NG, XR, SUB], MMA_SMEM)  # a tile: 2 halves of [GR, 64]
     for q in gl.static_range(KT):  # past K the copies are zero-filled; the staged operand is zero past a window
         for g in gl.static_range(NG):
@@ -385,64 +348,15 @@ def _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS: gl.constexpr, XR: gl.
                                                 pred=g * XR < na)
                 tma.async_copy_global_to_shared(db, [rb + g * XR, c + q * SUB], bar, groups.index(tile + NG + g),
                                                 pred=g * XR < nb)
-
-
-@gluon.jit
-def _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, wtab_ptr, IA: gl.constexpr,
-                IB: gl.constexpr, KD: gl.constexpr, cp=False):
-    """A batch's slot t % NS <- KT [2 GR, 64] wgmma tiles over K [c, c + 64 KT), one per 64 columns: rows
-    [ra, ra + na) of da are a tile's first GR rows, rows [rb, rb + nb) of db its last GR, in [XR, 64] boxes (the
-    descriptors' box rows). na, nb <= GR: the armed bytes count the copies issued (nb <= 0 copies nothing into the
-    second half); an XR-row group past na or nb is not copied, its rows of the product never used. Every column of
-    a tile meets every sequence's column of the staged operand (`_pair_rows_batch`). With KP = GR / XR > 1 (a
-    64-dim head's QKV tiles, `StreamConfig.qkv_kpack`) a half's KP boxes hold the same XR rows at KP consecutive
-    64-column sub-chunks, so a tile spans 64 KP columns and no row of the product is wasted (`_pair_rows_batch`)."""
-    s = _claim(t, ready, empty, NS, INFLIGHT)
-    bar = ready.index(s)
-    NG: gl.constexpr = GR // XR  # boxes per half
-    if ready.shape[0] >= NS + 5:  # every tile fill by cp.async (no TMA path for them)
-        _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, wtab_ptr, IA, IB, KD)
-    elif ready.shape[0] >= NS + 3:  # diagnostic: a hybrid build without the cp.async path
-        _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, True)
-    elif ready.shape[0] > NS:  # hybrid fills (`StreamConfig.tile_cp_window`): this one by cp.async where cp
-        if cp:
-            _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, wtab_ptr, IA, IB, KD)
-        else:
-            _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, True)
-    else:
-        _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, False)
-    return t + 1
-
-
-@gluon.jit
-def _issue_tile_k(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS: gl.constexpr, INFLIGHT: gl.constexpr,
-                  XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, wtab_ptr, IA: gl.constexpr,
-                  IB: gl.constexpr, KD: gl.constexpr, CP: gl.constexpr):
-    """`_issue_tile` in a hybrid build with the fill kind fixed at the call site (CP: cp.async)."""
-    s = _claim(t, ready, empty, NS, INFLIGHT)
-    bar = ready.index(s)
-    if CP:
-        _tile_cp(ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, wtab_ptr, IA, IB, KD)
-    else:
-        _tile_tma(da, db, ra, rb, na, nb, c, s, bar, ring, NS, XR, KT, KP, True)
     return t + 1
 
 
 @gluon.jit
 def _load_tile_rows(da, db, ra, rb, na, nb, k0, k1, t, ring, ready, empty, NS: gl.constexpr,
-                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr, wtab_ptr,
-                    IA: gl.constexpr, IB: gl.constexpr, KD: gl.constexpr, hb=0, hm=0, CPK: gl.constexpr = 0):
-    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT KP columns per slot. In a hybrid build, fill
-    t goes by cp.async where bit t - hb of hm is set (`_loader`)."""
+                    INFLIGHT: gl.constexpr, XR: gl.constexpr, KT: gl.constexpr, KP: gl.constexpr = 1):
+    """`_issue_tile`'s slots of one row group over K [k0, k1), 64 KT KP columns per slot."""
     for c in range(k0, k1, SUB * KT * KP):
-        if CPK == 0:
-            d = gl.minimum(t - hb, 62)
-            t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP, wtab_ptr,
-                            IA, IB, KD, ((hm >> d) & 1) != 0)
-        else:  # the fill kind of this call site (`StreamConfig.tile_cp_ops`)
-            t = _issue_tile_k(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP, wtab_ptr,
-                              IA, IB, KD, CPK == 2)
+        t = _issue_tile(da, db, ra, rb, na, nb, c, t, ring, ready, empty, NS, INFLIGHT, XR, KT, KP)
     return t
 
 
@@ -466,14 +380,14 @@ def _row17(ins_ptr, q, ROWW: gl.constexpr):
 
 
 @gluon.jit
-def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr,
+def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr,
             wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H: gl.constexpr, IS: gl.constexpr,
             NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
             QK_NORM: gl.constexpr, ROWW: gl.constexpr, NS: gl.constexpr, INFLIGHT: gl.constexpr, QIN: gl.constexpr,
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
             QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
-            QKP: gl.constexpr, GIN: gl.constexpr, HYBM: gl.constexpr, TCP: gl.constexpr):
+            QKP: gl.constexpr, GIN: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -490,17 +404,11 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
     q1 = gl.load(qoff_ptr + pid + 1)
     t = qi * 0
     pos = gl.load(rt_ptr + 1)
-    hb = qi * 0  # hybrid fills (HYBM): the latest instruction's first fill, and which fills from it go by cp.async
-    hm = (qi * 0).to(gl.int64)
     op, layer, a0, a1, a2, a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
         n_op, n_layer, n_a0, n_a1, n_a2, n_a3 = _row6(ins_ptr, gl.maximum(gl.minimum(qi + 1, q1 - 1), 0), ROWW)
         if TRACE:
             t_reach = ptx.gl_globaltimer()
-        if HYBM > 0:  # hybrid fills: which of the fills from this instruction's first go by cp.async: the window
-            # after this start and what is left of the earlier starts' windows
-            hm = (hm >> gl.minimum(t - hb, 62)) | HYBM
-            hb = t
         is_qkv = op == OP_QKV
         if QK_NORM:
             is_qkv = is_qkv | (op == OP_QKV_SQ)
@@ -513,7 +421,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                 ra = base + head * HD + j
                 if TILE:
                     t = _load_tile_rows(d_qkv, d_qkv, ra, ra + HALF, n, n, 0, H, t, ring, ready, empty, NS, QIN,
-                                        QXR, KT, QKP, wtab_ptr, 0, 0, H, hb, hm, 0 if TCP == 0 else 1 + (TCP & 1))
+                                        QXR, KT, QKP)
                 else:
                     for kb in range(0, NKH, SB // 2):
                         t = _issue_pair(d_qkv, d_qkv, ra, ra + HALF, p < pend, 0, kb, NKH, t, ring, ready, empty, NS,
@@ -526,7 +434,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
                     t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, GIN,
-                                        XR, KT, 1, wtab_ptr, 2, 3, H, hb, hm, 0 if TCP == 0 else 1 + (TCP >> 2 & 1))
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
@@ -534,10 +442,10 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                                         INFLIGHT, SB, BK, BOX_BYTES, MMA, wg_ptr, wu_ptr, NL * IS, NL * IS, H, CPF)
         elif (op == OP_OPROJ) | (op == OP_FUSED):
             t = _load_k(d_o, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF, wtab_ptr, 1, hb, hm, 0 if TCP == 0 else 1 + (TCP >> 1 & 1))
+                        KW, TILE, XR, KT, wo_ptr, NL * H, NH * HD, CPF)
         elif op == OP_DOWN:
             t = _load_k(d_d, layer * H, a0, a1, a2, a3, t, ring, ready, empty, NS, INFLIGHT, SB, BK, BOX_BYTES, MMA,
-                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF, wtab_ptr, 4, hb, hm, 0 if TCP == 0 else 1 + (TCP >> 3 & 1))
+                        KW, TILE, XR, KT, wd_ptr, NL * H, IS, CPF)
         elif op == OP_PARTIAL:
             if KV_RING:  # the split's K/V history: positions < pos are never written during a step
                 if NB > 1:
@@ -556,7 +464,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u
                                       KV_RING, kc_ptr, vc_ptr, NL * NKV * S, CPF)
         elif op == OP_LM_HEAD:
             t = _load_k(d_lm, layer * 0, a0, a1, a0 * 0, a0 * 0 + H, t, ring, ready, empty, NS, INFLIGHT, SB, BK,
-                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF, wtab_ptr, 5, hb, hm, 0 if TCP == 0 else 1 + (TCP >> 4 & 1))
+                        BOX_BYTES, MMA, KW, TILE, XR, KT, lm_head_ptr, V, H, CPF)
         if TRACE:
             tr = trace_ptr + gl.load(ins_ptr + qi * ROWW + FIDX).to(gl.int64) * TRACE_W
             gl.store(tr + 4, t_reach)
@@ -623,9 +531,6 @@ def _mma_slots(t, ring, ready, empty, xs, nkb, acc, NS: gl.constexpr, KT: gl.con
     for kb in range(kb0, nkb):
         s = t % NS
         mbarrier.wait(ready.index(s), (t // NS) & 1)
-        if (ready.shape[0] == NS + 1) | (ready.shape[0] == NS + 3) | (ready.shape[0] == NS + 5):  # a slot may
-            # have come by cp.async (the
-            fence_async_shared()  # generic proxy): wgmma reads the async one (NS + 2, NS + 4: diagnostics)
         for q in gl.static_range(KT):
             acc = warpgroup_mma(slots.index(KT * s + q), xs.index(KT * kb + q).permute((1, 0)), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=KT, deps=(acc,))
@@ -1610,7 +1515,7 @@ def _op_attn_reduce(opart_ptr, lse_ptr, attn_ptr, start, end, splits, NH: gl.con
 def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, num_warps: gl.constexpr, tr,
-                 TRACE: gl.constexpr, MRG: gl.constexpr = 0):
+                 TRACE: gl.constexpr):
     """A batch's B operand <- every sequence's src[k0:k1] (sequence b's at src + b sstride), zero below klo and for
     the padding sequences [NB, NBP), in the layout of the build's slots (`_stage_tiles`, `_stage_rowpairs`), whole
     before any product. With NORM the values are times the norm weight and each sequence's rstd: the returned [NBP]
@@ -1619,7 +1524,7 @@ def _stage_batch(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     takes several groups multiplies as they land instead: `_staged_rows_batch`.)"""
     if TILE:
         rs = _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
-                          num_warps, MRG)
+                          num_warps)
     else:
         rs = _stage_rowpairs(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS,
                              num_warps)
@@ -1647,25 +1552,8 @@ def _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB: gl.constexpr):
 
 
 @gluon.jit
-def _merge2(src_ptr, sstride, lse_ptr, seq, k0, k1, klo, idx, NB: gl.constexpr, HD: gl.constexpr):
-    """Experiment: `_load_window` of two attention splits' normalised partials (sequence b's split s at src +
-    b sstride + s sstride / 2) merged by their log-sum-exps (lse_ptr: sequence b's split s at (2 b + s) NH)."""
-    v0, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)
-    v1, m1 = _load_window(src_ptr + sstride // 2, seq, sstride, k0, k1, klo, idx, NB)
-    nh = sstride // (2 * HD)
-    head = (k0 + idx) // HD
-    ok = m & (seq < NB)
-    l0 = gl.load(lse_ptr + (2 * seq) * nh + head, mask=ok, other=0.0, cache_modifier=".cg")
-    l1 = gl.load(lse_ptr + (2 * seq + 1) * nh + head, mask=ok, other=0.0, cache_modifier=".cg")
-    mx = gl.maximum(l0, l1)
-    e0 = gl.exp(l0 - mx)
-    e1 = gl.exp(l1 - mx)  # an empty split (lse = -inf) weighs 0
-    return (e0 * v0 + e1 * v1) / (e0 + e1), m
-
-
-@gluon.jit
 def _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
-               NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr, MRG: gl.constexpr = 0):
+               NBP: gl.constexpr, CG: gl.constexpr, num_warps: gl.constexpr):
     """The loads of a tile stage's group c0 .. c0 + CG - 1 of chunks: every sequence's values there ([NBP, CG, BK]
     fp32, `_load_window`) and, with NORM, the norm weight's ([1, CG, BK]; without, the mask). Issued apart from
     `_tile_store` so that they are in flight while the products of the group before run. The warps split the group's
@@ -1678,10 +1566,7 @@ def _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, c0, NORM: gl.constexpr, BK
     cc = gl.arange(0, BK, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))
     seq = gl.expand_dims(gl.expand_dims(bb, 1), 2)  # [NBP, 1, 1]
     idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-    if MRG > 0:
-        v, m = _merge2(src_ptr, sstride, nw_ptr, seq, k0, k1, klo, idx, NB, MRG)
-    else:
-        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
+    v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
     if NORM:
         w = gl.load(nw_ptr + idx, mask=m, other=0.0)
     else:
@@ -1726,7 +1611,7 @@ def _tile_ops(vstage, NCHK: gl.constexpr, BK: gl.constexpr, NBP: gl.constexpr, C
 @gluon.jit
 def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constexpr, H: gl.constexpr,
                  EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr, MRG: gl.constexpr = 0):
+                 CG: gl.constexpr, CPS: gl.constexpr, num_warps: gl.constexpr):
     """`_stage_batch` for `_issue_tile`'s slots: per 64-column sub-chunk of K, row b is sequence b's bf16 values
     and, with hi/lo pairs (CPS = 2), row NBP + b what bf16 left of them. The norm's per-sequence rstd commutes with
     the product, so it is returned for the epilogue, and the operand is staged CG chunks of every sequence at a time
@@ -1746,10 +1631,7 @@ def _stage_tiles(vstage, src_ptr, sstride, nw_ptr, k0, k1, klo, NORM: gl.constex
     ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, CPS * NBP, SUB], MMA_BOX)
     for c0 in gl.static_range(0, NCHK, CG):
         idx = gl.expand_dims(gl.expand_dims(c0 + rr, 0), 2) * BK + gl.expand_dims(gl.expand_dims(cc, 0), 1)
-        if MRG > 0:
-            v, m = _merge2(src_ptr, sstride, nw_ptr, seq, k0, k1, klo, idx, NB, MRG)
-        else:
-            v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
+        v, m = _load_window(src_ptr, seq, sstride, k0, k1, klo, idx, NB)  # [NBP, CG, BK], [1, CG, BK]
         if NORM:
             ss += gl.sum(gl.sum(v * v, axis=2), axis=1)
             v = v * gl.load(nw_ptr + idx, mask=m, other=0.0)
@@ -1860,7 +1742,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
                        NORM: gl.constexpr, H: gl.constexpr, EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
                        NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, NS: gl.constexpr,
                        KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                       KP: gl.constexpr = 1, MRG: gl.constexpr = 0):
+                       KP: gl.constexpr = 1):
     """A tile build's stage of its operand (`_stage_batch`: every sequence's src[k0:k1], zero below klo) and the
     products of its first row group (`_pair_rows_batch`) in one: the operand goes in groups of CG chunks, and a
     group's products (the slots of its K columns) are issued as soon as it is in shared memory, with the next group's
@@ -1876,7 +1758,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
     ops = _tile_ops(vstage, NCHK, BK, NBP, CPS)
     xs = _kpacked(vstage, KP)
     acc = gl.zeros([2 * GR, KP * CPS * NBP], gl.float32, accl)
-    v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, 0, NORM, BK, NB, NBP, CG, num_warps, MRG)
+    v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, 0, NORM, BK, NB, NBP, CG, num_warps)
     for g in gl.static_range(NG):
         if g == 0:
             ss = _tile_store(ops, v, w, 0, NORM, CG, CPS, NBP, BK)
@@ -1885,8 +1767,7 @@ def _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, 
         fence_async_shared()
         gl.thread_barrier()
         if g + 1 < NG:
-            v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, (g + 1) * CG, NORM, BK, NB, NBP, CG, num_warps,
-                              MRG)
+            v, w = _tile_load(src_ptr, sstride, nw_ptr, k0, k1, klo, (g + 1) * CG, NORM, BK, NB, NBP, CG, num_warps)
         elif TRACE:
             gl.store(tr + 6, ptx.gl_globaltimer())
         t, acc = _mma_slots(t, ring, ready, empty, xs, gl.minimum(nkb, (g + 1) * GS), acc, NS, KT, True,
@@ -1924,7 +1805,7 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
                       NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr,
                       NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
                       KT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr,
-                      SPIPE: gl.constexpr = False, MRG: gl.constexpr = 0):
+                      SPIPE: gl.constexpr = False):
     """`_op_kpaired` for every sequence of a batch: o_proj and down (residual atomics into each sequence's x) and
     the LM head (each sequence's own final norm; plain stores into its logits). K goes in windows of at most KW (the
     staged chunks' width, the hidden size): a K span longer than that (down's) is staged and multiplied one window
@@ -1939,74 +1820,18 @@ def _op_kpaired_batch(ring, ready, empty, vstage, t, src_ptr, sstride, nw_ptr, o
             nkb = (w1 - w0 + KS - 1) // KS
             t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, src_ptr, sstride, nw_ptr, w0, w1, k0,
                                                nkb, NORM, H, EPS, NCHK, BK, NB, NBP, CG, CPS, NS, KT, ep, num_warps,
-                                               tr, TRACE, 1, MRG)
+                                               tr, TRACE)
             _kpaired_rows(out_ptr, ostride, a0, ir, y1, y2, rs, a1, NB, NORM and TILE, RESIDUAL, RG, ep)
             r0 = a0 + 2 * RG
         else:
             rs = _stage_batch(vstage, src_ptr, sstride, nw_ptr, w0, w1, k0, NORM, H, EPS, NCHK, BK, NB, NBP, CG,
-                              CPS, TILE, num_warps, tr, TRACE, MRG)
+                              CPS, TILE, num_warps, tr, TRACE)
             nkb = (w1 - w0 + KS - 1) // KS
             r0 = a0
         for r in range(r0, a1, 2 * RG):
             t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, CPS, TILE, KT, ep, num_warps)
             _kpaired_rows(out_ptr, ostride, r, ir, y1, y2, rs, a1, NB, NORM and TILE, RESIDUAL, RG, ep)
     return t
-
-
-@gluon.jit
-def _stage_tma(vstage, d_src, sbar, sph, w0, w1, klo, nkb, NCHK: gl.constexpr, BK: gl.constexpr,
-               NBP: gl.constexpr, KT: gl.constexpr, DT: gl.constexpr, num_warps: gl.constexpr, tr,
-               TRACE: gl.constexpr):
-    """Experiment: a tile build's bf16 operand (every sequence's src[w0:w1], zero below klo) by TMA from d_src (src
-    viewed [K / 64, NB, 64], [DT, NBP, 64] boxes, rows past NB zero-filled) rather than the compute warps' loads,
-    the sub-chunks the products read outside [klo, w1) zeroed after. sph: sbar's phase; returns the next one."""
-    NQ: gl.constexpr = BK // SUB
-    NC: gl.constexpr = NCHK * NQ // DT  # copies a whole window takes
-    ops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, NBP, SUB], MMA_BOX)
-    nsub = nkb * KT
-    ncp = (nsub + DT - 1) // DT
-    gl.thread_barrier()  # every warp done with the buffer
-    fence_async_shared()
-    ptx.gl_fence_proxy_async_global()
-    _expect(sbar, ncp, NC, DT * NBP * SUB * 2)
-    for i in gl.static_range(NC):
-        tma.async_copy_global_to_shared(d_src, [w0 // SUB + i * DT, 0, 0], sbar, ops.slice(i * DT, DT, dim=0),
-                                        pred=i < ncp)
-    mbarrier.wait(sbar, sph)
-    zl: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    cols = gl.expand_dims(gl.arange(0, SUB, layout=gl.SliceLayout(0, zl)), 0)
-    zops = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, NBP, SUB], MMA_SMEM)  # the same bytes, a block a sub-chunk
-    if klo > w0:
-        blk = zops.index(0)
-        v = blk.load(zl)
-        blk.store(gl.where(w0 + cols >= klo, v, gl.zeros_like(v)))
-    for j in range((w1 - w0) // SUB, nsub):
-        blk = zops.index(j)
-        v = blk.load(zl)
-        blk.store(gl.where(w0 + j * SUB + cols < w1, v, gl.zeros_like(v)))
-    fence_async_shared()
-    gl.thread_barrier()
-    if TRACE:
-        gl.store(tr + 6, ptx.gl_globaltimer())
-    return sph ^ 1
-
-
-@gluon.jit
-def _op_down_tma(ring, ready, empty, vstage, t, d_act, sbar, sph, out_ptr, ostride, a0, a1, k0, k1,
-                 NS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
-                 KT: gl.constexpr, KW: gl.constexpr, DT: gl.constexpr, ep: gl.constexpr, num_warps: gl.constexpr,
-                 tr, TRACE: gl.constexpr):
-    """Experiment: `_op_kpaired_batch` for down on tiles with the operand staged by TMA (`_stage_tma`)."""
-    KS: gl.constexpr = SUB * KT
-    ir = gl.arange(0, GR, layout=gl.SliceLayout(1, ep))
-    for w0 in range(k0 // SUB * SUB, k1, KW):
-        w1 = gl.minimum(w0 + KW, k1)
-        nkb = (w1 - w0 + KS - 1) // KS
-        sph = _stage_tma(vstage, d_act, sbar, sph, w0, w1, k0, nkb, NCHK, BK, NBP, KT, DT, num_warps, tr, TRACE)
-        for r in range(a0, a1, 2 * GR):
-            t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, nkb, NS, NBP, 1, True, KT, ep, num_warps)
-            _kpaired_rows(out_ptr, ostride, r, ir, y1, y2, 1.0, a1, NB, False, True, GR, ep)
-    return t, sph
 
 
 @gluon.jit
@@ -2159,14 +1984,14 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
 @gluon.jit
 def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
               mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr,
-              act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, d_act, sbar, sph,
+              act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
               H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
               S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, DT: gl.constexpr, FOLD2: gl.constexpr, F2CG: gl.constexpr, F2PIPE: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -2202,30 +2027,21 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                               num_warps, tr, TRACE, SPIPE)
     elif op == OP_FUSED:  # with one attention split (`pack.check_runs_batched_on_v10`) the merge is the identity:
         # o_proj stages each sequence's attention output from its only split's partial (fp32, normalised)
-        if FOLD2:  # experiment: two splits merged as o_proj stages them (`StreamConfig.fold2`)
-            t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, 2 * NH * HD, lse_ptr, x_ptr, H, a0, a1,
-                                  a2, a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, F2CG, CPS, NCHH * BK, TILE, KT,
-                                  ep, num_warps, tr, TRACE, F2PIPE, HD)
-        else:
-            t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2,
-                                  a3, False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                                  num_warps, tr, TRACE, SPIPE)
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, opart_ptr, NH * HD, opart_ptr, x_ptr, H, a0, a1, a2, a3,
+                              False, True, H, EPS, NS, NCHQ, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
+                              num_warps, tr, TRACE, SPIPE)
     elif op == OP_GATE_UP:
         t = _op_gate_up_batch(ring, ready, empty, vstage, t, x_ptr, mlp_norm_ptr, act_ptr, layer, a0, a1, H, IS, EPS,
                               NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, SPIPE)
     elif op == OP_DOWN:
-        if DT > 0:  # experiment: the operand by TMA (`StreamConfig.down_tma`)
-            t, sph = _op_down_tma(ring, ready, empty, vstage, t, d_act, sbar, sph, x_ptr, H, a0, a1, a2, a3, NS, NCHI,
-                                  BK, NB, NBP, KT, NCHH * BK, DT, ep, num_warps, tr, TRACE)
-        else:
-            t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3,
-                                  False, True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
-                                  num_warps, tr, TRACE, SPIPE)
+        t = _op_kpaired_batch(ring, ready, empty, vstage, t, act_ptr, IS, act_ptr, x_ptr, H, a0, a1, a2, a3, False,
+                              True, H, EPS, NS, NCHI, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep, num_warps, tr,
+                              TRACE, SPIPE)
     elif op == OP_LM_HEAD:
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
                               a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE, SPIPE)
-    return t, sph
+    return t
 
 
 @gluon.jit
@@ -2350,7 +2166,7 @@ _single_op_call = gluon.jit(noinline=True)(_single_op.fn)
 def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
              embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
              x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
-             qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, d_act, sbar,
+             qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage,
              H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
              S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
              GP: gl.constexpr, QKV_BIAS: gl.constexpr, QK_NORM: gl.constexpr, QG: gl.constexpr, NS: gl.constexpr,
@@ -2361,7 +2177,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
-             QKP: gl.constexpr, SPIPE: gl.constexpr, DT: gl.constexpr, FOLD2: gl.constexpr, F2CG: gl.constexpr, F2PIPE: gl.constexpr):
+             QKP: gl.constexpr, SPIPE: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -2372,7 +2188,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
     pos = gl.load(rt_ptr + 1)
     ok = pid * 0 + 1
     t = pid * 0
-    sph = pid * 0  # the TMA stage barrier's phase (`StreamConfig.down_tma`)
     (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = _row17(
         ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
@@ -2386,13 +2201,11 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         if TRACE:
             t_start = ptx.gl_globaltimer()
         if NB > 1:
-            t, sph = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr,
-                          attn_norm_ptr,
+            t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
-                          attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, d_act, sbar, sph, H, IS, NH, NKV, HD, S, V, EPS,
+                          attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, DT, FOLD2, F2CG,
-                          F2PIPE)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2435,7 +2248,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
-    d_k, d_v, d_act, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, wtab_ptr,
+    d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -2449,16 +2262,13 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, HYBM: gl.constexpr, HYBF: gl.constexpr, LOADER_WARPS: gl.constexpr, TCP: gl.constexpr, DT: gl.constexpr, FOLD2: gl.constexpr, F2CG: gl.constexpr,
-    F2PIPE: gl.constexpr,
-    num_warps: gl.constexpr,
+    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
     else:
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS, BR, BK], d_qkv.layout)
-    # a hybrid-fill build (HYBM > 0: `StreamConfig.tile_cp_window`) has a spare `ready` entry, which tells the ops
-    ready = gl.allocate_shared_memory(gl.int64, [NS + (HYBF if (HYBM > 0) | (TCP > 0) else 0), 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
     # The staged activation vector, NCH chunks of BK fp32: written whole through a 2-D view (vstage), read a chunk
     # at a time through a view with a 1-D layout (vbuf); both unswizzled row-major, so the same bytes.
@@ -2475,25 +2285,22 @@ def stream_megakernel(
                                            gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         vbuf = vstage._reinterpret(gl.float32, [NCH, BK],
                                    gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    sbar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # `_stage_tma`'s
-    mbarrier.init(sbar, count=1)
     for i in gl.static_range(NS):
-        # with CPF each loader thread's copies arrive; hybrid fills: each loader thread's (TMA: one and the rest)
-        mbarrier.init(ready.index(i), count=32 * LOADER_WARPS if (CPF or HYBM > 0 or TCP > 0) else 1)
+        mbarrier.init(ready.index(i), count=32 if CPF else 1)  # with CPF each loader thread's copies arrive
         mbarrier.init(empty.index(i), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
                     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr,
-                    sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, d_act, sbar, H, IS,
+                    sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE, DT, FOLD2, F2CG, F2PIPE)),
-        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, wtab_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE)),
+        (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF, QKP, GIN, HYBM, TCP)),
-    ], [LOADER_WARPS], [LOADER_REGS])
+                   CPF, QKP, GIN)),
+    ], [1], [LOADER_REGS])
 
 
 # -- host side ---------------------------------------------------------------------------------------------------
@@ -2591,27 +2398,14 @@ class StreamConfig:
     #: (0.5 us; `scripts/release_probe.py --parts ws`). cp.async streams a few % slower than TMA, so it pays where
     #: the chain's latency bounds a step: `stream_config` turns it on up to CP_FILL_HIDDEN (side by side at ctx
     #: 1024: qwen3-1.7b 2-5 % faster, llama-1b 0-2 %, qwen3-0.6b within 1 %; llama-3b 1.7 % and llama-8b 0.6 %
-    #: slower). A batch's tile fills by cp.async measured slower from one loader warp (llama-1b batch 8 +1 % and
-    #: +11 %, batch 16 +13 % and +27 %: it issues a 32 KB slot's copies too slowly); from four warps the releases
-    #: shrink as at batch 1, but the copies stream ~9 % slower than TMA: llama-1b batch 8 -1 %, batch 16 +13 %,
-    #: llama-8b batch 8 +10 %. So a batch keeps TMA (docs/perf-notes.md)
+    #: slower). A batch's tile fills by cp.async: from one loader warp copying a slot's boxes unrolled, too slow to
+    #: issue (llama-1b batch 8 +11 %); from four warps the releases shrink as at batch 1, but the copies stream
+    #: ~9 % slower than TMA (batch 16 +13 %, llama-8b batch 8 +10 %); from one warp copying a box a loop iteration
+    #: as fast as TMA, the releases 7.4 -> 4.0 us a layer, but QKV's and down's staging loads queue behind the
+    #: copies (llama-1b batch 8 the same, batch 16 -0.7 %, llama-8b batch 8 +3.5 %); and only the fills a release
+    #: would wait for by cp.async, 3-4 % faster than the same build with all of them by TMA, whose loader, holding
+    #: both kinds of copy, costs 5-13 %. So a batch keeps TMA (docs/perf-notes.md)
     cp_fill: bool = False
-    #: experiment: a batch's tile fills go by cp.async (from the loader's warps) while the compute warps' current
-    #: instruction has at most this many fills left, by TMA otherwise (0: TMA only)
-    tile_cp_window: int = 0
-    #: experiment: ... and the first this many fills of every instruction
-    tile_cp_start: int = 0
-    tile_cp_fence: bool = True  # diagnostic: False drops the proxy fence (not correct by the memory model)
-    loader_warps: int = 1  # experiment: warps of the loader partition
-    #: experiment: the ops whose tile fills go by cp.async, fixed per call site (bits: 1 QKV, 2 o_proj, 4 gate/up,
-    #: 8 down, 16 the LM head); the others by TMA
-    tile_cp_ops: int = 0
-    #: experiment: down's operand staged by TMA in boxes of this many 64-column sub-chunks (0: by the compute
-    #: warps' loads)
-    down_tma: int = 0
-    fold2: bool = False  # experiment: a batch's attn_reduce_o_proj merges two splits as it stages them
-    fold2_cg: int = 1  # experiment: its stage's load group (chunks)
-    fold2_pipe: bool = False  # experiment: its stage pipelined with the products
     #: attention reads the ring's K/V on the tensor cores (`_attn_ring_mma`: 64-dim heads, 16 positions per warp
     #: row, where its group merge fits the staging buffer) instead of the CUDA cores: correct, but measured slower on
     #: the H200 at every context (llama-1b ctx 32768: 1.237 ms against 1.143; docs/perf-notes.md), so off by default
@@ -2911,11 +2705,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
             "X_DTYPE": x_dtype,
-            "DT": sc.down_tma if tile and cps == 1 and batch > 1 and sc.act_bf16 and not sc.batch_hilo else 0,
             "CPF": sc.cp_fill and batch == 1 and not mma and not rows and not attn_mma,
-            "HYBM": (1 << 61 if sc.tile_cp_window < 0 else  # diagnostic: a hybrid build whose fills are all TMA
-                     (((1 << sc.tile_cp_window) - 1) << max(0, slots - sc.tile_cp_window))
-                     | ((1 << sc.tile_cp_start) - 1)) if tile else 0,
             "KA": K_VEC if batch == 1 and sc.k_vec and not mma and all(
                 k % K_VEC == 0 for k in (c.q_size, c.intermediate_size)) else 1}
 
@@ -2935,16 +2725,14 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         OP_CALL=sc.op_call and FUNCTIONS_OK, TRACE=trace, ROWW=ROW, WB=16,
         SP=max(1, sc.reduce_splits), MB=geo["MB"],
         BE=min(sc.be, 1 << (c.hidden_size - 1).bit_length()),
-        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] or geo["HYBM"] or sc.tile_cp_ops else TILE_LOADER_REGS
-                                       if geo["TILE"] else 32),
-        HYBM=geo["HYBM"], HYBF=(1 if sc.tile_cp_fence else 2) + (2 if sc.tile_cp_window == -2 else 4 if sc.tile_cp_window == -3 else 0), LOADER_WARPS=sc.loader_warps, TCP=sc.tile_cp_ops if geo['TILE'] else 0, DT=geo["DT"], FOLD2=sc.fold2 and geo["TILE"], F2CG=sc.fold2_cg, F2PIPE=sc.fold2_pipe,
+        LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
         CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], num_warps=sc.num_warps)
 
 
-def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any],
-                       act: Any = None) -> list[Any]:
+def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
+                       ) -> list[Any]:
     """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
     wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
     caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box (`kv_box_layout`; [BTK, 64] for
@@ -2963,11 +2751,6 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
         t2 = cache.reshape(-1, c.hd)
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], geo["KVW"]],
                                     kv_box_layout(geo)))
-    if geo["DT"] and act is not None:  # experiment: act viewed [IS / 64, NB, 64] for `_stage_tma`
-        out.append(TensorDescriptor(act, [c.intermediate_size // 64, geo["NB"], 64], [64, c.intermediate_size, 1],
-                                    [geo["DT"], geo["NBP"], 64], MMA_BOX))
-    else:
-        out.append(out[-1])  # a stand-in, never read
     return out
 
 
