@@ -15,7 +15,8 @@
 # `--tiles` times interpreter v9 at batch 8 on wide tiles instead (the lowering of
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
-# llama-1b_batch8_tiles.json (about 2 minutes).
+# llama-1b_batch8_tiles.json (about 2 minutes). KERNEL_OPTIONS="interpreter=v10 ..." passes each KEY=VALUE to the
+# megakernel (`--kernel-option`), e.g. to time a QK-norm model's batch on v10 where v9 is its default.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RESULTS=${OUT:-bench/results/batch}
@@ -57,6 +58,8 @@ if [ "${1:-}" = --tiles ]; then
   } 2>&1 | tee "$RESULTS/batch_tiles_h200.log"
   exit
 fi
+kopts=()
+for kv in ${KERNEL_OPTIONS:-}; do kopts+=(--kernel-option "$kv"); done
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(llama-1b llama-8b)
 for model in "${models[@]}"; do
@@ -64,7 +67,7 @@ for model in "${models[@]}"; do
   {
     lower_batches "$model" "$work" &&
     python3 -m megasynth.commands.bench bench --model "$model" --ctx 1024 --batch "$(IFS=,; echo "${BATCHES[*]}")" \
-      --schedule "$work/s{batch}.json" --variants "${VARIANTS:-torch_bf16,torch_compile,megakernel}" \
+      --schedule "$work/s{batch}.json" --variants "${VARIANTS:-torch_bf16,torch_compile,megakernel}" "${kopts[@]}" \
       --compile-mode default --compile-timeout "${COMPILE_TIMEOUT:-120}" --json "$RESULTS/${model}_batch{batch}.json"
   } 2>&1 | tee "$RESULTS/${model}_batch_h200.log"
 done
