@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from megasynth.ir.catalogue import OP_ORDER
 from megasynth.ir.errors import ScheduleError, json_path
-from megasynth.kernels.gpu.pack import V10_TILE_BATCH, batch_model_limits, v10_qkv_box_rows
+from megasynth.kernels.gpu.pack import default_batch_interpreter, v10_qkv_box_rows, v10_tile_slots
 
 if TYPE_CHECKING:
     from megasynth.lowering.models import ModelSpec
@@ -203,11 +203,17 @@ def wave_tiles(rows: int, workers: int, splits: tuple[int, ...] = (1,), align: i
     return sorted(t for t in out if t <= rows)
 
 
+def v10_batch(spec: ModelSpec) -> bool:
+    """Whether interpreter v10 runs the spec's batch where none is named (`pack.default_batch_interpreter`); v9 runs
+    the others, and the lowering and the search target it."""
+    return spec.batch > 1 and default_batch_interpreter(spec.config, spec.batch) == "v10"
+
+
 def whole_head_qkv(spec: ModelSpec) -> bool:
-    """Whether a batch's QKV tiles must be whole heads: its interpreter is v9 (a QK-norm model, or sizes v10's
-    tensor cores cannot take: `pack.batch_model_limits`), which computes QKV a head at a time. Interpreter v10 takes
-    RoPE-pair tiles at any batch."""
-    return spec.batch > 1 and batch_model_limits(spec.config, spec.batch) is not None
+    """Whether a batch's QKV tiles must be whole heads with the QK-norm inside QKV: its interpreter is v9, which
+    computes QKV a head at a time, or the model has the QK-norm, which both interpreters apply to a batch inside QKV
+    only. Otherwise v10 takes RoPE-pair tiles at any batch."""
+    return spec.batch > 1 and (spec.config.qk_norm or not v10_batch(spec))
 
 
 #: From `V10_TILE_BATCH` sequences, the rows an op's tile should be a multiple of to fill the batch's [128, 64] tile
@@ -217,8 +223,9 @@ TILE_FILL = {"o_proj_residual": 2 * TILE_HALF, "down_proj_residual": 2 * TILE_HA
 
 
 def _tile_slots(spec: ModelSpec) -> bool:
-    """Whether the spec's batch runs on v10's tile slots (`V10_TILE_BATCH` and up, not on interpreter v9)."""
-    return spec.batch >= V10_TILE_BATCH and not whole_head_qkv(spec)
+    """Whether the spec's batch runs on v10's tile slots by default (`v10_batch` and `pack.v10_tile_slots`:
+    `V10_TILE_BATCH` sequences and up)."""
+    return v10_batch(spec) and v10_tile_slots(spec.config, spec.batch)
 
 
 #: head dims up to which `for_batch` folds two attention splits into one on tile slots (llama-1b's 64: a sequence's
@@ -238,7 +245,8 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     batch); on tile slots with heads of at most `FOLD_TWO_SPLITS_HD` dims two splits become one, folded (at batch 8 and
     ctx 1024 llama-1b 1.5 % faster than two splits apart, llama-8b's 128-dim heads 0.6 % slower; a long context wants
     the splits: the search weighs them at its own ctx); QKV tiles of whole heads where the batch runs on interpreter v9
-    (`whole_head_qkv`, with the QK-norm inside QKV) or `whole_heads` asks for them; and from `V10_TILE_BATCH`, where a
+    or the model has the QK-norm (`whole_head_qkv`, with the norm inside QKV) or `whole_heads` asks for them; and on
+    v10's tile slots (`pack.v10_tile_slots`: `V10_TILE_BATCH` sequences and up), where a
     v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a time (K split as much finer,
     as many instructions, at most the largest split offered), QKV tiles of at least as many pairs as the build's
     K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads), gate/up tiles of
@@ -255,7 +263,7 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     d["attn_splits"] = max(1, strategy.attn_splits // b)
     if d["attn_splits"] == 2 and _tile_slots(spec) and c.hd <= FOLD_TWO_SPLITS_HD:
         d["attn_splits"] = 1
-    d["fuse_attn_reduce"] = d["attn_splits"] == 1 and not whole_head_qkv(spec)
+    d["fuse_attn_reduce"] = d["attn_splits"] == 1 and v10_batch(spec)
     qkv = "attn_norm_qkv_rope"
     if _tile_slots(spec):
         for op in K_SPLIT_OPS:
@@ -263,7 +271,7 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
                 top = max(k_split_choices(spec, op))
                 splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
-        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b), tiles[qkv])
+        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b, c.qk_norm), tiles[qkv])
         tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
     if whole_head_qkv(spec) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
@@ -279,9 +287,9 @@ def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
     are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
     tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
-    whole heads (at least one). A batch that runs on interpreter v9 (`whole_head_qkv`: v9 computes QKV a whole head
-    at a time) is offered whole-head QKV tiles only; on v10 a batch's are pair tiles, as at batch 1, and from
-    `V10_TILE_BATCH` o_proj, down and gate/up tiles fill whole tile slots (`TILE_FILL`)."""
+    whole heads (at least one). A batch on interpreter v9 (which computes QKV a whole head at a time) or of a
+    QK-norm model (`whole_head_qkv`) is offered whole-head QKV tiles only; on v10 another batch's are pair tiles, as
+    at batch 1, and on tile slots o_proj, down and gate/up tiles fill them whole (`TILE_FILL`)."""
     c = spec.config
     rows = _rows_of(spec)[op]
     if op == "attn_norm_qkv_rope" and whole_head_qkv(spec):
@@ -338,8 +346,8 @@ class SearchSpace:
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
     data; measured within 1 % on v10, docs/search.md). A batch folds the merge into o_proj only with one attention
     split (v10 runs no other fold at a batch; v9 none), so there the two knobs move together (`with_value`); where
-    the batch runs on interpreter v9 (the QK-norm models: `whole_head_qkv`), no fold and whole-head QKV tiles with
-    the QK-norm inside QKV; on v10 a batch's QKV tiles are RoPE pairs, as at batch 1."""
+    the batch runs on interpreter v9, no fold; on v9 and for a QK-norm model (`whole_head_qkv`) whole-head QKV tiles
+    with the norm inside QKV; on v10 another batch's QKV tiles are RoPE pairs, as at batch 1."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
@@ -353,7 +361,7 @@ class SearchSpace:
             knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                               "merge the attention splits inside o_proj: one counter hop less per layer, the merge "
                               "repeated per o_proj row tile (interpreter v10)"))
-        elif not whole_head_qkv(spec):
+        elif v10_batch(spec):
             knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                               "no attn_reduce: o_proj stages attention's output itself, one counter hop less per "
                               "layer; at a batch only with one attention split (setting it sets attn_splits 1)"))

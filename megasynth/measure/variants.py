@@ -18,7 +18,8 @@ The PyTorch variants compete for "best PyTorch", the line the megakernel's ratio
 At a batch of B sequences (all at the same ctx, each with its own KV history and token), the reference is
 `decode_batch` (each sequence alone); torch_eager and torch_graph run it, torch_bf16 and torch_compile compute the B
 sequences in one step (`bf16_decode_batch`), cpu_executor runs the batched schedule, the megakernel runs it on
-interpreter v10 (v9 for the QK-norm models). The variants in `BATCH_ONE` are reported as skipped, with the reason.
+interpreter v10 (v9 where that is the batch's default: `pack.default_batch_interpreter`). The variants in
+`BATCH_ONE` are reported as skipped, with the reason.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
-from megasynth.kernels.gpu.pack import batch_model_limits, check_runs_batched_on_v10, check_runs_on_v9, pack
+from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, default_batch_interpreter, pack
 from megasynth.kernels.gpu.timing import GpuHangError
 from megasynth.lowering.costmodel import CostParams, Estimate, estimate
 from megasynth.lowering.lower import lower
@@ -155,7 +155,7 @@ def build(spec: ModelSpec, workers: int, proposal: Proposal) -> Schedule:
     schedule = lower(spec, workers, proposal.strategy, proposal.proposer or "naive")
     schedule = apply_patches(schedule, proposal.patches)
     if spec.batch > 1:  # refuse what the batch's interpreter cannot run now, not after the search
-        if batch_model_limits(spec.config, spec.batch) is None:
+        if default_batch_interpreter(spec.config, spec.batch) == "v10":
             check_runs_batched_on_v10(pack(schedule, "v10"))
         else:
             check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "this model's batch runs on interpreter v9 "

@@ -145,13 +145,15 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
 
 
 def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
-    """A batch runs on interpreter v10, or on v9 where v10 cannot build it (a QK-norm model): the lowering rounds
-    QKV tiles to whole heads only for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half
-    heads), a v10 batch keeps its RoPE-pair tiles as batch 1 does, the search space offers no QK-norm apart at any
-    batch (and only whole-head QKV tiles for v9) and a folded merge only on v10, with one attention split (the two
-    knobs move together), and a proposal that asks for what the interpreter lacks anyway (a fold of two splits, the
-    QK-norm apart) is refused when it is built, naming the interpreter and the instruction, not after the search
-    picked it."""
+    """A batch runs on interpreter v10, or on v9 by default where v10 cannot build it (sizes that are no multiples of
+    64: tiny-mha) and for a QK-norm model (`pack.default_batch_interpreter`): the lowering rounds QKV tiles to whole
+    heads for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half heads) and for a QK-norm
+    model (whose batch applies the norm inside QKV), another v10 batch keeps its RoPE-pair tiles as batch 1 does, the
+    search space offers no QK-norm apart or in attention at any batch (and only whole-head QKV tiles there) and a
+    folded merge only on v10, with one attention split (the two knobs move together), and a proposal that asks for
+    what the interpreter lacks anyway (a fold of two splits, the QK-norm apart or in attention) is refused when it
+    is built, naming the interpreter and the instruction, not after the search picked it; v10, where named, refuses
+    a QK-norm applied elsewhere than in QKV the same way."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
@@ -166,7 +168,8 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     with pytest.raises(ScheduleError, match="whole heads"):
         check_runs_on_v9(pack(pairs, "v9"), 128, "")
     rng = random.Random(3)
-    for name, workers, v9 in (("tiny-qwen3", 8, True), ("tiny", 6, False)):
+    for name, workers, whole, v9 in (("tiny-qwen3", 8, True, True), ("tiny", 6, False, False),
+                                     ("tiny-mha", 6, True, True)):
         spec = with_batch(get_model(name), 3)
         space = SearchSpace(spec, workers)
         names = {k.name for k in space.knobs}
@@ -176,17 +179,26 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
             assert (fused.attn_splits, fused.fuse_attn_reduce) == (1, True)
             assert not space.with_value(fused, "attn_splits", 2).fuse_attn_reduce
         qkv = tile_choices(spec, workers, "attn_norm_qkv_rope")
-        assert all(t % spec.config.hd == 0 for t in qkv) == v9 and all(t % 2 == 0 for t in qkv)
+        assert all(t % spec.config.hd == 0 for t in qkv) == whole and all(t % 2 == 0 for t in qkv)
         assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
         for _ in range(6):  # random points and mutations of them all build for the batch's interpreter
             st = space.mutate(space.random(rng), rng, 2)
             build(spec, workers, Proposal(st, [], "random", "test"))
         for bad, where in ((Strategy(attn_splits=2, fuse_attn_reduce=True), "attn_reduce_o_proj"),
-                           (Strategy(qk_norm="apart"), "qk_norm")):
+                           (Strategy(qk_norm="apart"), "qk_norm"), (Strategy(qk_norm="in_attention"), "qk_norm")):
             if where == "qk_norm" and not spec.config.qk_norm:
                 continue
             with pytest.raises(ScheduleError, match=where):
                 build(spec, workers, Proposal(bad, [], "asked for it", "llm"))
+    # v10, where named, applies a batch's QK-norm inside QKV only: the other two forms are refused by name, at their
+    # JSON path
+    qk3 = with_batch(get_model("tiny-qwen3"), 3)
+    check_runs_batched_on_v10(pack(lower(qk3, 8), "v10"))
+    for mode, what in (("apart", r"\$\.instructions\[\d+\]\.op: .*not apart"),
+                       ("in_attention", r"\$\.instructions\[\d+\]\.args: .*not inside attention")):
+        with pytest.raises(ScheduleError, match=what):
+            check_runs_batched_on_v10(pack(lower(qk3, 8, Strategy(qk_norm=mode, tiles={"attn_norm_qkv_rope": 24})),
+                                           "v10"))
 
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
@@ -195,8 +207,9 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     many RoPE pairs as the build's K-packed QKV boxes hold); gate/up whole 64-row halves; attention split batch times
     less; the merge folded into o_proj only where one split is left: at batch 16, and at batch 8, where the two splits
     of 64-dim heads become one, but not llama-8b's 128-dim heads), the embedding `EMBED_TILE_COLUMNS` columns an
-    instruction from batch 8, keeps batch 1 as it is, gives a v9 batch (a QK-norm model) whole-head QKV tiles with the
-    norm inside QKV and no fold, and never exceeds an op's rows (tiny)."""
+    instruction from batch 8, keeps batch 1 as it is, gives a QK-norm model's batch (v9 by default) whole-head QKV
+    tiles with the norm inside QKV and no fold, which both interpreters run, and never exceeds an op's rows
+    (tiny)."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import EMBED_TILE_COLUMNS, TILE_FILL, for_batch
 
@@ -228,10 +241,18 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
     assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
-    qwen = with_batch(get_model("qwen3-8b"), 8)
-    q8 = for_batch(Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention", fuse_attn_reduce=True), qwen)
-    assert q8.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q8.qk_norm == "in_qkv" and not q8.fuse_attn_reduce
-    check_runs_on_v9(pack(lower(qwen, 132, q8), "v9"), qwen.config.hd, "")
+    qwen_ref = Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention", fuse_attn_reduce=True,
+                        attn_splits=16)
+    for batch in (2, 8, 16):
+        qwen = with_batch(get_model("qwen3-8b"), batch)
+        q = for_batch(qwen_ref, qwen)
+        assert q.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q.qk_norm == "in_qkv" and not q.fuse_attn_reduce
+        sched = lower(qwen, 132, q)
+        check_runs_batched_on_v10(pack(sched, "v10"))
+        check_runs_on_v9(pack(sched, "v9"), qwen.config.hd, "")
+    mha = with_batch(get_model("tiny-mha"), 8)  # v9: whole heads, no fold
+    m8 = for_batch(Strategy(attn_splits=8, fuse_attn_reduce=True), mha)
+    assert m8.attn_splits == 1 and not m8.fuse_attn_reduce and m8.tiles["attn_norm_qkv_rope"] % mha.config.hd == 0
     tiny = with_batch(get_model("tiny"), 8)
     t8 = for_batch(ref, tiny)
     assert t8.tiles["o_proj_residual"] == min(TILE_FILL["o_proj_residual"], tiny.config.hidden_size)

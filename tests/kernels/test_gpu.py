@@ -238,7 +238,9 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     ("llama-1b", 8, None, 2, {}, 32), ("llama-1b", 8, None, 2, {"qkv_box_rows": 32}, None),
     ("llama-1b", 16, None, 1, {}, 32), ("llama-8b", 16, None, 1, {}, None), ("llama-8b", 8, None, 2, {}, 64),
     ("llama-8b", 8, None, 2, {"qkv_box_rows": 64}, 64), ("llama-1b", 8, None, 2, {"x_dtype": "fp32"}, None),
-    ("llama-8b", 16, None, 1, {"x_dtype": "fp32"}, None)])
+    ("llama-8b", 16, None, 1, {"x_dtype": "fp32"}, None), ("tiny-qwen3", 3, 8, 2, {}, None),
+    ("tiny-qwen3", 8, 8, 1, {}, None), ("qwen3-0.6b", 8, None, 2, {}, None), ("qwen3-1.7b", 3, None, 4, {}, None),
+    ("qwen3-8b", 16, None, 1, {}, None)])
 def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel, qkv):
     """A batch runs on interpreter v10 by default on Hopper: one wgmma per ring slot multiplies the weight tile with
     every sequence's staged vector (bf16, or hi/lo pairs with batch_hilo), QKV tiles of whole heads or of RoPE pairs
@@ -251,10 +253,13 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     next pairs' rows; llama-1b's 16 pairs, and whole heads, in 16-row boxes, and at batch 8 in 32-row boxes too); its
     batch-8 gate/up keeps 3 fills in flight (`gate_up_inflight`); x in fp16 on tile slots by default (o_proj and down
     adding row pairs into it), fp32 on row-pair slots and where `x_dtype` asks; every sequence matches the reference
-    decoding it alone (QKV bias included). A model with the QK-norm falls back to v9; the fused
-    attn_reduce_o_proj is refused by name."""
+    decoding it alone (QKV bias included; the QK-norm inside QKV, where v10 is named for a QK-norm model, on tile
+    slots at every batch, each q and k head normalised in one tile half). A QK-norm model's batch runs on v9 where
+    no interpreter is named; the fused attn_reduce_o_proj of several splits and the QK-norm in attention are refused
+    by name."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.pack import v10_tile_slots
     from megasynth.kernels.gpu.stream import StreamConfig
     from megasynth.lowering.models import with_batch
 
@@ -264,11 +269,12 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     tiles = {"attn_norm_qkv_rope": qkv} if qkv else {}  # RoPE-pair QKV tiles (5, 6 or 16 pairs)
     sched = lower(spec, sms, Strategy(attn_splits=splits, k_splits={"o_proj_residual": 2}, tiles=tiles))
     hilo = kernel.get("batch_hilo", False)
-    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(**kernel) if kernel else None)
+    named = kernel or spec.config.qk_norm  # a QK-norm model's batch runs on v10 where it is named
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(**kernel) if named else None)
     assert mk.v10 and mk.batch == batch
     fp32 = hilo or not kernel.get("act_bf16", True)
     assert mk.act.dtype == mk.attn.dtype == (torch.float32 if fp32 else torch.bfloat16)
-    fp16_x = batch >= StreamConfig().batch_tiles and kernel.get("x_dtype", "") != "fp32"
+    fp16_x = v10_tile_slots(spec.config, batch) and kernel.get("x_dtype", "") != "fp32"
     assert mk.x.dtype == (torch.float16 if fp16_x else torch.float32)
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000,
                    TOL if hilo else TOL_BF16)
@@ -277,8 +283,11 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
         with pytest.raises(ScheduleError, match="only with 1 attention split"):
             mk.set_schedule(fused)
         qk = with_batch(get_model("tiny-qwen3"), batch)
-        mk3 = Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len)
-        assert not mk3.v10
+        assert not Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len).v10
+        mk3 = Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len,
+                         config=StreamConfig())
+        with pytest.raises(ScheduleError, match="not inside attention"):
+            mk3.set_schedule(lower(qk, sms, Strategy(qk_norm="in_attention", tiles={"attn_norm_qkv_rope": 24})))
 
 
 def test_fp16_residual_overflow_is_named():

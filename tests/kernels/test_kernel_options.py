@@ -45,12 +45,18 @@ def test_kernel_config_picks_the_interpreter_megakernel_would() -> None:
     with pytest.raises(ValueError, match="expected v9 or v10"):
         kernel_config(["interpreter=v8"])
     pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.pack import default_batch_interpreter
     from megasynth.kernels.gpu.stream import StreamConfig
 
-    # a batch runs on v10 unless the model needs what v10 has no batched form of (the QK-norm): then naming v10 fails
+    # a batch runs on v10 where named unless its sizes are no multiples of 64 (tiny-mha): then naming v10 fails; a
+    # QK-norm model's batch (v9 by default) runs on v10 where named
     assert isinstance(kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny").config), StreamConfig)
-    with pytest.raises(ValueError, match="cannot run a batch of 2 of this model: the QK-norm"):
-        kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-qwen3").config)
+    assert isinstance(kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-qwen3").config), StreamConfig)
+    assert [default_batch_interpreter(get_model(m).config, b) for m, b in (("tiny-qwen3", 2), ("tiny-qwen3", 1),
+                                                                           ("tiny", 2), ("tiny-mha", 2))] == [
+        "v9", "v10", "v10", "v9"]
+    with pytest.raises(ValueError, match="cannot run a batch of 2 of this model: a batch runs on the tensor cores"):
+        kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-mha").config)
     with pytest.raises(ValueError, match="outside 1..16"):
         kernel_config(["interpreter=v10"], batch=17, cfg=get_model("tiny").config)
 

@@ -676,17 +676,20 @@ def test_v9_batch_builds_compile_without_spills() -> None:
 
 
 @pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 8), ("llama-1b", 4),
-                                          ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8)])
+                                          ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8), ("tiny-qwen3", 3),
+                                          ("qwen3-0.6b", 8)])
 def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     """Interpreter v10's batch builds for sm_90: no spill stack (llama-8b's batch 8 16 B), shared memory within a
     CTA's; the staged operand
     (every sequence's vector, 1 or 2 bf16 rows per 64-wide sub-chunk, the batch padded to 8 rows at least on
-    the [128, 64] tiles of a batch of 8 or more; 4 or 8 per 256-wide chunk on the row-pair slots below) leaves
+    the [128, 64] tiles of a batch of 8 or more and of a QK-norm model's batch; 4 or 8 per 256-wide chunk on the
+    row-pair slots of the others) leaves
     a ring of at least 5 slots of 16 KB (4 of 32 KB on tiles of 128 K columns) and holds attention's lane
     partials ([GP, num_warps, hd] fp32), even where the hidden size is one chunk (tiny-qwen2, whose down K then
     goes in two windows)."""
     pytest.importorskip("triton.experimental.gluon")
     from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.pack import v10_tile_slots
     from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig, stream_constexprs, stream_geometry
     from megasynth.lowering.models import get_model
 
@@ -694,7 +697,7 @@ def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     for sc in (StreamConfig(), StreamConfig(batch_hilo=True)):
         geo = stream_geometry(spec.config, sc, batch)
         consts = stream_constexprs(spec.config, spec.max_seq_len, sc, False, batch)
-        tile = batch >= sc.batch_tiles  # [128, 64] tiles; below, the batch-1 row-pair slots
+        tile = v10_tile_slots(spec.config, batch, sc.batch_tiles)  # [128, 64] tiles; else the row-pair slots
         assert geo["MMA"] and geo["TILE"] == consts["TILE"] == tile and consts["NB"] == batch
         assert consts["NBP"] >= (max(8, batch) if tile else batch)
         per_sub = 2 if sc.batch_hilo else 1  # operand rows per sequence and 64-column sub-chunk
@@ -720,9 +723,26 @@ def test_v10_batch_limits_name_what_they_refuse() -> None:
     assert batch_limits(llama, StreamConfig(), 1) is None and batch_limits(llama, StreamConfig(), 16) is None
     assert "outside 1..16" in batch_limits(llama, StreamConfig(), 17)
     assert "2 boxes" in batch_limits(llama, StreamConfig(boxes=4), 2)
-    assert "QK-norm" in batch_limits(get_model("tiny-qwen3").config, StreamConfig(), 2)
-    with pytest.raises(ValueError, match="cannot run this batch: the QK-norm"):
-        stream_geometry(get_model("tiny-qwen3").config, StreamConfig(), 3)
+    mha = get_model("tiny-mha").config
+    assert "multiples of 64" in batch_limits(mha, StreamConfig(), 2)
+    with pytest.raises(ValueError, match="cannot run this batch: a batch runs on the tensor cores"):
+        stream_geometry(mha, StreamConfig(), 3)
+
+
+def test_v10_qk_norm_batches_take_whole_heads_on_tiles() -> None:
+    """A QK-norm model's batch normalises each q and k head in QKV's epilogue over one tile half (64 rows): it runs on
+    tile slots at every batch, whatever `batch_tiles` says, with QKV boxes of half a head and no K-packing (its builds'
+    spills: `test_v10_batch_builds_fit`)."""
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    qwen = get_model("qwen3-1.7b").config
+    for batch in (2, 3, 8, 16):
+        for sc in (StreamConfig(), StreamConfig(batch_tiles=16), StreamConfig(qkv_box_rows=32)):
+            geo = stream_geometry(qwen, sc, batch)
+            assert geo["TILE"] and geo["QKP"] == 1 and geo["X_DTYPE"] == "fp16", (batch, sc)
+    assert stream_geometry(qwen, StreamConfig(), 8)["QXR"] == qwen.hd // 2
+    assert not stream_geometry(get_model("llama-1b").config, StreamConfig(), 3)["TILE"]
 
 
 def test_batch_one_loads_k_ranges_as_vectors() -> None:

@@ -71,13 +71,24 @@ V10_MAX_BATCH = 16
 V10_TILE_BATCH = 8
 
 
-def v10_qkv_box_rows(head_dim: int, batch: int) -> int:
+def v10_qkv_box_rows(head_dim: int, batch: int, qk_norm: bool = False) -> int:
     """Rows of each RoPE half a v10 batch's QKV tile fill carries, K-packed (`StreamConfig.qkv_box_rows`' default):
     a QKV tile of that many pairs fills its ring slots, so the batch lowering rounds QKV tiles to twice as many rows
     (`lowering.strategy.for_batch`). 32 (half a 64-dim head, a quarter of a 128-dim one); 16 for 64-dim heads, whose
     QKV tiles of 16 pairs then run on twice the SMs (llama-1b at batch 16: 1.065 ms against 1.084 with whole heads;
-    at batch 8, with the stage in 2 groups, 0.850 against 0.862 with 32-pair tiles: docs/perf-notes.md)."""
+    at batch 8, with the stage in 2 groups, 0.850 against 0.862 with 32-pair tiles: docs/perf-notes.md). With the
+    QK-norm, half a head: its tiles are whole heads, normalised one head per slot half (`v10_tile_slots`)."""
+    if qk_norm:
+        return head_dim // 2
     return min(16 if head_dim <= 64 and batch >= V10_TILE_BATCH else 32, head_dim // 2)
+
+
+def v10_tile_slots(c: ModelConfig, batch: int, batch_tiles: int = V10_TILE_BATCH) -> bool:
+    """Whether interpreter v10 runs `batch` sequences of this model on [128, 64] tile slots (`StreamConfig.batch_tiles`
+    and up) rather than on the batch-1 row-pair slots. A QK-norm model's batch always takes tiles: its QKV epilogue
+    normalises each q and k head over the head's rows, which a tile slot's 64-row half holds whole (up to 128-dim
+    heads, not K-packed), where a row-pair slot holds 16 of them."""
+    return batch > 1 and (1 < batch_tiles <= batch or c.qk_norm)
 
 
 #: How to select each interpreter, for the messages that send an op to another one.
@@ -221,26 +232,43 @@ def check_runs_on_v9(p: Packed, hd: int, advice: str) -> None:
 def batch_model_limits(c: ModelConfig, batch: int) -> str | None:
     """Why interpreter v10 cannot run a batch of this model, whatever its compile-time settings (None: it can; then
     `stream.batch_limits` checks the settings). A batch's weight products run on the tensor cores, so every K must be
-    a multiple of 64; the QK-norm's ops have no batched form yet. Light (no torch, no Triton): the search asks it."""
+    a multiple of 64 (a QK-norm model's batch then applies the norm inside QKV: `check_runs_batched_on_v10`). Light
+    (no torch, no Triton): the search asks it."""
     if batch == 1:
         return None
     if not 1 <= batch <= V10_MAX_BATCH:
         return f"a batch of {batch} is outside 1..{V10_MAX_BATCH}"
-    if c.qk_norm:
-        return "the QK-norm (Qwen3) has no batched form on interpreter v10"
     if any(k % 64 for k in (c.hidden_size, c.q_size, c.intermediate_size)):
         return "a batch runs on the tensor cores, which need hidden, q and intermediate sizes that are multiples of 64"
     return None
 
 
+def default_batch_interpreter(c: ModelConfig, batch: int) -> str:
+    """The interpreter a batch of this model runs on where none is named: v10 where it can build the batch
+    (`batch_model_limits`), v9 elsewhere and for a QK-norm model. v10 builds a QK-norm model's batch (the norm
+    inside QKV, on tile slots: `v10_tile_slots`) and runs it where `interpreter=v10` is named; that path is compiled
+    for sm_90 and its schedules checked on the CPU, but it has not yet been run on a GPU, so v9 stays the default.
+    Light (no torch, no Triton): the lowering and the search ask it."""
+    if batch > 1 and (c.qk_norm or batch_model_limits(c, batch) is not None):
+        return "v9"
+    return "v10"
+
+
 def check_runs_batched_on_v10(p: Packed) -> None:
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
     batched schedule `p`: a batch folds attn_reduce into o_proj only where attention has one split (then o_proj
-    stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower)."""
+    stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower), and it
+    applies a QK-norm inside QKV only (whole-head tiles), neither apart nor inside attention."""
     fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
+    apart = np.isin(p.ins[:, F_OP], [OPCODES[op] for op in sorted(QK_APART_OPS)])
+    qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
+    how = "lower the batch with the strategy's qk_norm in_qkv"
     _refuse(p, "v10", "", (
         (fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at a batch only with 1 attention split; {{}} merges "
-                "more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),))
+                "more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),
+        (qk_in_attention, f"applies a batch's QK-norm inside QKV only, not inside attention as {{}} asks: {how}",
+         "args"),
+        (apart, f"applies a batch's QK-norm inside QKV only, not apart as {{}} does: {how}", "op")))
 
 
 def check_mma_k_starts(p: Packed) -> None:

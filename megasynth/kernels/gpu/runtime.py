@@ -34,6 +34,7 @@ from megasynth.kernels.gpu.pack import (
     check_mma_k_starts,
     check_runs_batched_on_v10,
     check_runs_on_v9,
+    default_batch_interpreter,
     pack,
 )
 from megasynth.kernels.gpu.timing import WatchdogError, wait_for_gpu
@@ -44,13 +45,14 @@ ERR_FIELDS = 8  # flag, worker, instruction id, counter, current, needed, smid, 
 
 def default_config(device: torch.device, cfg: ModelConfig | None = None, batch: int = 1) -> Any:
     """Interpreter v10 (`megasynth.kernels.gpu.stream.StreamConfig`: TMA, warp specialization; `stream_config(cfg)`,
-    the defaults for the model's shape) on Hopper and newer GPUs (for a batch: where `stream.batch_limits` allows it
-    for the model `cfg`); interpreter v9 (`KernelConfig`) elsewhere, Triton's CPU interpreter included (it cannot run
-    Gluon)."""
+    the defaults for the model's shape) on Hopper and newer GPUs (for a batch: where `pack.default_batch_interpreter`
+    names it for the model `cfg` and `stream.batch_limits` allows it); interpreter v9 (`KernelConfig`) elsewhere,
+    Triton's CPU interpreter included (it cannot run Gluon)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
         from megasynth.kernels.gpu.stream import batch_limits, stream_config
 
-        if batch == 1 or (cfg is not None and batch_limits(cfg, stream_config(cfg), batch) is None):
+        if batch == 1 or (cfg is not None and default_batch_interpreter(cfg, batch) == "v10"
+                          and batch_limits(cfg, stream_config(cfg), batch) is None):
             return stream_config(cfg)
     return KernelConfig()
 

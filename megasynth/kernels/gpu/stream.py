@@ -67,6 +67,7 @@ from megasynth.kernels.gpu.pack import (
     V10_TILE_BATCH,
     batch_model_limits,
     v10_qkv_box_rows,
+    v10_tile_slots,
 )
 
 OP_EMBED: gl.constexpr = gl.constexpr(OPCODES["embed"])
@@ -1885,18 +1886,20 @@ def _swiglu_rows(act_ptr, IS: gl.constexpr, rows, g, u, rs, a1, NB: gl.constexpr
 
 
 @gluon.jit
-def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr, sin_ptr, rt_ptr,
-                  layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-                  S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
+def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
+                  sin_ptr, rt_ptr, layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
+                  HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
                   NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
                   CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
                   num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1,
-                  SPIPE: gl.constexpr = False):
-    """`_op_qkv` (without the QK-norm) for every sequence of a batch: each sequence's rows rotated at its own
-    position (rt[NB + b]), its q at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S,
-    hd] caches). A slot's halves are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed
-    tiles, `_pair_rows_batch`) GR / QKP of them."""
+                  SPIPE: gl.constexpr = False, QK_NORM: gl.constexpr = False):
+    """`_op_qkv` for every sequence of a batch: each sequence's rows rotated at its own position (rt[NB + b]), its q
+    at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S, hd] caches). A slot's halves
+    are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed tiles, `_pair_rows_batch`)
+    GR / QKP of them. With the QK-norm (whole-head q and k tiles on tile slots, not K-packed) a group is one whole
+    head, which `_qkv_rows` normalises before the rotation."""
     RG: gl.constexpr = GR // QKP if TILE else BR
+    gl.static_assert(not QK_NORM or RG >= HD // 2, "a batch's QK-norm takes a head's pairs in one group")
     KS: gl.constexpr = SUB * KT * QKP if TILE else BK
     PIPE: gl.constexpr = SPIPE and NCHH > CG  # the stage in groups, the first pairs' products with it
     if not PIPE:
@@ -1915,16 +1918,16 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, q_ptr, kc
         t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0,
                                            a0 * 0 + H, a0 * 0, (H + KS - 1) // KS, True, H, EPS, NCHH, BK, NB, NBP,
                                            CG, CPS, NS, KT, ep, num_warps, tr, TRACE, QKP)
-        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH, NKV, HD, S,
-                  QKV_BIAS, TILE, ep)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer, NH,
+                  NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, ep)
         p += n
     while p < pend:
         head, n, jj, m, cs, sn, b1, b2 = _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH, NKV,
                                                     HD, QKV_BIAS, RG)
         t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT,
                                      ep, num_warps, QKP)
-        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH, NKV, HD, S,
-                  QKV_BIAS, TILE, ep)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer, NH,
+                  NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, ep)
         p += n
     return t
 
@@ -1951,12 +1954,13 @@ def _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH: gl.co
 
 
 @gluon.jit
-def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, NH: gl.constexpr,
-              NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, QKV_BIAS: gl.constexpr, SCALE: gl.constexpr,
-              ep: gl.constexpr):
+def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer,
+              NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr,
+              QKV_BIAS: gl.constexpr, SCALE: gl.constexpr, QK_NORM: gl.constexpr, ep: gl.constexpr):
     """`_op_qkv_batch`'s epilogue of one group of RoPE pairs (`_qkv_coefs`): the halves y1, y2 scaled by each
-    sequence's rstd with SCALE, biased, rotated at each sequence's position into its q, or its cache slot's K; V as
-    it is."""
+    sequence's rstd with SCALE, biased, with QK_NORM (the group a whole q or k head) each sequence's head times
+    rsqrt(mean(y^2) + eps) and the layer's q_norm or k_norm, rotated at each sequence's position into its q, or its
+    cache slot's K; V as it is."""
     HALF: gl.constexpr = HD // 2
     if SCALE:
         y1 = y1 * _seq_scale(rs, ep)
@@ -1964,6 +1968,14 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
     if QKV_BIAS:
         y1 = y1 + b1
         y2 = y2 + b2
+    if QK_NORM:
+        if head < NH + NKV:  # the rows past the head's (m false) hold other rows' products: left out of the sum
+            ss = gl.sum(gl.where(m, y1 * y1 + y2 * y2, 0.0), axis=0)  # [NBP] per sequence
+            inv = gl.expand_dims(1.0 / gl.sqrt(ss / HD + EPS), 0)
+            nrm = qkn_ptr + layer * (2 * HD) + (head >= NH).to(gl.int32) * HD + jj  # [RG, 1]
+            half = jj < HALF
+            y1 = y1 * inv * gl.load(nrm, mask=half, other=0.0)
+            y2 = y2 * inv * gl.load(nrm + HALF, mask=half, other=0.0)
     if head < NH + NKV:
         o1 = y1 * cs - y2 * sn
         o2 = y2 * cs + y1 * sn
@@ -1983,15 +1995,15 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
 
 @gluon.jit
 def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
-              mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr,
-              act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
+              mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
+              attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
               H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
               S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, QK_NORM: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -2010,9 +2022,9 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
     if op == OP_EMBED:
         _op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, NB, NBP, num_warps)
     elif op == OP_QKV:
-        t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, q_ptr, kc_ptr, vc_ptr,
-                          cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP, SPIPE)
+        t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr,
+                          vc_ptr, cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
+                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
@@ -2202,10 +2214,11 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t_start = ptx.gl_globaltimer()
         if NB > 1:
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
-                          mlp_norm_ptr, final_norm_ptr, bqkv_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
-                          attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS,
+                          mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
+                          opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH,
+                          NKV, HD, S, V, EPS,
                           SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE)
+                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2459,7 +2472,7 @@ class StreamConfig:
     #: product used, the wgmma's N 1 or 2 per sequence); smaller batches keep the batch-1 row-pair slots (16 rows x
     #: 256 K per box, a quarter of the product's columns used, N 4 or 8 per sequence). Measured on llama-1b with
     #: [16, 64] boxes and 64 K per slot: the tiles 1.07x faster at batch 8, 1.14x slower at batch 2
-    #: (docs/perf-notes.md)
+    #: (docs/perf-notes.md). A QK-norm model's batch takes tiles whatever this says (`pack.v10_tile_slots`)
     batch_tiles: int = V10_TILE_BATCH
     #: rows of a tile's TMA boxes: 16 (groups past an instruction's rows are not copied) or 32/64 (fewer, larger
     #: boxes; QKV's at most a head's half; rows past the instruction's are copied and unused). 64 against 16: 4-5 %
@@ -2569,8 +2582,8 @@ def stream_config(c: ModelConfig | None = None) -> StreamConfig:
 
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
     """Why interpreter v10 cannot build for `batch` sequences of this model (None: it can). A batch runs on the
-    tensor cores (`_pair_rows_batch`), so every K must be a multiple of 64 and a slot two boxes; the QK-norm's ops
-    have no batched form yet."""
+    tensor cores (`_pair_rows_batch`), so every K must be a multiple of 64 and a slot two boxes; a QK-norm model's
+    batch takes tile slots (`pack.v10_tile_slots`) with the norm inside QKV (`pack.check_runs_batched_on_v10`)."""
     why = batch_model_limits(c, batch)
     if why is None and batch > 1 and sc.boxes != 2:
         return f"a batch needs 2 boxes per ring slot (boxes = {sc.boxes})"
@@ -2614,7 +2627,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # a batch's operand, the batch padded to nbp: with tiles, per 64-column sub-chunk of K, cps rows per sequence
     # (bf16, or hi/lo; nbp >= 8, a wgmma's N is a multiple of 8); on row-pair slots, as batch 1's tensor-core
     # operand, per chunk of bk, cps = 4 rows per sequence (its 64-column sub-chunks), 8 with hi/lo
-    tile = 1 < sc.batch_tiles <= batch
+    tile = v10_tile_slots(c, batch, sc.batch_tiles)
     nbp = max(8, _pow2_ceil(batch)) if tile else _pow2_ceil(batch)
     cps = (2 if sc.batch_hilo or batch == 1 else 1) * (1 if tile else bk // 64)
     row_bytes = (bk // 64 if tile else 1) * cps * nbp * 128 if batch > 1 else bk * 4  # staged bytes per chunk
@@ -2647,10 +2660,12 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
     # a batch's QKV tile fills carry QXR of each half's rows (`qkv_box_rows`): fewer bytes than a slot where QXR < 64,
     # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
-    qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch)
+    qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch, c.qk_norm)
     qxr = min(sc.tile_box_rows, qbox, c.hd // 2) if sc.tile_box_rows > 16 else 16
     # ... unless K-packed: a half's GR / QXR boxes hold the same rows at consecutive sub-chunks (`_issue_tile`)
-    qkp = GR.value // qxr if tile and sc.qkv_kpack and c.hidden_size % (64 * kt * (GR.value // qxr)) == 0 else 1
+    # (not with the QK-norm: its epilogue takes a head's pairs in one slot half, `_op_qkv_batch`)
+    qkp = GR.value // qxr if (tile and sc.qkv_kpack and not c.qk_norm
+                              and c.hidden_size % (64 * kt * (GR.value // qxr)) == 0) else 1
     qkv_fill = 2 * qxr * 64 * kt * 2 * qkp if tile else slot_bytes
     qin = min(sc.qkv_inflight or (-(-sc.inflight * (slot_bytes // kt) // qkv_fill) if sc.inflight else slots), slots)
     if slots < 2 or slots > fit:
@@ -2688,7 +2703,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
     if sc.stage_groups:
         groups, pipe = sc.stage_groups, sc.stage_groups != 1
-    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2:  # with QKV K-packed 4 ways, 4 groups spill
+    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2 and not c.qk_norm:
+        # (with QKV K-packed 4 ways 4 groups spill, and with the QK-norm's epilogue: qwen3-0.6b at batch 8, 224 B)
         groups, pipe = 4, True
     elif x_dtype == "fp16":  # two pipelined groups at batch 8, whole at 16 (spills otherwise)
         groups, pipe = (2, True) if nbp <= STAGE_PIPE_F16_BATCH else (1, False)
