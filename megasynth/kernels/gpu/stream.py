@@ -2216,9 +2216,8 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
             t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
                           mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
                           opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH,
-                          NKV, HD, S, V, EPS,
-                          SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB,
-                          NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
+                          NKV, HD, S, V, EPS, SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING,
+                          ATTN_EXP2, SP, BE, NB, NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
