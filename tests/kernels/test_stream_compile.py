@@ -378,8 +378,9 @@ def test_batch_stages_in_few_load_groups() -> None:
 
 def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     """By default a tile build's weight ops pipeline their stage (`_staged_rows_batch`) in 4 groups where the operand
-    is at most `STAGE_PIPE_VALUES` values and QKV is K-packed at most 2 ways (llama-1b's batch 8 with 32-row QKV boxes:
-    groups of 2 chunks); else, with x in fp16 (the tile builds' default), in 2 groups up to `STAGE_PIPE_F16_BATCH`
+    is at most `STAGE_PIPE_VALUES` values, QKV is K-packed at most 2 ways and each group holds at least 2 chunks
+    (llama-1b's batch 8 with 32-row QKV boxes: groups of 2 chunks; qwen2.5-0.5b's 4 chunks go in 2 groups, as groups
+    of one chunk spill); else, with x in fp16 (the tile builds' default), in 2 groups up to `STAGE_PIPE_F16_BATCH`
     sequences (llama-8b's batch 8, llama-1b's with its default 16-row QKV boxes) and whole above (their batch 16:
     their pipelined builds spill); with fp32 x in `stage_values`' groups where those are several (llama-8b's batch 16:
     two), llama-8b's batch 8 whole; every build on row-pair slots stages whole.
@@ -398,6 +399,7 @@ def test_a_small_batch_operand_is_staged_in_pipelined_groups() -> None:
     assert pipe(llama1, 8) == (True, 2) and pipe(llama1, 8, qkv_box_rows=32) == (True, 4)
     assert pipe(llama1, 8, x_dtype="fp32") == (False, 1)
     assert pipe(llama1, 8, stage_groups=2) == (True, 2)
+    assert pipe(get_model("qwen2.5-0.5b").config, 8) == (True, 2)
     assert pipe(llama1, 8, stage_groups=1) == (False, 1)
     assert pipe(llama1, 16) == (False, 1) and pipe(llama8, 8) == (True, 2) and pipe(llama8, 16) == (False, 2)
     assert pipe(llama8, 8, x_dtype="fp32") == (False, 1) and pipe(llama8, 16, x_dtype="fp32") == (True, 2)
@@ -677,7 +679,7 @@ def test_v9_batch_builds_compile_without_spills() -> None:
 
 @pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 8), ("llama-1b", 4),
                                           ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8), ("tiny-qwen3", 3),
-                                          ("qwen3-0.6b", 8)])
+                                          ("qwen3-0.6b", 8), ("qwen3-1.7b", 8)])
 def test_v10_batch_builds_fit(model: str, batch: int) -> None:
     """Interpreter v10's batch builds for sm_90: no spill stack (llama-8b's batch 8 16 B), shared memory within a
     CTA's; the staged operand

@@ -2702,8 +2702,9 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
     if sc.stage_groups:
         groups, pipe = sc.stage_groups, sc.stage_groups != 1
-    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2 and not c.qk_norm:
-        # (with QKV K-packed 4 ways 4 groups spill, and with the QK-norm's epilogue: qwen3-0.6b at batch 8, 224 B)
+    elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2 and chunks["NCHH"] >= 2 * 4:
+        # 4 groups of at least 2 chunks each (with QKV K-packed 4 ways they spill; so do groups of one chunk at
+        # batch 8: qwen2.5-0.5b 192 B, qwen3-0.6b 224 B, against 64 and 0 in 2 groups)
         groups, pipe = 4, True
     elif x_dtype == "fp16":  # two pipelined groups at batch 8, whole at 16 (spills otherwise)
         groups, pipe = (2, True) if nbp <= STAGE_PIPE_F16_BATCH else (1, False)
