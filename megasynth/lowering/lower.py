@@ -64,8 +64,8 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
     qk_mode = strategy.qk_norm if c.qk_norm else "in_qkv"
     apart = qk_mode != "in_qkv"
     # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch that runs on interpreter v9 (which computes
-    # QKV a head at a time)
-    qkv_align = c.hd if (c.qk_norm and not apart) or whole_head_qkv(spec) else 2
+    # QKV a head at a time; a QK-norm applied apart or inside attention runs on v10 only, any batch on pair tiles)
+    qkv_align = c.hd if not apart and (c.qk_norm or whole_head_qkv(spec)) else 2
     in_attn = {"qk_norm": 1} if qk_mode == "in_attention" else {}
     prev = 0
     for layer in range(c.num_hidden_layers):

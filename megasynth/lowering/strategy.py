@@ -237,7 +237,8 @@ FOLD_TWO_SPLITS_HD = 64
 EMBED_TILE_COLUMNS = 256
 
 
-def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
+def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None, qk_pairs: bool = False
+              ) -> Strategy:
     """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
     (docs/perf-notes.md, the v10 batch entries): attention split batch times less, so a layer has as many attention
     instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
@@ -251,31 +252,38 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     as many instructions, at most the largest split offered), QKV tiles of at least as many pairs as the build's
     K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads), gate/up tiles of
     whole 64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts
-    from its seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the
-    strategy as it is."""
+    from its seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. With
+    `qk_pairs` a QK-norm model's batch is lowered for a v10 build with `StreamConfig.qk_pairs` rather than for its
+    default interpreter: RoPE-pair QKV tiles as any model's, the norm where the strategy applies it, inside attention
+    where it says inside QKV. Batch 1: the strategy as it is."""
     b = spec.batch
     if b == 1:
         return strategy
     c = spec.config
+    pairs = qk_pairs and c.qk_norm
+    v10 = v10_batch(spec) or pairs
+    tile_slots = v10 and v10_tile_slots(c, b, qk_heads=not pairs)
     d = strategy.model_dump(mode="json")
     tiles = {**Strategy().tiles, **strategy.tiles}
     splits = {op: strategy.k_splits.get(op, 1) for op in K_SPLIT_OPS}
     d["attn_splits"] = max(1, strategy.attn_splits // b)
-    if d["attn_splits"] == 2 and _tile_slots(spec) and c.hd <= FOLD_TWO_SPLITS_HD:
+    if d["attn_splits"] == 2 and tile_slots and c.hd <= FOLD_TWO_SPLITS_HD:
         d["attn_splits"] = 1
-    d["fuse_attn_reduce"] = d["attn_splits"] == 1 and v10_batch(spec)
+    d["fuse_attn_reduce"] = d["attn_splits"] == 1 and v10
     qkv = "attn_norm_qkv_rope"
-    if _tile_slots(spec):
+    if tile_slots:
         for op in K_SPLIT_OPS:
             if tiles[op] < TILE_FILL[op]:
                 top = max(k_split_choices(spec, op))
                 splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
-        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b, c.qk_norm), tiles[qkv])
+        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b, c.qk_norm and not pairs), tiles[qkv])
         tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
-    if whole_head_qkv(spec) or whole_heads:
+    if pairs and d["qk_norm"] == "in_qkv":
+        d["qk_norm"] = "in_attention"
+    if (whole_head_qkv(spec) and not pairs) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
-        if c.qk_norm:
+        if c.qk_norm and not pairs:
             d["qk_norm"] = "in_qkv"
     rows = _rows_of(spec)
     d["tiles"] = {op: min(t, rows.get(op, t)) for op, t in tiles.items()}

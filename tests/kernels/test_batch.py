@@ -52,7 +52,10 @@ def test_batched_schedule_matches_the_reference_at_ragged_positions(family: str,
     schedule = lower(spec, workers, Strategy(**knobs))
     assert schedule.model is not None and schedule.model.batch == batch
     qkv = {i.args["end"] - i.args["start"] for i in schedule.instructions if i.op.startswith("attn_norm_qkv")}
-    assert (family == "tiny") == any(rows % cfg.hd for rows in qkv)  # pair tiles only where v10 runs the batch
+    # pair tiles only where v10 runs the batch: tiny's, and a QK-norm applied apart or inside attention (on a build
+    # with qk_pairs; interpreter v9 applies it inside QKV only)
+    v10 = family == "tiny" or (cfg.qk_norm and knobs.get("qk_norm", "in_qkv") != "in_qkv")
+    assert v10 == any(rows % cfg.hd for rows in qkv)
     assert verify(schedule).accepted
     prog = resolve(schedule)
     weights = random_weights(cfg, seed=3)
@@ -190,15 +193,21 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
                 continue
             with pytest.raises(ScheduleError, match=where):
                 build(spec, workers, Proposal(bad, [], "asked for it", "llm"))
-    # v10, where named, applies a batch's QK-norm inside QKV only: the other two forms are refused by name, at their
-    # JSON path
+    # v10, where named, applies a batch's QK-norm inside QKV, or with qk_pairs apart or inside attention: each build
+    # refuses the other's forms by name, at their JSON path
     qk3 = with_batch(get_model("tiny-qwen3"), 3)
     check_runs_batched_on_v10(pack(lower(qk3, 8), "v10"))
+    with pytest.raises(ScheduleError, match=r"\$\.instructions\[\d+\]\.op: .*qk_pairs.*not inside QKV"):
+        check_runs_batched_on_v10(pack(lower(qk3, 8), "v10"), qk_pairs=True)
     for mode, what in (("apart", r"\$\.instructions\[\d+\]\.op: .*not apart"),
                        ("in_attention", r"\$\.instructions\[\d+\]\.args: .*not inside attention")):
+        sched = lower(qk3, 8, Strategy(qk_norm=mode, tiles={"attn_norm_qkv_rope": 24}))
         with pytest.raises(ScheduleError, match=what):
-            check_runs_batched_on_v10(pack(lower(qk3, 8, Strategy(qk_norm=mode, tiles={"attn_norm_qkv_rope": 24})),
-                                           "v10"))
+            check_runs_batched_on_v10(pack(sched, "v10"))
+        check_runs_batched_on_v10(pack(sched, "v10"), qk_pairs=True)
+        # (v10 alone applies the norm there, so the lowering keeps the strategy's RoPE-pair tiles at a batch)
+        assert {i.args["end"] - i.args["start"] for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"
+                } - {qk3.config.qkv_size % 24} == {24}
 
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
@@ -250,6 +259,13 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
         sched = lower(qwen, 132, q)
         check_runs_batched_on_v10(pack(sched, "v10"))
         check_runs_on_v9(pack(sched, "v9"), qwen.config.hd, "")
+        # for a build with qk_pairs: the strategy's pair tiles (at least the K-packed boxes' 64 rows on tiles), the
+        # norm inside attention, and the fold where one split is left, as any v10 batch has them
+        p = for_batch(qwen_ref, qwen, qk_pairs=True)
+        assert p.tiles["attn_norm_qkv_rope"] == (64 if batch >= 8 else 32) and p.qk_norm == "in_attention"
+        assert p.fuse_attn_reduce == (p.attn_splits == 1) and p.attn_splits == max(1, 16 // batch)
+        check_runs_batched_on_v10(pack(lower(qwen, 132, p), "v10"), qk_pairs=True)
+    assert for_batch(ref, with_batch(llama, 8), qk_pairs=True) == b8  # no QK-norm: nothing changes
     mha = with_batch(get_model("tiny-mha"), 8)  # v9: whole heads, no fold
     m8 = for_batch(Strategy(attn_splits=8, fuse_attn_reduce=True), mha)
     assert m8.attn_splits == 1 and not m8.fuse_attn_reduce and m8.tiles["attn_norm_qkv_rope"] % mha.config.hd == 0

@@ -290,6 +290,36 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
             mk3.set_schedule(lower(qk, sms, Strategy(qk_norm="in_attention", tiles={"attn_norm_qkv_rope": 24})))
 
 
+@pytest.mark.parametrize("name, batch, workers, splits, mode, qkv", [
+    ("tiny-qwen3", 3, 8, 2, "in_attention", 12), ("tiny-qwen3", 3, 8, 2, "apart", 12),
+    ("tiny-qwen3", 8, 8, 1, "in_attention", 12), ("qwen3-0.6b", 16, None, 1, "in_attention", 64),
+    ("qwen3-1.7b", 8, None, 2, "in_attention", 64), ("qwen3-1.7b", 4, None, 4, "apart", 32),
+    ("qwen3-8b", 8, None, 2, "in_attention", 64)])
+def test_batched_qk_norm_on_qkv_pairs(name, batch, workers, splits, mode, qkv):
+    """A QK-norm model's batch on a v10 build with `qk_pairs`: QKV tiles of RoPE pairs (K-packed on tile slots, on
+    row-pair slots below batch 8) write every sequence's pairs unnormalised with their sums of squares, and the norm
+    comes inside attention (q scaled as it is loaded, the row at pos from `k_new`; the k row into the cache by
+    qk_norm_apply after the layer's attention) or apart (qk_norm_apply of every sequence before attention); every
+    sequence matches the reference decoding it alone. That build refuses a schedule whose QKV normalises, by name."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
+    w = _weights(spec.config, seed=9)
+    sched = lower(spec, sms, Strategy(attn_splits=splits, fuse_attn_reduce=splits == 1, qk_norm=mode,
+                                      k_splits={"o_proj_residual": 2}, tiles={"attn_norm_qkv_rope": qkv}))
+    assert any(i.op == "attn_norm_qkv_rope_sq" and (i.args["end"] - i.args["start"]) % spec.config.hd
+               for i in sched.instructions)
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(qk_pairs=True))
+    assert mk.v10 and mk.batch == batch and not mk.geo["QKH"]
+    _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000, TOL_BF16)
+    with pytest.raises(ScheduleError, match="not inside QKV"):
+        mk.set_schedule(lower(spec, sms))
+
+
 def test_fp16_residual_overflow_is_named():
     """A tile batch keeps x in fp16 (`StreamConfig.x_dtype`): where a checkpoint's residual values pass 65504 the
     logits turn non-finite, and `Megakernel.step` says so and names the fp32 build, which decodes the same weights

@@ -716,6 +716,22 @@ def test_v10_batch_builds_fit(model: str, batch: int) -> None:
         assert res.shared <= SMEM_LIMIT
 
 
+@pytest.mark.parametrize("model, batch, spill", [("tiny-qwen3", 3, 0), ("qwen3-0.6b", 8, 0)])
+def test_v10_qk_pairs_batch_builds_fit(model: str, batch: int, spill: int) -> None:
+    """A QK-norm model's batch build with `qk_pairs` (QKV on RoPE-pair tiles, the norm inside attention or apart)
+    compiles for sm_90 on row-pair slots (batch 3) and tiles (batch 8) within a CTA's shared memory, without spill
+    (its larger builds spill: qwen3-1.7b 40 B at batch 8, qwen3-8b 64 B; docs/perf-notes.md)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from megasynth.kernels.gpu.offline import compile_v10
+    from megasynth.kernels.gpu.stream import SMEM_LIMIT, StreamConfig
+    from megasynth.lowering.models import get_model
+
+    spec = get_model(model)
+    _, res = compile_v10(spec.config, 4096, StreamConfig(qk_pairs=True), batch=batch)
+    assert res.stack <= spill, f"{model} batch {batch}: {res.stack} bytes of spill stack"
+    assert res.shared <= SMEM_LIMIT
+
+
 def test_v10_batch_limits_name_what_they_refuse() -> None:
     """What interpreter v10 cannot build a batch for is a ValueError naming it (Megakernel then runs v9)."""
     from megasynth.kernels.gpu.stream import StreamConfig, batch_limits, stream_geometry
@@ -743,8 +759,32 @@ def test_v10_qk_norm_batches_take_whole_heads_on_tiles() -> None:
         for sc in (StreamConfig(), StreamConfig(batch_tiles=16), StreamConfig(qkv_box_rows=32)):
             geo = stream_geometry(qwen, sc, batch)
             assert geo["TILE"] and geo["QKP"] == 1 and geo["X_DTYPE"] == "fp16", (batch, sc)
+            assert geo["QKH"]
     assert stream_geometry(qwen, StreamConfig(), 8)["QXR"] == qwen.hd // 2
     assert not stream_geometry(get_model("llama-1b").config, StreamConfig(), 3)["TILE"]
+
+
+def test_v10_qk_pairs_batches_take_any_models_qkv_geometry() -> None:
+    """With `qk_pairs` a QK-norm model's batch builds as a model without the norm would: row-pair slots below
+    `batch_tiles`, QKV boxes of `v10_qkv_box_rows` and K-packed on tiles, and no QKV that normalises (QKH false);
+    llama's geometry is the same with it or without, and batch 1 has no QKH."""
+    import dataclasses
+
+    from megasynth.kernels.gpu.stream import StreamConfig, stream_geometry
+    from megasynth.lowering.models import get_model
+
+    qwen = get_model("qwen3-1.7b").config
+    plain = dataclasses.replace(qwen, qk_norm=False)
+    for batch in (2, 3, 8, 16):
+        geo = stream_geometry(qwen, StreamConfig(qk_pairs=True), batch)
+        assert not geo["QKH"]
+        assert geo == {**stream_geometry(plain, StreamConfig(), batch), "QKH": False}, batch
+    geo8 = stream_geometry(qwen, StreamConfig(qk_pairs=True), 8)
+    assert geo8["TILE"] and geo8["QKP"] == 2 and geo8["QXR"] == 32
+    assert not stream_geometry(qwen, StreamConfig(qk_pairs=True), 3)["TILE"]
+    llama = get_model("llama-1b").config
+    assert stream_geometry(llama, StreamConfig(qk_pairs=True), 8) == stream_geometry(llama, StreamConfig(), 8)
+    assert not stream_geometry(qwen, StreamConfig(), 1)["QKH"]
 
 
 def test_batch_one_loads_k_ranges_as_vectors() -> None:

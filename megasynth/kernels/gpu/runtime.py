@@ -215,12 +215,12 @@ class Megakernel:
         self.attn = torch.zeros(b * c.q_size, **acts)
         self.act = torch.zeros(b * c.intermediate_size, **acts)
         self.logits = torch.zeros(b * c.vocab_size, **f32)
-        # QK-norm applied apart from QKV (v10): per-pair sums of squares of every q and k head, and the new k rows
-        # before their per-head scale (the catalogue's `qk_sq` and `k_new`); other models pass `q` as a stand-in the
-        # kernel never reads (its build has that code compiled out: QK_NORM)
+        # QK-norm applied after QKV (v10): per-pair sums of squares of every q and k head, and the new k rows
+        # before their per-head scale (the catalogue's `qk_sq` and `k_new`, one part per sequence); other models pass
+        # `q` as a stand-in the kernel never reads (its build has that code compiled out: QK_NORM)
         if c.qk_norm:
-            self.qk_sq = torch.zeros((c.num_attention_heads + c.num_key_value_heads) * c.hd // 2, **f32)
-            self.k_new = torch.zeros(c.kv_size, **f32)
+            self.qk_sq = torch.zeros(b * (c.num_attention_heads + c.num_key_value_heads) * c.hd // 2, **f32)
+            self.k_new = torch.zeros(b * c.kv_size, **f32)
         else:
             self.qk_sq = self.k_new = self.q
         angles = np.arange(self.max_seq_len, dtype=np.float64)[:, None] * np.array(rope_inv_freq(c))[None, :]
@@ -256,7 +256,7 @@ class Megakernel:
             check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
                              "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
         elif self.batch > 1:
-            check_runs_batched_on_v10(p)
+            check_runs_batched_on_v10(p, qk_pairs=self.cfg.qk_norm and not self.geo["QKH"])
         elif self.geo["MMA"]:
             check_mma_k_starts(p)
         else:

@@ -953,10 +953,17 @@ def _load_q(q_ptr, sq_ptr, rows, dims, ok, nq, SCALE: gl.constexpr, HD: gl.const
     head's rsqrt(mean square + eps), from its RoPE pairs' sums of squares ([heads, HD / 2] at sq_ptr)."""
     q = gl.load(q_ptr + rows * HD + dims, mask=ok, other=0.0, cache_modifier=".cg") * SCALE
     if QK_NORM:
-        HALF: gl.constexpr = HD // 2
-        sqq = gl.load(sq_ptr + rows * HALF + dims, mask=ok & (dims < HALF) & nq, other=0.0, cache_modifier=".cg")
-        q = q * gl.expand_dims(gl.where(nq, 1.0 / gl.sqrt(gl.sum(sqq, axis=AX) / HD + EPS), 1.0), AX)
+        q = q * _head_inv(sq_ptr, rows, dims, ok, nq, HD, EPS, AX)
     return q
+
+
+@gluon.jit
+def _head_inv(sq_ptr, rows, dims, ok, nq, HD: gl.constexpr, EPS: gl.constexpr, AX: gl.constexpr):
+    """Each head's (`rows`) rsqrt(mean square + eps) where nq (1 elsewhere), from its RoPE pairs' sums of squares
+    ([heads, HD / 2] at sq_ptr, read where `dims` < HD / 2), expanded along the head dim's axis AX."""
+    HALF: gl.constexpr = HD // 2
+    sqq = gl.load(sq_ptr + rows * HALF + dims, mask=ok & (dims < HALF) & nq, other=0.0, cache_modifier=".cg")
+    return gl.expand_dims(gl.where(nq, 1.0 / gl.sqrt(gl.sum(sqq, axis=AX) / HD + EPS), 1.0), AX)
 
 
 @gluon.jit
@@ -1057,8 +1064,8 @@ def _op_attn_partial(q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, sq_ptr, knew_ptr
             cur_k, cur_v = _cur_rows(kc_ptr, vc_ptr, sq_ptr, knew_ptr, base + pos * HD, g, cur, nq, do, NH, HD, EPS,
                                      QK_NORM)
         if KV_RING == KV_ROWS:
-            t = _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD, G, HN, QS, NS, SB, BTK,
-                                ATTN_EXP2, num_warps)
+            t = _attn_ring_rows(q_ptr, sq_ptr, h0, pos, lo, hi, nq, t, ring, ready, empty, scratch, HD, G, HN, QS,
+                                EPS, QK_NORM, NS, SB, BTK, ATTN_EXP2, num_warps)
         else:
             t = _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, lo, hi, t, ring, ready,
                             empty, scratch, NH, HD, G, GP, QS, EPS, QK_NORM, NS, SB, BTK, KV_RING, ATTN_EXP2, L3,
@@ -1185,24 +1192,28 @@ def _attn_lanes(q_ptr, kc_ptr, vc_ptr, sq_ptr, knew_ptr, base, g, h0, qkn, pos, 
 
 
 @gluon.jit
-def _rows_q(q_ptr, h0, d0, G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, HD: gl.constexpr,
-            LB: gl.constexpr, num_warps: gl.constexpr):
+def _rows_q(q_ptr, sq_ptr, h0, d0, nq, G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, HD: gl.constexpr,
+            EPS: gl.constexpr, QK_NORM: gl.constexpr, LB: gl.constexpr, num_warps: gl.constexpr):
     """Dims [d0, d0 + 64) of q^T as `_attn_ring_rows`' scores operand ([num_warps, 64, HN], the same for every warp;
-    heads past G zero), a bf16 hi/lo pair."""
+    heads past G zero), a bf16 hi/lo pair; with the QK-norm (QK_NORM and nq) each head times its rsqrt(mean square +
+    eps) (`_head_inv`, from the sums of squares of all its pairs: the first 64 dims' loads read them)."""
     d = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, LB)))
     n = gl.arange(0, HN, layout=gl.SliceLayout(0, gl.SliceLayout(1, LB)))
     d3 = gl.expand_dims(gl.expand_dims(d, 0), 2)  # [1, 64, 1]
     n3 = gl.expand_dims(gl.expand_dims(n, 0), 1)  # [1, 1, HN]
     q = gl.load(q_ptr + (h0 + n3) * HD + d0 + d3, mask=(n3 < G) & (d3 < 64), other=0.0, cache_modifier=".cg") * QS
+    if QK_NORM:
+        q = q * _head_inv(sq_ptr, h0 + n3, d3, n3 < G, nq, HD, EPS, 1)
     q = q + gl.zeros([num_warps, 64, HN], gl.float32, LB)
     qh = q.to(gl.bfloat16)
     return qh, (q - qh.to(gl.float32)).to(gl.bfloat16)
 
 
 @gluon.jit
-def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: gl.constexpr, G: gl.constexpr,
-                    HN: gl.constexpr, QS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr,
-                    EXP2: gl.constexpr, num_warps: gl.constexpr):
+def _attn_ring_rows(q_ptr, sq_ptr, h0, pos, lo, hi, nq, t, ring, ready, empty, scratch, HD: gl.constexpr,
+                    G: gl.constexpr, HN: gl.constexpr, QS: gl.constexpr, EPS: gl.constexpr, QK_NORM: gl.constexpr,
+                    NS: gl.constexpr, SB: gl.constexpr, BTK: gl.constexpr, EXP2: gl.constexpr,
+                    num_warps: gl.constexpr):
     """`_attn_lanes` on the tensor cores (mma.sync m16n8k16) with the positions as the products' rows: each warp
     takes 16 of a block's BTK = 16 num_warps positions and keeps its own online softmax over them. Its scores are
     K q^T ([16, HN]: the query heads as the HN >= 8 columns, zero past G; q as bf16 hi + lo, K is bf16 in the
@@ -1210,7 +1221,7 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     the head at a time (`_issue_kv_rows`' blocks: K and V in one slot, or a 128-dim head's K in one and V in the
     next). So every product row is a real position, where `_attn_ring_mma`'s rows are query heads (4 of 16 real on
     llama-1b). The row at pos is left out, as `_attn_lanes` leaves it; the warps' states go to `scratch` in
-    `_lane_views`' form. A batch has no QK-norm on v10, so q is taken as it is."""
+    `_lane_views`' form. With the QK-norm here (QK_NORM and nq) q is normalised as it is loaded (`_rows_q`)."""
     gl.static_assert(BTK == 16 * num_warps, "a warp's 16 positions per block")
     gl.static_assert((HD == 64) | (HD == 128), "64- or 128-dim heads")
     DH: gl.constexpr = HD // 64
@@ -1222,9 +1233,9 @@ def _attn_ring_rows(q_ptr, h0, pos, lo, hi, t, ring, ready, empty, scratch, HD: 
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
     LM: gl.constexpr = gl.SliceLayout(1, MMA3)  # [num_warps, HN]: per warp and head
     kv3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
-    qh0, ql0 = _rows_q(q_ptr, h0, 0, G, HN, QS, HD, LB, num_warps)
+    qh0, ql0 = _rows_q(q_ptr, sq_ptr, h0, 0, nq, G, HN, QS, HD, EPS, QK_NORM, LB, num_warps)
     if DH == 2:
-        qh1, ql1 = _rows_q(q_ptr, h0, 64, G, HN, QS, HD, LB, num_warps)
+        qh1, ql1 = _rows_q(q_ptr, sq_ptr, h0, 64, nq, G, HN, QS, HD, EPS, QK_NORM, LB, num_warps)
         acc1 = gl.zeros([num_warps, 64, HN], gl.float32, MMA3)
     w = gl.arange(0, num_warps, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA3)))
     r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA3)))
@@ -1887,19 +1898,20 @@ def _swiglu_rows(act_ptr, IS: gl.constexpr, rows, g, u, rs, a1, NB: gl.constexpr
 
 @gluon.jit
 def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
-                  sin_ptr, rt_ptr, layer, a0, a1, H: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
-                  HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr,
-                  NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr,
-                  CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
+                  sin_ptr, rt_ptr, sq_ptr, knew_ptr, layer, a0, a1, H: gl.constexpr, NH: gl.constexpr,
+                  NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr,
+                  NS: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
+                  CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
                   num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1,
-                  SPIPE: gl.constexpr = False, QK_NORM: gl.constexpr = False):
+                  SPIPE: gl.constexpr = False, QK_NORM: gl.constexpr = False, SQ: gl.constexpr = False):
     """`_op_qkv` for every sequence of a batch: each sequence's rows rotated at its own position (rt[NB + b]), its q
     at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S, hd] caches). A slot's halves
     are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed tiles, `_pair_rows_batch`)
     GR / QKP of them. With the QK-norm (whole-head q and k tiles on tile slots, not K-packed) a group is one whole
-    head, which `_qkv_rows` normalises before the rotation."""
+    head, which `_qkv_rows` normalises before the rotation. With SQ (attn_norm_qkv_rope_sq, any RoPE pairs) the
+    norm is applied later: `_qkv_rows` writes each sequence's pairs unnormalised, with their sums of squares."""
     RG: gl.constexpr = GR // QKP if TILE else BR
-    gl.static_assert(not QK_NORM or RG >= HD // 2, "a batch's QK-norm takes a head's pairs in one group")
+    gl.static_assert(not QK_NORM or RG >= HD // 2, "a batch's QK-norm in QKV takes a head's pairs in one group")
     KS: gl.constexpr = SUB * KT * QKP if TILE else BK
     PIPE: gl.constexpr = SPIPE and NCHH > CG  # the stage in groups, the first pairs' products with it
     if not PIPE:
@@ -1918,16 +1930,16 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
         t, y1, y2, rs = _staged_rows_batch(t, ring, ready, empty, vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0,
                                            a0 * 0 + H, a0 * 0, (H + KS - 1) // KS, True, H, EPS, NCHH, BK, NB, NBP,
                                            CG, CPS, NS, KT, ep, num_warps, tr, TRACE, QKP)
-        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer, NH,
-                  NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, ep)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, sq_ptr,
+                  knew_ptr, layer, NH, NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, SQ, ep)
         p += n
     while p < pend:
         head, n, jj, m, cs, sn, b1, b2 = _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH, NKV,
                                                     HD, QKV_BIAS, RG)
         t, y1, y2 = _pair_rows_batch(t, ring, ready, empty, vstage, (H + KS - 1) // KS, NS, NBP, CPS, TILE, KT,
                                      ep, num_warps, QKP)
-        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer, NH,
-                  NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, ep)
+        _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, sq_ptr,
+                  knew_ptr, layer, NH, NKV, HD, S, EPS, QKV_BIAS, TILE, QK_NORM, SQ, ep)
         p += n
     return t
 
@@ -1954,13 +1966,16 @@ def _qkv_coefs(p, pend, ir, live, pos, b_ptr, cos_ptr, sin_ptr, layer, NH: gl.co
 
 
 @gluon.jit
-def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, layer,
-              NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr,
-              QKV_BIAS: gl.constexpr, SCALE: gl.constexpr, QK_NORM: gl.constexpr, ep: gl.constexpr):
+def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_ptr, vc_ptr, qkn_ptr, sq_ptr,
+              knew_ptr, layer, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+              EPS: gl.constexpr, QKV_BIAS: gl.constexpr, SCALE: gl.constexpr, QK_NORM: gl.constexpr,
+              SQ: gl.constexpr, ep: gl.constexpr):
     """`_op_qkv_batch`'s epilogue of one group of RoPE pairs (`_qkv_coefs`): the halves y1, y2 scaled by each
     sequence's rstd with SCALE, biased, with QK_NORM (the group a whole q or k head) each sequence's head times
     rsqrt(mean(y^2) + eps) and the layer's q_norm or k_norm, rotated at each sequence's position into its q, or its
-    cache slot's K; V as it is."""
+    cache slot's K; V as it is. With SQ (the norm applied later, as `_op_qkv`'s SQ) each q and k pair's sum of squares
+    goes to the sequence's `qk_sq`, the pair times its norm weight is rotated, and k goes to the sequence's `k_new`
+    instead of the cache."""
     HALF: gl.constexpr = HD // 2
     if SCALE:
         y1 = y1 * _seq_scale(rs, ep)
@@ -1976,6 +1991,13 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
             half = jj < HALF
             y1 = y1 * inv * gl.load(nrm, mask=half, other=0.0)
             y2 = y2 * inv * gl.load(nrm + HALF, mask=half, other=0.0)
+    if SQ:
+        if head < NH + NKV:
+            gl.store(sq_ptr + bs * ((NH + NKV) * HALF) + head * HALF + jj, y1 * y1 + y2 * y2, mask=m)
+            nrm = qkn_ptr + layer * (2 * HD) + (head >= NH).to(gl.int32) * HD + jj  # [RG, 1]
+            half = jj < HALF
+            y1 = y1 * gl.load(nrm, mask=half, other=0.0)
+            y2 = y2 * gl.load(nrm + HALF, mask=half, other=0.0)
     if head < NH + NKV:
         o1 = y1 * cs - y2 * sn
         o2 = y2 * cs + y1 * sn
@@ -1983,6 +2005,10 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
             qb = q_ptr + bs * (NH * HD) + head * HD + jj
             gl.store(qb, o1, mask=m)
             gl.store(qb + HALF, o2, mask=m)
+        elif SQ:
+            kb = knew_ptr + bs * (NKV * HD) + (head - NH) * HD + jj
+            gl.store(kb, o1, mask=m)
+            gl.store(kb + HALF, o2, mask=m)
         else:
             cb = kc_ptr + ((slot + head - NH) * S + pos) * HD + jj
             gl.store(cb, o1.to(gl.bfloat16), mask=m)
@@ -1994,21 +2020,28 @@ def _qkv_rows(y1, y2, rs, head, jj, m, cs, sn, b1, b2, pos, slot, bs, q_ptr, kc_
 
 
 @gluon.jit
-def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
+def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
               mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr,
-              attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits,
+              attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, seq_splits,
               H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
               S: gl.constexpr, V: gl.constexpr, EPS: gl.constexpr, SCALE: gl.constexpr, G: gl.constexpr,
               GP: gl.constexpr, QKV_BIAS: gl.constexpr, NS: gl.constexpr, SB: gl.constexpr, NCHH: gl.constexpr,
               NCHQ: gl.constexpr, NCHI: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr,
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
-              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, QK_NORM: gl.constexpr):
+              TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, QK_NORM: gl.constexpr,
+              QKH: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
     partial buffers, as the catalogue's footprints place them. attn_reduce_o_proj runs with one split only: its
-    merge is then o_proj's staging of the partials."""
+    merge is then o_proj's staging of the partials.
+
+    A QK-norm model's QKV normalises whole heads where the build's QKV tiles are heads (QKH); on RoPE-pair tiles
+    (`StreamConfig.qk_pairs`) QKV writes each sequence's unnormalised pairs and their sums of squares
+    (attn_norm_qkv_rope_sq), and the norm comes in qk_norm_apply (every sequence's KV head a0) or in attention (a4:
+    qk_norm), each reading sequence b's `qk_sq` and `k_new` at b times one sequence's part. A build has the code of
+    one of the two only (`pack.check_runs_batched_on_v10` refuses the other's ops)."""
     # a slot's two halves ([2, rows, NBP sequences]) with both halves' values of a row and sequence in one thread
     # (`_pair_rows_batch`); `ep` is one half. With x in fp16 (`StreamConfig.x_dtype`, tile slots) a thread holds
     # two adjacent rows of a sequence, which o_proj and down add into x as one 32-bit reduction (`_seq_rows`)
@@ -2019,17 +2052,22 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
                                                                                     num_warps * 32 * RP // GR],
                                                           [2, 1, 0]) if TILE else
                                       gl.BlockedLayout([2, 1, 1], [1, BR, 32 // BR], [1, 1, num_warps], [2, 1, 0]))
+    # QKV's one form in this build: with the QK-norm on RoPE-pair tiles attn_norm_qkv_rope_sq (`pack` refuses the
+    # other), else attn_norm_qkv_rope
+    SQ: gl.constexpr = QK_NORM and not QKH
     if op == OP_EMBED:
         _op_embed_batch(embed_ptr, x_ptr, rt_ptr, a0, a1, H, BE, NB, NBP, num_warps)
-    elif op == OP_QKV:
+    elif op == (OP_QKV_SQ if SQ else OP_QKV):
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr,
-                          vc_ptr, cos_ptr, sin_ptr, rt_ptr, layer, a0, a1, H, NH, NKV, HD, S, EPS, QKV_BIAS, NS, NCHH,
-                          BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
+                          vc_ptr, cos_ptr, sin_ptr, rt_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, H, NH, NKV, HD, S,
+                          EPS, QKV_BIAS, NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP,
+                          SPIPE, QKH, SQ)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
-                             lse_ptr + a3 * seq_splits * NH, q_ptr, q_ptr, layer * NB + a3, a0, a1, a2,
-                             gl.load(rt_ptr + NB + a3), 0, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP,
-                             SCALE, EPS, False, NS, SB * KT, BTK, KV_RING, ATTN_EXP2, num_warps, tr, TRACE)
+                             lse_ptr + a3 * seq_splits * NH, qk_sq_ptr + a3 * ((NH + NKV) * (HD // 2)),
+                             k_new_ptr + a3 * (NKV * HD), layer * NB + a3, a0, a1, a2, gl.load(rt_ptr + NB + a3),
+                             a4, t, ring, ready, empty, vstage, NH, NKV, HD, S, G, GP, SCALE, EPS, SQ, NS,
+                             SB * KT, BTK, KV_RING, ATTN_EXP2, num_warps, tr, TRACE)
     elif op == OP_REDUCE:
         _op_attn_reduce(opart_ptr + a3 * seq_splits * (NH * HD), lse_ptr + a3 * seq_splits * NH,
                         attn_ptr + a3 * (NH * HD), a0, a1, a2, NH, HD, GP, SP, num_warps)
@@ -2053,6 +2091,11 @@ def _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, 
         t = _op_kpaired_batch(ring, ready, empty, vstage, t, x_ptr, H, final_norm_ptr, logits_ptr, V, a0, a1, a0 * 0,
                               a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE, SPIPE)
+    elif SQ and op == OP_QK_APPLY:  # the QK-norm applied apart: compiled where QKV is attn_norm_qkv_rope_sq
+        for b in range(NB):
+            _op_qk_apply(q_ptr + b * (NH * HD), qk_sq_ptr + b * ((NH + NKV) * (HD // 2)), k_new_ptr + b * (NKV * HD),
+                         kc_ptr, layer * NB + b, a0, a1, gl.load(rt_ptr + NB + b), NH, NKV, HD, S, EPS, G, GP,
+                         num_warps)
     return t
 
 
@@ -2189,7 +2232,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
-             QKP: gl.constexpr, SPIPE: gl.constexpr):
+             QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -2213,11 +2256,12 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
         if TRACE:
             t_start = ptx.gl_globaltimer()
         if NB > 1:
-            t = _batch_op(op, layer, a0, a1, a2, a3, t, ring, ready, empty, vstage, rt_ptr, embed_ptr, attn_norm_ptr,
-                          mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr, vc_ptr,
-                          opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, seq_splits, H, IS, NH,
-                          NKV, HD, S, V, EPS, SCALE, G, GP, QKV_BIAS, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING,
-                          ATTN_EXP2, SP, BE, NB, NBP, CG, CPS, TILE, KT, num_warps, tr, TRACE, QKP, SPIPE, QK_NORM)
+            t = _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_ptr, embed_ptr,
+                          attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr, q_ptr, kc_ptr,
+                          vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr,
+                          k_new_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS, SCALE, G, GP, QKV_BIAS, NS, SB, NCHH,
+                          NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB, NBP, CG, CPS, TILE, KT, num_warps, tr,
+                          TRACE, QKP, SPIPE, QK_NORM, QKH)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2274,7 +2318,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
+    QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2307,7 +2351,8 @@ def stream_megakernel(
                     sin_ptr, qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits, ring, ready, empty, vbuf, vstage, H, IS,
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
-                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, SPIPE)),
+                    TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, QKH,
+                    SPIPE)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
@@ -2483,6 +2528,11 @@ class StreamConfig:
     #: with 32-row boxes 4.54 ms, with 64-row ones (half the next pairs' rows) 4.62, whole heads on 48 SMs 4.67;
     #: llama-1b at batch 16, tiles of 16 pairs with 16-row boxes 1.065 against whole heads' 1.084 (docs/perf-notes.md)
     qkv_box_rows: int = 0
+    #: a QK-norm model's batch (Qwen3) with QKV tiles of RoPE pairs, boxed and K-packed as any model's, the norm
+    #: applied apart (`qk_norm_apply`) or inside attention (`attn_partial`'s qk_norm), as the batch-1 schedules
+    #: apply it, instead of QKV tiles of whole heads that QKV normalises (then a batch's QKV is one instruction a
+    #: head: 32 on qwen3-1.7b). Such a build runs no QKV that normalises (`pack.check_runs_batched_on_v10`)
+    qk_pairs: bool = False
     #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes;
     #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
     #: than 64 at batch 8 and 16 (docs/perf-notes.md)
@@ -2582,7 +2632,8 @@ def stream_config(c: ModelConfig | None = None) -> StreamConfig:
 def batch_limits(c: ModelConfig, sc: StreamConfig, batch: int) -> str | None:
     """Why interpreter v10 cannot build for `batch` sequences of this model (None: it can). A batch runs on the
     tensor cores (`_pair_rows_batch`), so every K must be a multiple of 64 and a slot two boxes; a QK-norm model's
-    batch takes tile slots (`pack.v10_tile_slots`) with the norm inside QKV (`pack.check_runs_batched_on_v10`)."""
+    batch takes tile slots (`pack.v10_tile_slots`) with the norm inside QKV, or with `qk_pairs` the slots and QKV tiles
+    of any model with the norm apart or inside attention (`pack.check_runs_batched_on_v10`)."""
     why = batch_model_limits(c, batch)
     if why is None and batch > 1 and sc.boxes != 2:
         return f"a batch needs 2 boxes per ring slot (boxes = {sc.boxes})"
@@ -2626,7 +2677,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     # a batch's operand, the batch padded to nbp: with tiles, per 64-column sub-chunk of K, cps rows per sequence
     # (bf16, or hi/lo; nbp >= 8, a wgmma's N is a multiple of 8); on row-pair slots, as batch 1's tensor-core
     # operand, per chunk of bk, cps = 4 rows per sequence (its 64-column sub-chunks), 8 with hi/lo
-    tile = v10_tile_slots(c, batch, sc.batch_tiles)
+    qk_heads = c.qk_norm and not sc.qk_pairs  # a batch's QKV normalises whole heads (`StreamConfig.qk_pairs`)
+    tile = v10_tile_slots(c, batch, sc.batch_tiles, qk_heads)
     nbp = max(8, _pow2_ceil(batch)) if tile else _pow2_ceil(batch)
     cps = (2 if sc.batch_hilo or batch == 1 else 1) * (1 if tile else bk // 64)
     row_bytes = (bk // 64 if tile else 1) * cps * nbp * 128 if batch > 1 else bk * 4  # staged bytes per chunk
@@ -2659,11 +2711,11 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     inflight = min(-(-sc.inflight // kt) if sc.inflight else slots, slots)
     # a batch's QKV tile fills carry QXR of each half's rows (`qkv_box_rows`): fewer bytes than a slot where QXR < 64,
     # so as many bytes in flight are more of them (`StreamConfig.qkv_inflight`)
-    qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch, c.qk_norm)
+    qbox = sc.qkv_box_rows or v10_qkv_box_rows(c.hd, batch, qk_heads)
     qxr = min(sc.tile_box_rows, qbox, c.hd // 2) if sc.tile_box_rows > 16 else 16
     # ... unless K-packed: a half's GR / QXR boxes hold the same rows at consecutive sub-chunks (`_issue_tile`)
     # (not with the QK-norm: its epilogue takes a head's pairs in one slot half, `_op_qkv_batch`)
-    qkp = GR.value // qxr if (tile and sc.qkv_kpack and not c.qk_norm
+    qkp = GR.value // qxr if (tile and sc.qkv_kpack and not qk_heads
                               and c.hidden_size % (64 * kt * (GR.value // qxr)) == 0) else 1
     qkv_fill = 2 * qxr * 64 * kt * 2 * qkp if tile else slot_bytes
     qin = min(sc.qkv_inflight or (-(-sc.inflight * (slot_bytes // kt) // qkv_fill) if sc.inflight else slots), slots)
@@ -2716,7 +2768,7 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "QXR": qxr, "QKP": qkp,
+            "QXR": qxr, "QKP": qkp, "QKH": batch > 1 and qk_heads,
             "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
             "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
             "KVW": 64 if rows else c.hd, "ACT_BF16": batch > 1 and sc.act_bf16 and not sc.batch_hilo,
@@ -2744,7 +2796,8 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], num_warps=sc.num_warps)
+        CPF=geo["CPF"], QKP=geo["QKP"], QKH=geo["QKH"], SPIPE=geo["SPIPE"], GIN=geo["GIN"],
+        num_warps=sc.num_warps)
 
 
 def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
