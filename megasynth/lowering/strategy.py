@@ -211,8 +211,10 @@ def v10_batch(spec: ModelSpec) -> bool:
 
 def whole_head_qkv(spec: ModelSpec) -> bool:
     """Whether a batch's QKV tiles must be whole heads with the QK-norm inside QKV: its interpreter is v9, which
-    computes QKV a head at a time, or the model has the QK-norm, which both interpreters apply to a batch inside QKV
-    only. Otherwise v10 takes RoPE-pair tiles at any batch."""
+    computes QKV a head at a time, or the model has the QK-norm, which a batch's default interpreters apply inside
+    QKV (v9, and v10 built without `StreamConfig.qk_pairs`). Otherwise v10 takes RoPE-pair tiles at any batch, and so
+    does a QK-norm model's batch lowered for a build with `qk_pairs` (`for_batch`'s qk_pairs, or a strategy whose
+    QK-norm is applied apart or inside attention)."""
     return spec.batch > 1 and (spec.config.qk_norm or not v10_batch(spec))
 
 

@@ -266,8 +266,8 @@ def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False) -> None:
     apart = np.isin(p.ins[:, F_OP], [OPCODES[op] for op in sorted(QK_APART_OPS)])
     qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
     in_qkv = p.ins[:, F_OP] == OPCODES["attn_norm_qkv_rope"]
-    heads = "applies a batch's QK-norm inside QKV (without qk_pairs), not {} as {{}} does: build with qk_pairs, or " \
-            "lower the batch with the strategy's qk_norm in_qkv"
+    heads = ("applies a batch's QK-norm inside QKV (without qk_pairs), not {} as {{}} does: build with qk_pairs, or "
+             "lower the batch with the strategy's qk_norm in_qkv")
     checks = ((fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at a batch only with 1 attention split; {{}} "
                       "merges more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),)
     if qk_pairs:
