@@ -26,26 +26,32 @@ class Execution:
 
 def maximal_execution(prog: Program) -> Execution:
     """Run every worker as far as the counters allow (event-driven: a worker is re-checked when a counter it waits on
-    grows). Linear in instructions + waits."""
+    grows; a woken worker resumes at its first wait not yet met). Linear in instructions + waits + wake-ups."""
     counters = [0] * prog.counters
     head = [0] * len(prog.queues)
+    met = [0] * len(prog.queues)  # per worker: how many of its head's waits are met (counters only grow)
     blocked_on: dict[int, list[int]] = defaultdict(list)
     ready = list(range(len(prog.queues)))
     order: list[int] = []
+    waits, signals = prog.waits, prog.signals
     while ready:
         w = ready.pop()
         queue = prog.queues[w]
         while head[w] < len(queue):
             i = queue[head[w]]
-            unmet = next(((c, v) for c, v in prog.waits[i] if counters[c] < v), None)
-            if unmet is not None:
-                blocked_on[unmet[0]].append(w)
+            ws, k = waits[i], met[w]
+            while k < len(ws) and counters[ws[k][0]] >= ws[k][1]:
+                k += 1
+            if k < len(ws):  # blocked on its first unmet wait; woken when that counter grows
+                met[w] = k
+                blocked_on[ws[k][0]].append(w)
                 break
+            met[w] = 0
             order.append(i)
             head[w] += 1
-            for c, add in prog.signals[i]:
+            for c, add in signals[i]:
                 counters[c] += add
-                if blocked_on.get(c):
+                if c in blocked_on:
                     ready.extend(blocked_on.pop(c))
     stuck = [q[head[w]] if head[w] < len(q) else -1 for w, q in enumerate(prog.queues)]
     return Execution(order, counters, stuck)
