@@ -12,13 +12,14 @@ import torch
 
 from megasynth.ir.catalogue import ArgError, Geometry, check_instruction
 from megasynth.ir.program import resolve
-from megasynth.ir.schedule import parse_schedule
+from megasynth.ir.schedule import Schedule, parse_schedule
 from megasynth.kernels.cpu_executor import ExecutorError, run_program
 from megasynth.kernels.reference import decode_batch, decode_step, new_kv_cache
 from megasynth.kernels.weights import random_weights
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import BatchError, ModelSpec, get_model, with_batch
 from megasynth.lowering.strategy import Strategy
+from megasynth.search.surrogate import cut
 from megasynth.validator.verify import verify
 from tests.kernels.test_families import FAMILIES, MAX_SEQ, rel_err
 
@@ -163,9 +164,9 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     from megasynth.search.evaluate import build
     from megasynth.search.proposers.base import Proposal
 
-    qwen = with_batch(get_model("qwen3-8b"), 2)
+    qwen = cut(with_batch(get_model("qwen3-8b"), 2), 2)  # two layers: the checks read what repeats per layer
     check_runs_on_v9(pack(lower(qwen, 132), "v9"), qwen.config.hd, "")  # the naive lowering: 64-row tiles rounded
-    pairs = lower(with_batch(get_model("llama-8b"), 2), 132)  # v10's batch keeps the naive 64-row (half-head) tiles
+    pairs = lower(cut(with_batch(get_model("llama-8b"), 2), 2), 132)  # v10's batch keeps the naive 64-row tiles
     check_runs_batched_on_v10(pack(pairs, "v10"))
     assert {i.args["end"] - i.args["start"] for i in pairs.instructions if i.op == "attn_norm_qkv_rope"} == {64}
     with pytest.raises(ScheduleError, match="whole heads"):
@@ -227,6 +228,10 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
                    k_splits={"o_proj_residual": 4, "down_proj_residual": 4}, attn_splits=16, fuse_attn_reduce=True,
                    assignment="critical_path")
     llama = get_model("llama-1b")
+
+    def lowered(spec: ModelSpec, strategy: Strategy) -> Schedule:  # two layers: what the checks read repeats per layer
+        return lower(cut(spec, 2), 132, strategy)
+
     assert for_batch(ref, llama) == ref
     b8 = for_batch(ref, with_batch(llama, 8))
     assert b8.tiles["o_proj_residual"] == b8.tiles["down_proj_residual"] == 128
@@ -236,7 +241,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
                                                                                                              256)
     assert (b8.attn_splits, b8.fuse_attn_reduce, b8.assignment) == (1, True, "critical_path")
     assert b8.tiles["embed"] == EMBED_TILE_COLUMNS  # 8 embed instructions on llama-1b
-    check_runs_batched_on_v10(pack(lower(with_batch(llama, 8), 132, b8), "v10"))
+    check_runs_batched_on_v10(pack(lowered(with_batch(llama, 8), b8), "v10"))
     big = for_batch(ref, with_batch(get_model("llama-8b"), 8))
     assert (big.attn_splits, big.fuse_attn_reduce) == (2, False)
     for op in ("o_proj_residual", "down_proj_residual"):  # as many instructions as batch 1's
@@ -246,7 +251,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     assert (b16.attn_splits, b16.fuse_attn_reduce) == (1, True)
     assert b16.tiles["attn_norm_qkv_rope"] == 32
     assert big.tiles["attn_norm_qkv_rope"] == 64  # 32 pairs of a 128-dim head, not the whole head
-    check_runs_batched_on_v10(pack(lower(with_batch(llama, 16), 132, b16), "v10"))
+    check_runs_batched_on_v10(pack(lowered(with_batch(llama, 16), b16), "v10"))
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
     assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
@@ -256,7 +261,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
         qwen = with_batch(get_model("qwen3-8b"), batch)
         q = for_batch(qwen_ref, qwen)
         assert q.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q.qk_norm == "in_qkv" and not q.fuse_attn_reduce
-        sched = lower(qwen, 132, q)
+        sched = lowered(qwen, q)
         check_runs_batched_on_v10(pack(sched, "v10"))
         check_runs_on_v9(pack(sched, "v9"), qwen.config.hd, "")
         # for a build with qk_pairs: the strategy's pair tiles (at least the K-packed boxes' 64 rows on tiles), the
@@ -264,7 +269,7 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
         p = for_batch(qwen_ref, qwen, qk_pairs=True)
         assert p.tiles["attn_norm_qkv_rope"] == (64 if batch >= 8 else 32) and p.qk_norm == "in_attention"
         assert p.fuse_attn_reduce == (p.attn_splits == 1) and p.attn_splits == max(1, 16 // batch)
-        check_runs_batched_on_v10(pack(lower(qwen, 132, p), "v10"), qk_pairs=True)
+        check_runs_batched_on_v10(pack(lowered(qwen, p), "v10"), qk_pairs=True)
     assert for_batch(ref, with_batch(llama, 8), qk_pairs=True) == b8  # no QK-norm: nothing changes
     mha = with_batch(get_model("tiny-mha"), 8)  # v9: whole heads, no fold
     m8 = for_batch(Strategy(attn_splits=8, fuse_attn_reduce=True), mha)
