@@ -15,7 +15,13 @@ from typing import Any
 
 from megasynth.ir.errors import ScheduleError
 from megasynth.ir.schedule import Schedule
-from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, default_batch_interpreter, pack
+from megasynth.kernels.gpu.pack import (
+    check_runs_batched_on_v10,
+    check_runs_on_v9,
+    default_batch_interpreter,
+    pack,
+    v10_tile_slots,
+)
 from megasynth.kernels.gpu.timing import GpuHangError
 from megasynth.lowering.costmodel import CostParams, Estimate, estimate
 from megasynth.lowering.lower import lower
@@ -156,7 +162,8 @@ def build(spec: ModelSpec, workers: int, proposal: Proposal) -> Schedule:
     schedule = apply_patches(schedule, proposal.patches)
     if spec.batch > 1:  # refuse what the batch's interpreter cannot run now, not after the search
         if default_batch_interpreter(spec.config, spec.batch) == "v10":
-            check_runs_batched_on_v10(pack(schedule, "v10"))
+            # x in fp16 on the default build's tile slots
+            check_runs_batched_on_v10(pack(schedule, "v10"), x16=v10_tile_slots(spec.config, spec.batch))
         else:
             check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "this model's batch runs on interpreter v9 "
                              "(whole-head QKV tiles, fuse_attn_reduce false, qk_norm in_qkv)")

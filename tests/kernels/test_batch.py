@@ -155,9 +155,10 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
     model (whose batch applies the norm inside QKV), another v10 batch keeps its RoPE-pair tiles as batch 1 does, the
     search space offers no QK-norm apart or in attention at any batch (and only whole-head QKV tiles there) and a
     folded merge only on v10, with one attention split (the two knobs move together), and a proposal that asks for
-    what the interpreter lacks anyway (a fold of two splits, the QK-norm apart or in attention) is refused when it
-    is built, naming the interpreter and the instruction, not after the search picked it; v10, where named, refuses
-    a QK-norm applied elsewhere than in QKV the same way."""
+    what the interpreter lacks anyway (a fold of two splits, the QK-norm apart or in attention; on tile slots with x
+    in fp16 an o_proj or down tile starting on an odd row) is refused when it is built, naming the interpreter and
+    the instruction, not after the search picked it; v10, where named, refuses a QK-norm applied elsewhere than in
+    QKV the same way."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
@@ -209,6 +210,14 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
         # (v10 alone applies the norm there, so the lowering keeps the strategy's RoPE-pair tiles at a batch)
         assert {i.args["end"] - i.args["start"] for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"
                 } - {qk3.config.qkv_size % 24} == {24}
+    # tile slots keep x in fp16, which o_proj and down add into two rows at a time: a tile starting on an odd row is
+    # refused by name where it is built (the search never offers one there)
+    l8 = cut(with_batch(get_model("llama-1b"), 8), 2)
+    odd = Strategy(tiles={"down_proj_residual": 63, "o_proj_residual": 128}, k_splits={"down_proj_residual": 2})
+    with pytest.raises(ScheduleError, match=r"\$\.instructions\[\d+\]\.args: .*fp16.*odd"):
+        build(l8, 132, Proposal(odd, [], "asked for it", "llm"))
+    check_runs_batched_on_v10(pack(lower(l8, 132, odd), "v10"))  # fine where x is fp32
+    assert all(t % 2 == 0 for t in tile_choices(l8, 132, "down_proj_residual"))
 
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:

@@ -256,12 +256,21 @@ def default_batch_interpreter(c: ModelConfig, batch: int) -> str:
     return "v10"
 
 
-def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False) -> None:
+def odd_residual_rows(p: Packed) -> np.ndarray:
+    """The queue rows of o_proj or down (or the folded merge) whose output rows start on an odd row: a build that keeps
+    x in fp16 (`StreamConfig.x_dtype`) adds two adjacent rows as one 32-bit reduction, which must be 4-byte aligned
+    (the lowering's tiles on tile slots are multiples of 128 rows; a hand-written or v9 schedule's may not be)."""
+    ops = [OPCODES["o_proj_residual"], OPCODES["down_proj_residual"], OPCODES[FUSED_OPROJ]]
+    return np.isin(p.ins[:, F_OP], ops) & (p.ins[:, F_A0] % 2 != 0)
+
+
+def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False, x16: bool = False) -> None:
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
     batched schedule `p`: a batch folds attn_reduce into o_proj only where attention has one split (then o_proj
     stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower); a QK-norm
     model's build applies the norm inside QKV (whole-head tiles), or with `qk_pairs` (`StreamConfig.qk_pairs`: a
-    QK-norm model's build with RoPE-pair QKV tiles) apart or inside attention, and has the code of that one only."""
+    QK-norm model's build with RoPE-pair QKV tiles) apart or inside attention, and has the code of that one only; with
+    x in fp16 (`x16`) o_proj's and down's tiles start on even rows (`odd_residual_rows`)."""
     fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
     apart = np.isin(p.ins[:, F_OP], [OPCODES[op] for op in sorted(QK_APART_OPS)])
     qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
@@ -276,6 +285,10 @@ def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False) -> None:
                             "in_attention or apart, or build without qk_pairs", "op"),)
     else:
         checks += ((qk_in_attention, heads.format("inside attention"), "args"), (apart, heads.format("apart"), "op"))
+    if x16:
+        checks += ((odd_residual_rows(p), "keeps x in fp16 and adds two adjacent rows at a time, so an o_proj or down "
+                                          "tile starts on an even row; {} starts on an odd one: lower with even "
+                                          "tiles, or build with x_dtype fp32", "args"),)
     _refuse(p, "v10", "", checks)
 
 

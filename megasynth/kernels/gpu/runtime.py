@@ -256,7 +256,8 @@ class Megakernel:
             check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
                              "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
         elif self.batch > 1:
-            check_runs_batched_on_v10(p, qk_pairs=self.cfg.qk_norm and not self.geo["QKH"])
+            check_runs_batched_on_v10(p, qk_pairs=self.cfg.qk_norm and not self.geo["QKH"],
+                                      x16=self.geo["X_DTYPE"] == "fp16")
         elif self.geo["MMA"]:
             check_mma_k_starts(p)
         else:
