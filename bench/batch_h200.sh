@@ -16,8 +16,8 @@
 # bench/results/batch/llama-1b_batch8_tiles.strategy.json; in the kernel, the weight tile as the product's first
 # operand at 128 rows, 16384-element K tiles and no register cap), side by side with the PyTorch steps:
 # llama-1b_batch8_tiles.json (about 2 minutes). KERNEL_OPTIONS="interpreter=v10 ..." passes each KEY=VALUE to the
-# megakernel (`--kernel-option`), e.g. to time a QK-norm model's batch on v10 where v9 is its default; with
-# qk_pairs=true among them a QK-norm model's schedules take RoPE-pair QKV tiles and the norm inside attention.
+# megakernel (`--kernel-option`), e.g. "stage_groups=1" (a QK-norm model's batch, Qwen3, runs on v10 with
+# RoPE-pair QKV tiles and the norm inside attention, as `for_batch` lowers it).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RESULTS=${OUT:-bench/results/batch}
@@ -37,13 +37,10 @@ model, out, *batches = sys.argv[1:]
 qkv = os.environ.get("QKV", "pairs")
 if qkv not in ("heads", "pairs"):
     sys.exit(f"QKV={qkv!r}: heads or pairs (unset: pairs)")
-# a build whose QKV tiles are RoPE pairs (KERNEL_OPTIONS="interpreter=v10 qk_pairs=true") gets schedules that apply a
-# QK-norm model's norm inside attention
-qk_pairs = "qk_pairs=true" in os.environ.get("KERNEL_OPTIONS", "").lower().split()
 strategy = Strategy.model_validate(
     json.load(gzip.open(f"bench/runs/{model}-h200/best/schedule.json.gz"))["meta"]["strategy"])
 for b in map(int, batches):
-    s = for_batch(strategy, with_batch(get_model(model), b), qkv == "heads", qk_pairs).model_dump(mode="json")
+    s = for_batch(strategy, with_batch(get_model(model), b), qkv == "heads").model_dump(mode="json")
     json.dump(s, open(f"{out}/strategy{b}.json", "w"))
 PY
   for b in "${BATCHES[@]}"; do

@@ -236,7 +236,7 @@ def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weight
     from megasynth.measure.options import BenchError
 
     try:
-        schedule, _ = load_bench_schedule(spec, schedule_file, verify=True, qk_pairs=getattr(config, "qk_pairs", False))
+        schedule, _ = load_bench_schedule(spec, schedule_file, verify=True)
         import megasynth.kernels.gpu as gpu
 
         mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len, config=config)

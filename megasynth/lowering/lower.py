@@ -20,7 +20,7 @@ from megasynth.ir.catalogue import FUSED_OPROJ, OP_ORDER, Geometry, footprint
 from megasynth.ir.schedule import FORMAT, Schedule, parse_schedule
 from megasynth.kernels.gpu.pack import K_ALIGN
 from megasynth.lowering.models import ModelSpec
-from megasynth.lowering.strategy import Strategy, whole_head_qkv
+from megasynth.lowering.strategy import Strategy, qk_norm_mode, whole_head_qkv
 
 
 @dataclass
@@ -61,7 +61,8 @@ def plan_stages(spec: ModelSpec, strategy: Strategy) -> list[Stage]:
     seqs = [{"seq": b} for b in range(spec.batch)] if spec.batch > 1 else [{}]  # attention is per sequence
     # where the QK-norm is applied: after QKV (its tiles may then cut heads into pairs), before attention (apart) or
     # by attention itself (in_attention, the k row's cache write after the layer's attention)
-    qk_mode = strategy.qk_norm if c.qk_norm else "in_qkv"
+    # ('auto': `qk_norm_mode`)
+    qk_mode = qk_norm_mode(spec, strategy.qk_norm) if c.qk_norm else "in_qkv"
     apart = qk_mode != "in_qkv"
     # RoPE pairs; whole heads for the QK-norm inside QKV and for a batch that runs on interpreter v9 (which computes
     # QKV a head at a time; a QK-norm applied apart or inside attention runs on v10 only, any batch on pair tiles)

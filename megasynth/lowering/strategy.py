@@ -71,14 +71,15 @@ class Strategy(BaseModel):
         "fold attn_reduce into o_proj: each o_proj instruction merges the attention splits of its K range's heads "
         "itself (op attn_reduce_o_proj; K-split tiles are rounded to whole heads). One counter hop less per layer, "
         "the merge repeated by every o_proj row tile. Interpreter v10 only"))
-    qk_norm: Literal["in_qkv", "apart", "in_attention"] = Field("in_qkv", description=(
+    qk_norm: Literal["auto", "in_qkv", "apart", "in_attention"] = Field("auto", description=(
         "for a QK-norm model (Qwen3): 'in_qkv' normalises inside QKV, whose tiles then hold whole q and k heads; "
         "'apart' lets QKV tiles cut heads into RoPE pairs (op attn_norm_qkv_rope_sq) and scales each KV head's group "
         "in one qk_norm_apply instruction before attention: more QKV tiles, one counter hop more; 'in_attention' "
         "takes the same QKV tiles and lets attention normalise its q heads and the new k row itself (attn_partial "
         "qk_norm 1), with qk_norm_apply (k_only 1) writing the k row into the cache after the layer's attention: no "
-        "hop more. 'apart' and 'in_attention' run on the CPU executor and interpreter v10 (v9 refuses them). Ignored "
-        "for other models"))
+        "hop more; 'auto' (the default): 'in_attention' for a batch on interpreter v10 (whose default build takes "
+        "RoPE-pair QKV tiles), 'in_qkv' elsewhere. 'apart' and 'in_attention' run on the CPU executor and interpreter "
+        "v10 (v9 refuses them). Ignored for other models"))
     edges: dict[str, Granularity] = Field(default_factory=dict, description=(
         "dependency granularity per 'producer_op->consumer_op' edge; missing edges use `default_granularity`"))
     default_granularity: Granularity = "all"
@@ -210,12 +211,19 @@ def v10_batch(spec: ModelSpec) -> bool:
 
 
 def whole_head_qkv(spec: ModelSpec) -> bool:
-    """Whether a batch's QKV tiles must be whole heads with the QK-norm inside QKV: its interpreter is v9, which
-    computes QKV a head at a time, or the model has the QK-norm, which a batch's default interpreters apply inside
-    QKV (v9, and v10 built without `StreamConfig.qk_pairs`). Otherwise v10 takes RoPE-pair tiles at any batch, and so
-    does a QK-norm model's batch lowered for a build with `qk_pairs` (`for_batch`'s qk_pairs, or a strategy whose
-    QK-norm is applied apart or inside attention)."""
-    return spec.batch > 1 and (spec.config.qk_norm or not v10_batch(spec))
+    """Whether a batch's QKV tiles must be whole heads: its interpreter is v9, which computes QKV a head at a time
+    (and applies a QK-norm inside QKV). v10 takes RoPE-pair tiles at any batch, a QK-norm model's batch too (the norm
+    apart or inside attention: `StreamConfig.qk_pairs`)."""
+    return spec.batch > 1 and not v10_batch(spec)
+
+
+def qk_norm_mode(spec: ModelSpec, mode: str) -> str:
+    """Where a QK-norm model applies its norm for a strategy that asks for `mode`: as asked, and for 'auto' inside
+    attention on a batch that runs on interpreter v10 (RoPE-pair QKV tiles, `StreamConfig.qk_pairs`: qwen3-1.7b at
+    batch 8 1.756 ms against 4.057 on v9), inside QKV at batch 1 and on v9."""
+    if mode != "auto":
+        return mode
+    return "in_attention" if v10_batch(spec) else "in_qkv"
 
 
 #: From `V10_TILE_BATCH` sequences, the rows an op's tile should be a multiple of to fill the batch's [128, 64] tile
@@ -239,8 +247,7 @@ FOLD_TWO_SPLITS_HD = 64
 EMBED_TILE_COLUMNS = 256
 
 
-def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None, qk_pairs: bool = False
-              ) -> Strategy:
+def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = None) -> Strategy:
     """A batch-1 strategy adapted to `spec.batch` sequences as the H200 measurements say a batch wants it
     (docs/perf-notes.md, the v10 batch entries): attention split batch times less, so a layer has as many attention
     instructions, and where that leaves one split on interpreter v10 the merge folded into o_proj (then o_proj stages
@@ -248,23 +255,20 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
     batch); on tile slots with heads of at most `FOLD_TWO_SPLITS_HD` dims two splits become one, folded (at batch 8 and
     ctx 1024 llama-1b 1.5 % faster than two splits apart, llama-8b's 128-dim heads 0.6 % slower; a long context wants
     the splits: the search weighs them at its own ctx); QKV tiles of whole heads where the batch runs on interpreter v9
-    or the model has the QK-norm (`whole_head_qkv`, with the norm inside QKV) or `whole_heads` asks for them; and on
-    v10's tile slots (`pack.v10_tile_slots`: `V10_TILE_BATCH` sequences and up), where a
-    v10 ring slot is a [128, 64] tile of two 64-row halves, o_proj and down rows 128 at a time (K split as much finer,
-    as many instructions, at most the largest split offered), QKV tiles of at least as many pairs as the build's
-    K-packed QKV boxes hold (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads), gate/up tiles of
-    whole 64-row halves and the embedding `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts
-    from its seeds adapted so, and `bench/batch_h200.sh` lowers each model's reference strategy with it. With
-    `qk_pairs` a QK-norm model's batch is lowered for a v10 build with `StreamConfig.qk_pairs` rather than for its
-    default interpreter: RoPE-pair QKV tiles as any model's, the norm where the strategy applies it, inside attention
-    where it says inside QKV. Batch 1: the strategy as it is."""
+    (`whole_head_qkv`) or `whole_heads` asks for them; a QK-norm model's norm inside QKV on v9, and on v10 apart or
+    inside attention (there where the strategy says inside QKV, on RoPE-pair tiles); and on v10's tile slots
+    (`pack.v10_tile_slots`: `V10_TILE_BATCH` sequences and up), where a v10 ring slot is a [128, 64] tile of two
+    64-row halves, o_proj and down rows 128 at a time (K split as much finer, as many instructions, at most the
+    largest split offered), QKV tiles of at least as many pairs as the build's K-packed QKV boxes hold
+    (`pack.v10_qkv_box_rows`: 64 rows, 32 for 64-dim heads), gate/up tiles of whole 64-row halves and the embedding
+    `EMBED_TILE_COLUMNS` columns an instruction. `synth search --batch` starts from its seeds adapted so, and
+    `bench/batch_h200.sh` lowers each model's reference strategy with it. Batch 1: the strategy as it is."""
     b = spec.batch
     if b == 1:
         return strategy
     c = spec.config
-    pairs = qk_pairs and c.qk_norm
-    v10 = v10_batch(spec) or pairs
-    tile_slots = v10 and v10_tile_slots(c, b, qk_heads=not pairs)
+    v10 = v10_batch(spec)
+    tile_slots = v10 and v10_tile_slots(c, b)
     d = strategy.model_dump(mode="json")
     tiles = {**Strategy().tiles, **strategy.tiles}
     splits = {op: strategy.k_splits.get(op, 1) for op in K_SPLIT_OPS}
@@ -279,14 +283,13 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
                 top = max(k_split_choices(spec, op))
                 splits[op] = min(top, splits[op] * -(-TILE_FILL[op] // tiles[op]))
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
-        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b, c.qk_norm and not pairs), tiles[qkv])
+        tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b), tiles[qkv])
         tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
-    if pairs and d["qk_norm"] == "in_qkv":
-        d["qk_norm"] = "in_attention"
-    if (whole_head_qkv(spec) and not pairs) or whole_heads:
+    if c.qk_norm:  # v9 applies it inside QKV only; on v10 a batch-1 strategy's QKV norm goes inside attention
+        d["qk_norm"] = "in_qkv" if whole_head_qkv(spec) else {"auto": "in_attention", "in_qkv": "in_attention"}.get(
+            d["qk_norm"], d["qk_norm"])
+    if whole_head_qkv(spec) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
-        if c.qk_norm and not pairs:
-            d["qk_norm"] = "in_qkv"
     rows = _rows_of(spec)
     d["tiles"] = {op: min(t, rows.get(op, t)) for op, t in tiles.items()}
     d["k_splits"] = splits
@@ -297,9 +300,10 @@ def tile_choices(spec: ModelSpec, workers: int, op: str) -> tuple[int, ...]:
     """Rows per instruction offered for one op: powers of two around the useful range and the wave tiles. QKV tiles
     are RoPE pairs (any even row count; a whole head is `head_dim` rows). A QK-norm model is offered the same pair
     tiles, which its `qk_norm: "apart"` lowers as they are; with the norm inside QKV the lowering rounds a tile down to
-    whole heads (at least one). A batch on interpreter v9 (which computes QKV a whole head at a time) or of a
-    QK-norm model (`whole_head_qkv`) is offered whole-head QKV tiles only; on v10 another batch's are pair tiles, as
-    at batch 1, and on tile slots o_proj, down and gate/up tiles fill them whole (`TILE_FILL`)."""
+    whole heads (at least one). A batch on interpreter v9 (which computes QKV a whole head at a time:
+    `whole_head_qkv`) is offered whole-head QKV tiles only; on v10 a batch's are pair tiles, as at batch 1 (a QK-norm
+    model's too: its batch applies the norm apart or inside attention), and on tile slots o_proj, down and gate/up
+    tiles fill them whole (`TILE_FILL`)."""
     c = spec.config
     rows = _rows_of(spec)[op]
     if op == "attn_norm_qkv_rope" and whole_head_qkv(spec):
@@ -356,8 +360,9 @@ class SearchSpace:
     interpreter's compile-time constants (ring slots, boxes per slot, loads in flight: kernel constants, not schedule
     data; measured within 1 % on v10, docs/search.md). A batch folds the merge into o_proj only with one attention
     split (v10 runs no other fold at a batch; v9 none), so there the two knobs move together (`with_value`); where
-    the batch runs on interpreter v9, no fold; on v9 and for a QK-norm model (`whole_head_qkv`) whole-head QKV tiles
-    with the norm inside QKV; on v10 another batch's QKV tiles are RoPE pairs, as at batch 1."""
+    the batch runs on interpreter v9, no fold; on v9 (`whole_head_qkv`) whole-head QKV tiles with a QK-norm inside
+    QKV; on v10 a batch's QKV tiles are RoPE pairs, as at batch 1, and a QK-norm model's batch chooses between the
+    norm apart and inside attention (the default build's forms, `StreamConfig.qk_pairs`)."""
 
     def __init__(self, spec: ModelSpec, workers: int) -> None:
         self.spec, self.workers = spec, workers
@@ -375,8 +380,9 @@ class SearchSpace:
             knobs.append(Knob("fuse_attn_reduce", (False, True), False,
                               "no attn_reduce: o_proj stages attention's output itself, one counter hop less per "
                               "layer; at a batch only with one attention split (setting it sets attn_splits 1)"))
-        if spec.config.qk_norm and spec.batch == 1:
-            knobs.append(Knob("qk_norm", ("in_qkv", "apart", "in_attention"), False,
+        if spec.config.qk_norm and (spec.batch == 1 or v10_batch(spec)):
+            modes = ("in_qkv", "apart", "in_attention") if spec.batch == 1 else ("apart", "in_attention")
+            knobs.append(Knob("qk_norm", modes, False,
                               "QK-norm inside QKV (whole-head QKV tiles), apart (QKV tiles of any RoPE pairs, then "
                               "one qk_norm_apply per KV head: more SMs on QKV, one counter hop more) or in attention "
                               "(the same QKV tiles; attention normalises q and the new k row, no hop more)"))
@@ -401,6 +407,8 @@ class SearchSpace:
             p, q = key.split("->")
             g = strategy.granularity(p, q)
             return f"chunk:{strategy.n_chunks(p, q)}" if g == "chunk" else g
+        if name == "qk_norm" and self.spec.config.qk_norm:  # 'auto' as the lowering reads it
+            return qk_norm_mode(self.spec, strategy.qk_norm)
         return getattr(strategy, name)
 
     def with_value(self, strategy: Strategy, name: str, value: Any) -> Strategy:

@@ -38,13 +38,10 @@ from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok, prefi
 from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_state, reference_step, run_variant
 
 
-def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool, qk_pairs: bool = False
-                        ) -> tuple[Any, dict[str, Any]]:
+def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool) -> tuple[Any, dict[str, Any]]:
     """The schedule to run (a .json or .json.gz file; default: the naive lowering for the SM count), or a schedule set
     (one schedule per context range: each ctx runs the member whose range holds pos = ctx - 1), and a summary for the
-    JSON (a sha256 is of the JSON text, compressed or not). `qk_pairs`: the megakernel is a v10 build with
-    `StreamConfig.qk_pairs`, which runs a QK-norm model's batch with the norm inside attention or apart only, so the
-    naive lowering of such a batch applies it inside attention."""
+    JSON (a sha256 is of the JSON text, compressed or not)."""
     from megasynth.ir.schedule import decode_json, parse_schedule, read_file_text
     from megasynth.ir.schedule_set import is_schedule_set, parse_schedule_set
 
@@ -57,15 +54,10 @@ def load_bench_schedule(spec: ModelSpec, path: str | None, verify: bool, qk_pair
 
             if torch.cuda.is_available():
                 workers = torch.cuda.get_device_properties(0).multi_processor_count
-        from megasynth.lowering.strategy import Strategy
-
-        in_attention = qk_pairs and spec.config.qk_norm and spec.batch > 1
-        schedule = lower(spec, workers, Strategy(qk_norm="in_attention") if in_attention else None)
+        schedule = lower(spec, workers)
         text = json.dumps(schedule.to_json(), sort_keys=True)
         info: dict[str, Any] = {"path": None,
-                                "source": f"naive lowering (megasynth.lowering.lower.lower, {workers} workers"
-                                          + (", the QK-norm inside attention for a qk_pairs build)" if in_attention
-                                             else ")")}
+                                "source": f"naive lowering (megasynth.lowering.lower.lower, {workers} workers)"}
         return _checked(spec, schedule, text, None, verify, info), info
     text = read_file_text(path)
     data = decode_json(text, path)
@@ -181,13 +173,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
         raise BenchError("CUDA is not available; use --dry-run to exercise the command on the CPU")
     wanted = set(opts.variants if opts.variants is not None else default_variants(opts.device))
     t0 = time.perf_counter()
-    qk_pairs = False
-    if opts.kernel_options:  # the build they name decides what the naive lowering may ask of it
-        from megasynth.kernels.gpu import kernel_config
-
-        qk_pairs = getattr(kernel_config(opts.kernel_options, batch=spec.batch, device=opts.device, cfg=spec.config),
-                           "qk_pairs", False)
-    schedule, sched_info = load_bench_schedule(spec, opts.schedule, opts.verify, qk_pairs)
+    schedule, sched_info = load_bench_schedule(spec, opts.schedule, opts.verify)
     dev = device_info(opts.device)
     log(f"{dev['name']}: copy bandwidth")
     copy = measure_copy_bandwidth(opts.device, opts.copy_bytes if opts.device == "cuda" else 1 << 26)

@@ -192,7 +192,9 @@ def _batch_lines(spec: ModelSpec) -> list[str]:
         runs = ("It runs on interpreter v10: QKV tiles of RoPE pairs as at batch 1, fuse_attn_reduce only with "
                 "attn_splits 1 (o_proj then stages that split's output; a merge of more splits is refused); from "
                 "batch 8 a ring slot is a tile of 128 weight rows (gate/up: 64 gate and 64 up rows), so o_proj and "
-                "down tiles of 128 rows and gate/up tiles of multiples of 64 fill it.")
+                "down tiles of 128 rows and gate/up tiles of multiples of 64 fill it."
+                + (" A QK-norm model's batch applies the norm apart or inside attention (qk_norm 'auto': inside "
+                   "attention)." if spec.config.qk_norm else ""))
     return [f"Batch: {spec.batch} sequences per step, each at its own position (attn_partial and attn_reduce "
             f"instructions carry `seq`; weight ops serve every sequence, each weight tile read once per "
             f"instruction). {runs} Each weight instruction stages its K x {spec.batch} activations before "

@@ -162,8 +162,9 @@ def build(spec: ModelSpec, workers: int, proposal: Proposal) -> Schedule:
     schedule = apply_patches(schedule, proposal.patches)
     if spec.batch > 1:  # refuse what the batch's interpreter cannot run now, not after the search
         if default_batch_interpreter(spec.config, spec.batch) == "v10":
-            # x in fp16 on the default build's tile slots
-            check_runs_batched_on_v10(pack(schedule, "v10"), x16=v10_tile_slots(spec.config, spec.batch))
+            c = spec.config  # the default build: a QK-norm model's with qk_pairs; x in fp16 on tile slots
+            check_runs_batched_on_v10(pack(schedule, "v10"), qk_pairs=c.qk_norm,
+                                      x16=v10_tile_slots(c, spec.batch))
         else:
             check_runs_on_v9(pack(schedule, "v9"), spec.config.hd, "this model's batch runs on interpreter v9 "
                              "(whole-head QKV tiles, fuse_attn_reduce false, qk_norm in_qkv)")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megasynth.ir.catalogue import ArgError, Geometry, check_instruction
+from megasynth.ir.errors import ScheduleError
 from megasynth.ir.program import resolve
 from megasynth.ir.schedule import Schedule, parse_schedule
 from megasynth.kernels.cpu_executor import ExecutorError, run_program
@@ -149,67 +150,60 @@ def test_batch_8_llama_8b_validates_in_15_s() -> None:
 
 
 def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
-    """A batch runs on interpreter v10, or on v9 by default where v10 cannot build it (sizes that are no multiples of
-    64: tiny-mha) and for a QK-norm model (`pack.default_batch_interpreter`): the lowering rounds QKV tiles to whole
-    heads for v9 (it computes QKV a head at a time; qwen3-8b's naive 64-row tiles are half heads) and for a QK-norm
-    model (whose batch applies the norm inside QKV), another v10 batch keeps its RoPE-pair tiles as batch 1 does, the
-    search space offers no QK-norm apart or in attention at any batch (and only whole-head QKV tiles there) and a
-    folded merge only on v10, with one attention split (the two knobs move together), and a proposal that asks for
-    what the interpreter lacks anyway (a fold of two splits, the QK-norm apart or in attention; on tile slots with x
-    in fp16 an o_proj or down tile starting on an odd row) is refused when it is built, naming the interpreter and
-    the instruction, not after the search picked it; v10, where named, refuses a QK-norm applied elsewhere than in
-    QKV the same way."""
-    from megasynth.ir.errors import ScheduleError
+    """A batch runs on interpreter v10, or on v9 where v10 cannot build it (sizes that are no multiples of 64: tiny-mha
+    and the test families; `pack.default_batch_interpreter`): the lowering rounds QKV tiles to whole heads for v9 (it
+    computes QKV a head at a time), a v10 batch keeps its RoPE-pair tiles as batch 1 does, a QK-norm model's too (its
+    norm inside attention where the strategy says inside QKV: qwen3-8b's naive 64-row tiles are half heads); the
+    search space offers a QK-norm model's batch the norm apart or inside attention on v10 only (and only whole-head
+    QKV tiles on v9) and a folded merge only on v10, with one attention split (the two knobs move together), and a
+    proposal that asks for what the interpreter lacks anyway (a fold of two splits; on v9 the QK-norm apart or in
+    attention; on tile slots with x in fp16 an o_proj or down tile starting on an odd row) is refused when it is
+    built, naming the interpreter and the instruction, not after the search picked it; v10's two QK-norm builds
+    (with and without `qk_pairs`) refuse each other's forms the same way."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import SearchSpace, tile_choices
     from megasynth.search.evaluate import build
     from megasynth.search.proposers.base import Proposal
 
     qwen = cut(with_batch(get_model("qwen3-8b"), 2), 2)  # two layers: the checks read what repeats per layer
-    check_runs_on_v9(pack(lower(qwen, 132), "v9"), qwen.config.hd, "")  # the naive lowering: 64-row tiles rounded
+    naive = lower(qwen, 132)  # v10: the naive 64-row QKV tiles, half heads, the norm inside attention
+    check_runs_batched_on_v10(pack(naive, "v10"), qk_pairs=True)
+    assert {i.args["end"] - i.args["start"] for i in naive.instructions if i.op == "attn_norm_qkv_rope_sq"} == {64}
+    assert all(i.args.get("qk_norm") == 1 for i in naive.instructions if i.op == "attn_partial")
+    with pytest.raises(ScheduleError, match="not inside attention"):  # the build without qk_pairs
+        check_runs_batched_on_v10(pack(naive, "v10"))
     pairs = lower(cut(with_batch(get_model("llama-8b"), 2), 2), 132)  # v10's batch keeps the naive 64-row tiles
     check_runs_batched_on_v10(pack(pairs, "v10"))
     assert {i.args["end"] - i.args["start"] for i in pairs.instructions if i.op == "attn_norm_qkv_rope"} == {64}
     with pytest.raises(ScheduleError, match="whole heads"):
         check_runs_on_v9(pack(pairs, "v9"), 128, "")
     rng = random.Random(3)
-    for name, workers, whole, v9 in (("tiny-qwen3", 8, True, True), ("tiny", 6, False, False),
-                                     ("tiny-mha", 6, True, True)):
-        spec = with_batch(get_model(name), 3)
+    for spec, workers, whole, v9 in ((with_batch(get_model("tiny-qwen3"), 3), 8, False, False),
+                                     (_spec("qwen3", 3), 4, True, True),
+                                     (with_batch(get_model("tiny"), 3), 6, False, False),
+                                     (with_batch(get_model("tiny-mha"), 3), 6, True, True)):
         space = SearchSpace(spec, workers)
-        names = {k.name for k in space.knobs}
-        assert ("fuse_attn_reduce" in names) != v9 and "qk_norm" not in names
+        knob = {k.name: k for k in space.knobs}
+        assert ("fuse_attn_reduce" in knob) != v9
+        assert ("qk_norm" in knob) == (spec.config.qk_norm and not v9)
+        if "qk_norm" in knob:  # in_qkv lowers as in_attention on v10: not a choice of its own
+            assert knob["qk_norm"].choices == ("apart", "in_attention")
+            assert space.value(Strategy(), "qk_norm") == "in_attention"
         if not v9:  # folding sets one split; more splits unfold
             fused = space.with_value(Strategy(attn_splits=4), "fuse_attn_reduce", True)
             assert (fused.attn_splits, fused.fuse_attn_reduce) == (1, True)
             assert not space.with_value(fused, "attn_splits", 2).fuse_attn_reduce
         qkv = tile_choices(spec, workers, "attn_norm_qkv_rope")
         assert all(t % spec.config.hd == 0 for t in qkv) == whole and all(t % 2 == 0 for t in qkv)
-        assert "fuse_attn_reduce" in {k.name for k in SearchSpace(get_model(name), workers).knobs}
         for _ in range(6):  # random points and mutations of them all build for the batch's interpreter
             st = space.mutate(space.random(rng), rng, 2)
             build(spec, workers, Proposal(st, [], "random", "test"))
-        for bad, where in ((Strategy(attn_splits=2, fuse_attn_reduce=True), "attn_reduce_o_proj"),
-                           (Strategy(qk_norm="apart"), "qk_norm"), (Strategy(qk_norm="in_attention"), "qk_norm")):
-            if where == "qk_norm" and not spec.config.qk_norm:
-                continue
+        bad = [(Strategy(attn_splits=2, fuse_attn_reduce=True), "attn_reduce_o_proj")]
+        if v9 and spec.config.qk_norm:
+            bad += [(Strategy(qk_norm="apart"), "qk_norm"), (Strategy(qk_norm="in_attention"), "qk_norm")]
+        for st, where in bad:
             with pytest.raises(ScheduleError, match=where):
-                build(spec, workers, Proposal(bad, [], "asked for it", "llm"))
-    # v10, where named, applies a batch's QK-norm inside QKV, or with qk_pairs apart or inside attention: each build
-    # refuses the other's forms by name, at their JSON path
-    qk3 = with_batch(get_model("tiny-qwen3"), 3)
-    check_runs_batched_on_v10(pack(lower(qk3, 8), "v10"))
-    with pytest.raises(ScheduleError, match=r"\$\.instructions\[\d+\]\.op: .*qk_pairs.*not inside QKV"):
-        check_runs_batched_on_v10(pack(lower(qk3, 8), "v10"), qk_pairs=True)
-    for mode, what in (("apart", r"\$\.instructions\[\d+\]\.op: .*not apart"),
-                       ("in_attention", r"\$\.instructions\[\d+\]\.args: .*not inside attention")):
-        sched = lower(qk3, 8, Strategy(qk_norm=mode, tiles={"attn_norm_qkv_rope": 24}))
-        with pytest.raises(ScheduleError, match=what):
-            check_runs_batched_on_v10(pack(sched, "v10"))
-        check_runs_batched_on_v10(pack(sched, "v10"), qk_pairs=True)
-        # (v10 alone applies the norm there, so the lowering keeps the strategy's RoPE-pair tiles at a batch)
-        assert {i.args["end"] - i.args["start"] for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"
-                } - {qk3.config.qkv_size % 24} == {24}
+                build(spec, workers, Proposal(st, [], "asked for it", "llm"))
     # tile slots keep x in fp16, which o_proj and down add into two rows at a time: a tile starting on an odd row is
     # refused by name where it is built (the search never offers one there)
     l8 = cut(with_batch(get_model("llama-1b"), 8), 2)
@@ -218,6 +212,21 @@ def test_a_batch_lowers_and_searches_only_what_its_interpreter_runs() -> None:
         build(l8, 132, Proposal(odd, [], "asked for it", "llm"))
     check_runs_batched_on_v10(pack(lower(l8, 132, odd), "v10"))  # fine where x is fp32
     assert all(t % 2 == 0 for t in tile_choices(l8, 132, "down_proj_residual"))
+    # v10's QK-norm builds: with qk_pairs (the default) the norm apart or inside attention, without it inside QKV
+    # (where the strategy asks for it by name; 'auto' is inside attention on v10)
+    qk3 = with_batch(get_model("tiny-qwen3"), 3)
+    in_qkv = pack(lower(qk3, 8, Strategy(qk_norm="in_qkv")), "v10")  # QKV that normalises whole heads
+    check_runs_batched_on_v10(in_qkv)
+    with pytest.raises(ScheduleError, match=r"\$\.instructions\[\d+\]\.op: .*qk_pairs.*not inside QKV"):
+        check_runs_batched_on_v10(in_qkv, qk_pairs=True)
+    for mode, what in (("apart", r"\$\.instructions\[\d+\]\.op: .*not apart"),
+                       ("in_attention", r"\$\.instructions\[\d+\]\.args: .*not inside attention")):
+        sched = lower(qk3, 8, Strategy(qk_norm=mode, tiles={"attn_norm_qkv_rope": 24}))
+        with pytest.raises(ScheduleError, match=what):
+            check_runs_batched_on_v10(pack(sched, "v10"))
+        check_runs_batched_on_v10(pack(sched, "v10"), qk_pairs=True)
+        assert {i.args["end"] - i.args["start"] for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"
+                } - {qk3.config.qkv_size % 24} == {24}
 
 
 def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
@@ -226,9 +235,9 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     many RoPE pairs as the build's K-packed QKV boxes hold); gate/up whole 64-row halves; attention split batch times
     less; the merge folded into o_proj only where one split is left: at batch 16, and at batch 8, where the two splits
     of 64-dim heads become one, but not llama-8b's 128-dim heads), the embedding `EMBED_TILE_COLUMNS` columns an
-    instruction from batch 8, keeps batch 1 as it is, gives a QK-norm model's batch (v9 by default) whole-head QKV
-    tiles with the norm inside QKV and no fold, which both interpreters run, and never exceeds an op's rows
-    (tiny)."""
+    instruction from batch 8, keeps batch 1 as it is, gives a QK-norm model's v10 batch the pair tiles and fold of
+    any v10 batch with the norm inside attention where the strategy says inside QKV (a v9 batch whole-head QKV tiles
+    with the norm inside QKV and no fold), and never exceeds an op's rows (tiny)."""
     from megasynth.kernels.gpu.pack import check_runs_batched_on_v10, check_runs_on_v9, pack
     from megasynth.lowering.strategy import EMBED_TILE_COLUMNS, TILE_FILL, for_batch
 
@@ -264,22 +273,23 @@ def test_a_batch_1_strategy_is_adapted_to_the_batch_as_measured() -> None:
     b2 = for_batch(ref, with_batch(llama, 2))  # row-pair slots below batch 8: the tiles stay
     assert b2.tiles == {**Strategy().tiles, **ref.tiles} and b2.attn_splits == 8 and not b2.fuse_attn_reduce
     assert for_batch(ref, with_batch(llama, 2), whole_heads=True).tiles["attn_norm_qkv_rope"] == llama.config.hd
-    qwen_ref = Strategy(tiles={"attn_norm_qkv_rope": 32}, qk_norm="in_attention", fuse_attn_reduce=True,
-                        attn_splits=16)
+    # a QK-norm model's v10 batch: the strategy's pair tiles (at least the K-packed boxes' 64 rows on tiles), the norm
+    # inside attention where the strategy says inside QKV, the fold where one split is left, as any v10 batch has them
+    qwen_ref = Strategy(tiles={"attn_norm_qkv_rope": 32}, fuse_attn_reduce=True, attn_splits=16)
     for batch in (2, 8, 16):
         qwen = with_batch(get_model("qwen3-8b"), batch)
         q = for_batch(qwen_ref, qwen)
-        assert q.tiles["attn_norm_qkv_rope"] == qwen.config.hd and q.qk_norm == "in_qkv" and not q.fuse_attn_reduce
+        assert q.tiles["attn_norm_qkv_rope"] == (64 if batch >= 8 else 32) and q.qk_norm == "in_attention"
+        assert q.fuse_attn_reduce == (q.attn_splits == 1) and q.attn_splits == max(1, 16 // batch)
         sched = lowered(qwen, q)
-        check_runs_batched_on_v10(pack(sched, "v10"))
-        check_runs_on_v9(pack(sched, "v9"), qwen.config.hd, "")
-        # for a build with qk_pairs: the strategy's pair tiles (at least the K-packed boxes' 64 rows on tiles), the
-        # norm inside attention, and the fold where one split is left, as any v10 batch has them
-        p = for_batch(qwen_ref, qwen, qk_pairs=True)
-        assert p.tiles["attn_norm_qkv_rope"] == (64 if batch >= 8 else 32) and p.qk_norm == "in_attention"
-        assert p.fuse_attn_reduce == (p.attn_splits == 1) and p.attn_splits == max(1, 16 // batch)
-        check_runs_batched_on_v10(pack(lowered(qwen, p), "v10"), qk_pairs=True)
-    assert for_batch(ref, with_batch(llama, 8), qk_pairs=True) == b8  # no QK-norm: nothing changes
+        check_runs_batched_on_v10(pack(sched, "v10"), qk_pairs=True, x16=batch >= 8)
+        with pytest.raises(ScheduleError, match="interpreter v9"):
+            check_runs_on_v9(pack(sched, "v9"), qwen.config.hd, "")
+        assert for_batch(qwen_ref.model_copy(update={"qk_norm": "apart"}), qwen).qk_norm == "apart"
+    v9_qwen = _spec("qwen3", 8)  # on v9 (sizes no multiples of 64): whole heads, the norm inside QKV, no fold
+    q9 = for_batch(qwen_ref.model_copy(update={"qk_norm": "in_attention"}), v9_qwen)
+    assert (q9.qk_norm, q9.fuse_attn_reduce, q9.tiles["attn_norm_qkv_rope"] % v9_qwen.config.hd) == ("in_qkv", False, 0)
+    check_runs_on_v9(pack(lower(v9_qwen, 4, q9), "v9"), v9_qwen.config.hd, "")
     mha = with_batch(get_model("tiny-mha"), 8)  # v9: whole heads, no fold
     m8 = for_batch(Strategy(attn_splits=8, fuse_attn_reduce=True), mha)
     assert m8.attn_splits == 1 and not m8.fuse_attn_reduce and m8.tiles["attn_norm_qkv_rope"] % mha.config.hd == 0

@@ -253,10 +253,9 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     next pairs' rows; llama-1b's 16 pairs, and whole heads, in 16-row boxes, and at batch 8 in 32-row boxes too); its
     batch-8 gate/up keeps 3 fills in flight (`gate_up_inflight`); x in fp16 on tile slots by default (o_proj and down
     adding row pairs into it), fp32 on row-pair slots and where `x_dtype` asks; every sequence matches the reference
-    decoding it alone (QKV bias included; the QK-norm inside QKV, where v10 is named for a QK-norm model, on tile
-    slots at every batch, each q and k head normalised in one tile half). A QK-norm model's batch runs on v9 where
-    no interpreter is named; the fused attn_reduce_o_proj of several splits and the QK-norm in attention are refused
-    by name."""
+    decoding it alone (QKV bias included; a QK-norm model's norm inside attention on RoPE-pair QKV tiles, the naive
+    lowering's form of its batch on the default build, `StreamConfig.qk_pairs`). The fused attn_reduce_o_proj of
+    several splits is refused by name, and so is the QK-norm in attention on a build without qk_pairs."""
     from megasynth.ir.errors import ScheduleError
     from megasynth.kernels.gpu import Megakernel
     from megasynth.kernels.gpu.pack import v10_tile_slots
@@ -269,9 +268,8 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     tiles = {"attn_norm_qkv_rope": qkv} if qkv else {}  # RoPE-pair QKV tiles (5, 6 or 16 pairs)
     sched = lower(spec, sms, Strategy(attn_splits=splits, k_splits={"o_proj_residual": 2}, tiles=tiles))
     hilo = kernel.get("batch_hilo", False)
-    named = kernel or spec.config.qk_norm  # a QK-norm model's batch runs on v10 where it is named
-    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(**kernel) if named else None)
-    assert mk.v10 and mk.batch == batch
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(**kernel) if kernel else None)
+    assert mk.v10 and mk.batch == batch and not mk.geo["QKH"]
     fp32 = hilo or not kernel.get("act_bf16", True)
     assert mk.act.dtype == mk.attn.dtype == (torch.float32 if fp32 else torch.bfloat16)
     fp16_x = v10_tile_slots(spec.config, batch) and kernel.get("x_dtype", "") != "fp32"
@@ -283,11 +281,9 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
         with pytest.raises(ScheduleError, match="only with 1 attention split"):
             mk.set_schedule(fused)
         qk = with_batch(get_model("tiny-qwen3"), batch)
-        assert not Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len).v10
-        mk3 = Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len,
-                         config=StreamConfig())
         with pytest.raises(ScheduleError, match="not inside attention"):
-            mk3.set_schedule(lower(qk, sms, Strategy(qk_norm="in_attention", tiles={"attn_norm_qkv_rope": 24})))
+            Megakernel(lower(qk, sms), _weights(qk.config, seed=9), max_seq_len=qk.max_seq_len,
+                       config=StreamConfig(qk_pairs=False))
 
 
 @pytest.mark.parametrize("name, batch, workers, splits, mode, qkv", [
@@ -300,8 +296,7 @@ def test_batched_qk_norm_on_qkv_pairs(name, batch, workers, splits, mode, qkv):
     row-pair slots below batch 8) write every sequence's pairs unnormalised with their sums of squares, and the norm
     comes inside attention (q scaled as it is loaded, the row at pos from `k_new`; the k row into the cache by
     qk_norm_apply after the layer's attention) or apart (qk_norm_apply of every sequence before attention); every
-    sequence matches the reference decoding it alone. That build refuses a schedule whose QKV normalises, by name."""
-    from megasynth.ir.errors import ScheduleError
+    sequence matches the reference decoding it alone."""
     from megasynth.kernels.gpu import Megakernel
     from megasynth.kernels.gpu.stream import StreamConfig
     from megasynth.lowering.models import with_batch
@@ -316,8 +311,28 @@ def test_batched_qk_norm_on_qkv_pairs(name, batch, workers, splits, mode, qkv):
     mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(qk_pairs=True))
     assert mk.v10 and mk.batch == batch and not mk.geo["QKH"]
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000, TOL_BF16)
+
+
+@pytest.mark.parametrize("name, batch, splits", [("tiny-qwen3", 3, 2), ("qwen3-0.6b", 8, 2), ("qwen3-8b", 16, 1)])
+def test_a_whole_head_qk_norm_batch_runs_without_qk_pairs(name, batch, splits):
+    """A QK-norm model's batch whose QKV normalises whole heads (the strategy's qk_norm in_qkv, v9's form) runs on v10
+    built with `qk_pairs` off: on tile slots at every batch, each q and k head normalised in one tile half; every
+    sequence matches the reference decoding it alone. The default build refuses that QKV by name."""
+    from megasynth.ir.errors import ScheduleError
+    from megasynth.kernels.gpu import Megakernel
+    from megasynth.kernels.gpu.stream import StreamConfig
+    from megasynth.lowering.models import with_batch
+
+    spec = with_batch(get_model(name), batch)
+    sms = 8 if name.startswith("tiny") else torch.cuda.get_device_properties(0).multi_processor_count
+    w = _weights(spec.config, seed=9)
+    sched = lower(spec, sms, Strategy(attn_splits=splits, k_splits={"o_proj_residual": 2}, qk_norm="in_qkv"))
+    assert "attn_norm_qkv_rope" in {i.op for i in sched.instructions}
+    mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=StreamConfig(qk_pairs=False))
+    assert mk.v10 and mk.geo["QKH"] and mk.geo["TILE"]
+    _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000, TOL_BF16)
     with pytest.raises(ScheduleError, match="not inside QKV"):
-        mk.set_schedule(lower(spec, sms))
+        Megakernel(sched, w, max_seq_len=spec.max_seq_len)
 
 
 def test_fp16_residual_overflow_is_named():

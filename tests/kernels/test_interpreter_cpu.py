@@ -115,7 +115,7 @@ CASES = {
         "steps": [[[7, 3, 11], [0, 20, 33]], [[5, 9, 2], [40, 1, 63]]]},
     "tiny-qwen3, batch 2: QK-norm per sequence, head_dim 128, untied head": {
         "model": "tiny-qwen3", "batch": 2, "kernel": {},
-        "strategy": {"attn_splits": 3, "tiles": {"attn_norm_qkv_rope": 256}},
+        "strategy": {"attn_splits": 3, "tiles": {"attn_norm_qkv_rope": 256}, "qk_norm": "in_qkv"},  # v9's form
         "steps": [[[7, 4], [40, 3]]]},
     "tiny-qwen2, batch 5 (padded to 8 lanes): QKV bias per sequence, tied head": {
         "model": "tiny-qwen2", "batch": 5, "kernel": {},

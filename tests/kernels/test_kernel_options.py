@@ -48,13 +48,15 @@ def test_kernel_config_picks_the_interpreter_megakernel_would() -> None:
     from megasynth.kernels.gpu.pack import default_batch_interpreter
     from megasynth.kernels.gpu.stream import StreamConfig
 
-    # a batch runs on v10 where named unless its sizes are no multiples of 64 (tiny-mha): then naming v10 fails; a
-    # QK-norm model's batch (v9 by default) runs on v10 where named
+    # a batch runs on v10 unless its sizes are no multiples of 64 (tiny-mha): then naming v10 fails; a QK-norm
+    # model's batch too, on RoPE-pair QKV tiles (qk_pairs, its default) or, named off, on whole heads
     assert isinstance(kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny").config), StreamConfig)
-    assert isinstance(kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-qwen3").config), StreamConfig)
+    qwen = get_model("tiny-qwen3").config
+    assert kernel_config(["interpreter=v10"], batch=2, cfg=qwen).qk_pairs
+    assert not kernel_config(["interpreter=v10", "qk_pairs=false"], batch=2, cfg=qwen).qk_pairs
     assert [default_batch_interpreter(get_model(m).config, b) for m, b in (("tiny-qwen3", 2), ("tiny-qwen3", 1),
                                                                            ("tiny", 2), ("tiny-mha", 2))] == [
-        "v9", "v10", "v10", "v9"]
+        "v10", "v10", "v10", "v9"]
     with pytest.raises(ValueError, match="cannot run a batch of 2 of this model: a batch runs on the tensor cores"):
         kernel_config(["interpreter=v10"], batch=2, cfg=get_model("tiny-mha").config)
     with pytest.raises(ValueError, match="outside 1..16"):

@@ -149,7 +149,7 @@ def test_qk_norm_search_space_offers_every_placement_and_every_tile_lowers_legal
     import random
 
     from megasynth.ir.program import resolve
-    from megasynth.lowering.strategy import SearchSpace
+    from megasynth.lowering.strategy import SearchSpace, qk_norm_mode
     from megasynth.search.proposers.heuristic import seed_strategies
 
     full = get_model("qwen3-0.6b")
@@ -173,7 +173,7 @@ def test_qk_norm_search_space_offers_every_placement_and_every_tile_lowers_legal
         sched = lower(spec, 132, strategy)
         resolve(sched)  # the catalogue's argument checks, the whole-head rule among them
         ops = {i.op for i in sched.instructions}
-        if strategy.qk_norm != "in_qkv":
+        if qk_norm_mode(spec, strategy.qk_norm) != "in_qkv":  # 'auto' at batch 1: inside QKV
             tile = strategy.tiles["attn_norm_qkv_rope"]
             qkv = [i.args for i in sched.instructions if i.op == "attn_norm_qkv_rope_sq"]
             assert "attn_norm_qkv_rope" not in ops and qkv[0] == {"start": 0, "end": min(tile, c.qkv_size)}

@@ -470,8 +470,8 @@ def test_briefing_names_the_model_features() -> None:
 
 def test_briefing_names_the_batch_and_what_it_runs_on() -> None:
     """At a batch the agent is told the batch, the interpreter it runs on with that interpreter's limits (v10's pair
-    tiles and full ring slots; v9's whole heads for a QK-norm model), and that wide instructions pay; at batch 1,
-    one sequence per step."""
+    tiles and full ring slots, a QK-norm model's norm apart or inside attention; v9's whole heads where v10 cannot
+    build the batch), and that wide instructions pay; at batch 1, one sequence per step."""
     from megasynth.lowering.models import get_model, with_batch
 
     one = build_briefing(_ctx(), TINY, lower(TINY, 4), seq=64).user
@@ -481,5 +481,8 @@ def test_briefing_names_the_batch_and_what_it_runs_on() -> None:
     assert "Batch: 4 sequences per step" in four and "interpreter v10" in four and "RoPE pairs" in four
     assert "fuse_attn_reduce only with attn_splits 1" in four
     qk = with_batch(get_model("tiny-qwen3"), 4)
-    v9 = build_briefing(_ctx(), qk, lower(qk, 4), seq=64).user
-    assert "interpreter v9" in v9 and f"multiples of head_dim {qk.config.hd}" in v9
+    qk4 = build_briefing(_ctx(), qk, lower(qk, 4), seq=64).user
+    assert "interpreter v10" in qk4 and "applies the norm apart or inside attention" in qk4
+    mha = with_batch(get_model("tiny-mha"), 4)  # sizes no multiples of 64: v9
+    v9 = build_briefing(_ctx(), mha, lower(mha, 4), seq=64).user
+    assert "interpreter v9" in v9 and f"multiples of head_dim {mha.config.hd}" in v9

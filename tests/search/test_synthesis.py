@@ -608,8 +608,8 @@ def test_a_batch_is_searched_on_the_gpu_within_what_its_interpreter_runs(tmp_pat
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """`synth search --batch 3` on a (fake) GPU: every candidate is timed, none estimated; the run and its best are
     for the batch and folds the merge into o_proj only with one attention split; a proposal that folds two splits'
-    merge (which no interpreter runs at a batch) is refused when it is built, naming the instruction; a QK-norm
-    model's batch is held to what interpreter v9 runs."""
+    merge (which no interpreter runs at a batch) is refused when it is built, naming the instruction; a batch v10
+    cannot build is held to what interpreter v9 runs, and a QK-norm model's to the forms of v10's default build."""
     import megasynth.search.evaluate as evaluate
     import megasynth.search.loop as loop
     from megasynth.ir.errors import ScheduleError
@@ -629,8 +629,12 @@ def test_a_batch_is_searched_on_the_gpu_within_what_its_interpreter_runs(tmp_pat
     fused = Proposal(Strategy(attn_splits=2, fuse_attn_reduce=True), [], "fold the merge", "seeds")
     with pytest.raises(ScheduleError, match="only with 1 attention split"):
         evaluate.build(with_batch(get_model("tiny"), 3), 8, fused)
-    with pytest.raises(ScheduleError, match="this model's batch runs on interpreter v9"):
-        evaluate.build(with_batch(get_model("tiny-qwen3"), 3), 8, fused)
+    with pytest.raises(ScheduleError, match="this model's batch runs on interpreter v9"):  # sizes v10 cannot take
+        evaluate.build(with_batch(get_model("tiny-mha"), 3), 8, fused)
+    qk = with_batch(get_model("tiny-qwen3"), 3)  # v10, the norm inside attention (its default build's form)
+    assert "attn_norm_qkv_rope_sq" in {i.op for i in evaluate.build(qk, 8, evaluate.baseline_proposal()).instructions}
+    with pytest.raises(ScheduleError, match="not inside QKV"):  # asked for by name: the whole-head form
+        evaluate.build(qk, 8, Proposal(Strategy(qk_norm="in_qkv"), [], "norm in QKV", "seeds"))
 
 
 class _HungTimer(_ModelTimer):

@@ -83,12 +83,12 @@ def v10_qkv_box_rows(head_dim: int, batch: int, qk_norm: bool = False) -> int:
     return min(16 if head_dim <= 64 and batch >= V10_TILE_BATCH else 32, head_dim // 2)
 
 
-def v10_tile_slots(c: ModelConfig, batch: int, batch_tiles: int = V10_TILE_BATCH, qk_heads: bool = True) -> bool:
+def v10_tile_slots(c: ModelConfig, batch: int, batch_tiles: int = V10_TILE_BATCH, qk_heads: bool = False) -> bool:
     """Whether interpreter v10 runs `batch` sequences of this model on [128, 64] tile slots (`StreamConfig.batch_tiles`
-    and up) rather than on the batch-1 row-pair slots. A QK-norm model's batch whose QKV normalises (`qk_heads`, not
-    `StreamConfig.qk_pairs`) always takes tiles: its QKV epilogue normalises each q and k head over the head's rows,
-    which a tile slot's 64-row half holds whole (up to 128-dim heads, not K-packed), where a row-pair slot holds 16 of
-    them."""
+    and up) rather than on the batch-1 row-pair slots. A QK-norm model's batch whose QKV normalises (`qk_heads`: a
+    build without `StreamConfig.qk_pairs`) always takes tiles: its QKV epilogue normalises each q and k head over the
+    head's rows, which a tile slot's 64-row half holds whole (up to 128-dim heads, not K-packed), where a row-pair slot
+    holds 16 of them."""
     return batch > 1 and (1 < batch_tiles <= batch or (c.qk_norm and qk_heads))
 
 
@@ -246,12 +246,10 @@ def batch_model_limits(c: ModelConfig, batch: int) -> str | None:
 
 def default_batch_interpreter(c: ModelConfig, batch: int) -> str:
     """The interpreter a batch of this model runs on where none is named: v10 where it can build the batch
-    (`batch_model_limits`), v9 elsewhere and for a QK-norm model. v10 builds a QK-norm model's batch (the norm
-    inside QKV, on tile slots: `v10_tile_slots`; or with `StreamConfig.qk_pairs` on RoPE-pair QKV tiles, the norm
-    apart or inside attention) and runs it where `interpreter=v10` is named; those paths are compiled for sm_90 and
-    their schedules checked on the CPU, but they have not yet been run on a GPU, so v9 stays the default.
-    Light (no torch, no Triton): the lowering and the search ask it."""
-    if batch > 1 and (c.qk_norm or batch_model_limits(c, batch) is not None):
+    (`batch_model_limits`), v9 elsewhere. A QK-norm model's batch runs on v10 with `StreamConfig.qk_pairs` (RoPE-pair
+    QKV tiles, the norm apart or inside attention): qwen3-1.7b at batch 8 1.756 ms against v9's 4.057, qwen3-8b
+    4.84 against 13.34 (docs/perf-notes.md). Light (no torch, no Triton): the lowering and the search ask it."""
+    if batch > 1 and batch_model_limits(c, batch) is not None:
         return "v9"
     return "v10"
 
@@ -268,21 +266,22 @@ def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False, x16: bool = Fal
     """Raise ScheduleError, naming the first instruction's JSON path, where interpreter v10 cannot run the packed
     batched schedule `p`: a batch folds attn_reduce into o_proj only where attention has one split (then o_proj
     stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower); a QK-norm
-    model's build applies the norm inside QKV (whole-head tiles), or with `qk_pairs` (`StreamConfig.qk_pairs`: a
-    QK-norm model's build with RoPE-pair QKV tiles) apart or inside attention, and has the code of that one only; with
-    x in fp16 (`x16`) o_proj's and down's tiles start on even rows (`odd_residual_rows`)."""
+    model's build with `qk_pairs` (`StreamConfig.qk_pairs`, its default: RoPE-pair QKV tiles) applies the norm apart
+    or inside attention, its build without it (and any other model's) inside QKV, and each has the code of its own
+    form only;
+    with x in fp16 (`x16`) o_proj's and down's tiles start on even rows (`odd_residual_rows`)."""
     fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
     apart = np.isin(p.ins[:, F_OP], [OPCODES[op] for op in sorted(QK_APART_OPS)])
     qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)
     in_qkv = p.ins[:, F_OP] == OPCODES["attn_norm_qkv_rope"]
-    heads = ("applies a batch's QK-norm inside QKV (without qk_pairs), not {} as {{}} does: build with qk_pairs, or "
-             "lower the batch with the strategy's qk_norm in_qkv")
+    heads = ("applies a batch's QK-norm inside QKV (built with qk_pairs false), not {} as {{}} does: build with "
+             "qk_pairs (the default)")
     checks = ((fused, f"folds attn_reduce into o_proj ({FUSED_OPROJ}) at a batch only with 1 attention split; {{}} "
                       "merges more: lower the batch with attn_splits 1 or fuse_attn_reduce off", "args"),)
     if qk_pairs:
-        checks += ((in_qkv, "built with qk_pairs (QKV tiles of RoPE pairs) applies a batch's QK-norm apart or inside "
-                            "attention, not inside QKV as {} does: lower the batch with the strategy's qk_norm "
-                            "in_attention or apart, or build without qk_pairs", "op"),)
+        checks += ((in_qkv, "built with qk_pairs (QKV tiles of RoPE pairs, the default) applies a batch's QK-norm "
+                            "apart or inside attention, not inside QKV as {} does: lower the batch with the "
+                            "strategy's qk_norm auto, in_attention or apart, or build with qk_pairs false", "op"),)
     else:
         checks += ((qk_in_attention, heads.format("inside attention"), "args"), (apart, heads.format("apart"), "op"))
     if x16:

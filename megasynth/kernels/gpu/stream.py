@@ -2529,10 +2529,11 @@ class StreamConfig:
     #: llama-1b at batch 16, tiles of 16 pairs with 16-row boxes 1.065 against whole heads' 1.084 (docs/perf-notes.md)
     qkv_box_rows: int = 0
     #: a QK-norm model's batch (Qwen3) with QKV tiles of RoPE pairs, boxed and K-packed as any model's, the norm
-    #: applied apart (`qk_norm_apply`) or inside attention (`attn_partial`'s qk_norm), as the batch-1 schedules
-    #: apply it, instead of QKV tiles of whole heads that QKV normalises (then a batch's QKV is one instruction a
-    #: head: 32 on qwen3-1.7b). Such a build runs no QKV that normalises (`pack.check_runs_batched_on_v10`)
-    qk_pairs: bool = False
+    #: applied apart (`qk_norm_apply`) or inside attention (`attn_partial`'s qk_norm), as the batch lowering applies
+    #: it; off: QKV tiles of whole heads that QKV normalises (a batch's QKV then one instruction a head: 32 on
+    #: qwen3-1.7b), for schedules whose QKV normalises. Each build runs its own form only
+    #: (`pack.check_runs_batched_on_v10`). On: qwen3-1.7b at batch 8 1.756 ms, v9 4.057 (docs/perf-notes.md)
+    qk_pairs: bool = True
     #: K columns of a tile's ring slot: 64 (one [128, 64] wgmma tile, 16 KB) or 128 (two, 32 KB: half the handshakes;
     #: 64 where fewer than `MIN_TILE_SLOTS` such slots fit beside the staged operand). 128 measured 0.4-4 % faster
     #: than 64 at batch 8 and 16 (docs/perf-notes.md)
