@@ -60,7 +60,7 @@ if TYPE_CHECKING:
               "tokens; the last must be max_seq_len): one run <run>.ctx<UP_TO> each, timed at its UP_TO with the "
               "other options, then the schedule set <runs-dir>/<run>.set.json. Not with --ctx or --resume.")
 @max_seq_len_option()
-@batch_option("timed on the GPU (interpreter v10; v9 for the QK-norm models and where v10 cannot build the batch) "
+@batch_option("timed on the GPU (interpreter v10; v9 where v10 cannot build the batch) "
               "or estimated with --cpu; the best schedule may differ per batch")
 @click.option("--cost-params", type=click.Path(dir_okay=False, exists=True), default=None,
               help="Cost-model parameters (default: megasynth/data/h200_costmodel.json).")
