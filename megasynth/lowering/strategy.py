@@ -285,9 +285,11 @@ def for_batch(strategy: Strategy, spec: ModelSpec, whole_heads: bool | None = No
         tiles = {op: -(-t // TILE_FILL[op]) * TILE_FILL[op] if op in TILE_FILL else t for op, t in tiles.items()}
         tiles[qkv] = max(2 * v10_qkv_box_rows(c.hd, b), tiles[qkv])
         tiles["embed"] = min(tiles["embed"], EMBED_TILE_COLUMNS)
-    if c.qk_norm:  # v9 applies it inside QKV only; on v10 a batch-1 strategy's QKV norm goes inside attention
-        d["qk_norm"] = "in_qkv" if whole_head_qkv(spec) else {"auto": "in_attention", "in_qkv": "in_attention"}.get(
-            d["qk_norm"], d["qk_norm"])
+    if c.qk_norm:  # v9 applies it inside QKV only; on v10 a batch-1 strategy's norm inside QKV goes inside attention
+        if whole_head_qkv(spec):
+            d["qk_norm"] = "in_qkv"
+        elif d["qk_norm"] in ("auto", "in_qkv"):
+            d["qk_norm"] = "in_attention"
     if whole_head_qkv(spec) or whole_heads:
         tiles[qkv] = -(-tiles[qkv] // c.hd) * c.hd
     rows = _rows_of(spec)

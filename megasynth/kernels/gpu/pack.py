@@ -71,14 +71,15 @@ V10_MAX_BATCH = 16
 V10_TILE_BATCH = 8
 
 
-def v10_qkv_box_rows(head_dim: int, batch: int, qk_norm: bool = False) -> int:
+def v10_qkv_box_rows(head_dim: int, batch: int, qk_heads: bool = False) -> int:
     """Rows of each RoPE half a v10 batch's QKV tile fill carries, K-packed (`StreamConfig.qkv_box_rows`' default):
     a QKV tile of that many pairs fills its ring slots, so the batch lowering rounds QKV tiles to twice as many rows
     (`lowering.strategy.for_batch`). 32 (half a 64-dim head, a quarter of a 128-dim one); 16 for 64-dim heads, whose
     QKV tiles of 16 pairs then run on twice the SMs (llama-1b at batch 16: 1.065 ms against 1.084 with whole heads;
-    at batch 8, with the stage in 2 groups, 0.850 against 0.862 with 32-pair tiles: docs/perf-notes.md). With the
-    QK-norm, half a head: its tiles are whole heads, normalised one head per slot half (`v10_tile_slots`)."""
-    if qk_norm:
+    at batch 8, with the stage in 2 groups, 0.850 against 0.862 with 32-pair tiles: docs/perf-notes.md). A QK-norm
+    model's build whose QKV normalises (`qk_heads`: without `StreamConfig.qk_pairs`), half a head: its tiles are whole
+    heads, normalised one head per slot half (`v10_tile_slots`)."""
+    if qk_heads:
         return head_dim // 2
     return min(16 if head_dim <= 64 and batch >= V10_TILE_BATCH else 32, head_dim // 2)
 
@@ -268,8 +269,7 @@ def check_runs_batched_on_v10(p: Packed, qk_pairs: bool = False, x16: bool = Fal
     stages the partials as they are; a merge of several splits per o_proj row tile measured 16-56 % slower); a QK-norm
     model's build with `qk_pairs` (`StreamConfig.qk_pairs`, its default: RoPE-pair QKV tiles) applies the norm apart
     or inside attention, its build without it (and any other model's) inside QKV, and each has the code of its own
-    form only;
-    with x in fp16 (`x16`) o_proj's and down's tiles start on even rows (`odd_residual_rows`)."""
+    form only; with x in fp16 (`x16`) o_proj's and down's tiles start on even rows (`odd_residual_rows`)."""
     fused = (p.ins[:, F_OP] == OPCODES[FUSED_OPROJ]) & ((p.ins[:, F_A4] != 1) | (p.max_splits != 1))
     apart = np.isin(p.ins[:, F_OP], [OPCODES[op] for op in sorted(QK_APART_OPS)])
     qk_in_attention = (p.ins[:, F_OP] == OPCODES["attn_partial"]) & (p.ins[:, F_A4] != 0)

@@ -254,7 +254,8 @@ class Megakernel:
         p = pack(schedule, "v10" if self.v10 else "v9")
         if not self.v10:
             check_runs_on_v9(p, self.cfg.hd, "lower it for a batch's interpreter v9 (whole-head QKV tiles, no "
-                             "fuse_attn_reduce)" if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
+                             "fuse_attn_reduce, a QK-norm inside QKV: the strategy's qk_norm in_qkv)"
+                             if self.batch > 1 else "run it on interpreter v10 (StreamConfig)")
         elif self.batch > 1:
             check_runs_batched_on_v10(p, qk_pairs=self.cfg.qk_norm and not self.geo["QKH"],
                                       x16=self.geo["X_DTYPE"] == "fp16")
