@@ -216,14 +216,15 @@ def test_batched_decode_on_interpreter_v9(name, batch, workers, kernel):
     """A batched schedule runs on interpreter v9 (KernelConfig): every sequence at its own position, with its own
     history in its own cache slot, matches the reference decoding it alone; each weight tile is streamed once for the
     whole batch (with the default tiles, 64-row tiles, and the weight tile as the first operand of 128-row warpgroup
-    MMAs)."""
+    MMAs). A QK-norm model's batch is lowered with its norm inside QKV, the one form v9 runs (the default lowers the
+    Hopper default's, v10's)."""
     from megasynth.kernels.gpu import KernelConfig, Megakernel
     from megasynth.lowering.models import with_batch
 
     spec = with_batch(get_model(name), batch)
     sms = workers or torch.cuda.get_device_properties(0).multi_processor_count
     w = _weights(spec.config, seed=9)
-    sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}))
+    sched = lower(spec, sms, Strategy(attn_splits=4, k_splits={"o_proj_residual": 2}, qk_norm="in_qkv"))
     mk = Megakernel(sched, w, max_seq_len=spec.max_seq_len, config=KernelConfig(**kernel))
     assert not mk.v10 and mk.batch == batch
     _batched_steps(mk, spec, w, batch, spec.max_seq_len - 1 if name.startswith("tiny") else 3000)
@@ -290,7 +291,7 @@ def test_batched_decode_on_interpreter_v10(name, batch, workers, splits, kernel,
     ("tiny-qwen3", 3, 8, 2, "in_attention", 12), ("tiny-qwen3", 3, 8, 2, "apart", 12),
     ("tiny-qwen3", 8, 8, 1, "in_attention", 12), ("qwen3-0.6b", 16, None, 1, "in_attention", 64),
     ("qwen3-1.7b", 8, None, 2, "in_attention", 64), ("qwen3-1.7b", 4, None, 4, "apart", 32),
-    ("qwen3-8b", 8, None, 2, "in_attention", 64)])
+    ("qwen3-8b", 8, None, 2, "in_attention", 64), ("qwen3-8b", 16, None, 1, "apart", 64)])
 def test_batched_qk_norm_on_qkv_pairs(name, batch, workers, splits, mode, qkv):
     """A QK-norm model's batch on a v10 build with `qk_pairs`: QKV tiles of RoPE pairs (K-packed on tile slots, on
     row-pair slots below batch 8) write every sequence's pairs unnormalised with their sums of squares, and the norm

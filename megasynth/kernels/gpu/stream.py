@@ -86,6 +86,8 @@ OP_DOWN: gl.constexpr = gl.constexpr(OPCODES["down_proj_residual"])
 OP_LM_HEAD: gl.constexpr = gl.constexpr(OPCODES["final_norm_lm_head"])
 BR: gl.constexpr = gl.constexpr(16)  # rows per TMA box
 GR: gl.constexpr = gl.constexpr(64)  # a batch's ring slot: a [2 GR, 64] wgmma tile of two GR-row halves
+#: q values qk_norm_apply loads at once (`_op_qk_apply`): 8 fp32 registers a thread of the 8 compute warps
+QK_APPLY_VALUES: gl.constexpr = gl.constexpr(2048)
 SUB: gl.constexpr = gl.constexpr(64)  # K elements per TMA box on the tensor-core path: 128 B rows, 128 B swizzle
 #: Ring tiles and the staged operand on the tensor-core path (`StreamConfig.mma`): what wgmma reads from shared memory
 MMA_SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -776,34 +778,54 @@ def _qk_norm_rope(h1, h2, gcol, qkn_ptr, q_ptr, kc_ptr, cos_ptr, sin_ptr, layer,
 
 
 @gluon.jit
-def _op_qk_apply(q_ptr, sq_ptr, knew_ptr, kc_ptr, layer, g, k_only, pos, NH: gl.constexpr, NKV: gl.constexpr,
-                 HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, G: gl.constexpr, GP: gl.constexpr,
-                 num_warps: gl.constexpr):
-    """qk_norm_apply of KV head g: its G query heads times rsqrt(mean square + eps) in place, and its new k row
-    (`k_new`, weighted and roped by attn_norm_qkv_rope_sq) so scaled into the cache at pos, bf16. The means come from
-    each head's per-pair sums of squares in `qk_sq` (hd / 2 values, read as the first half of an [.., hd] row so that
-    the head's values and its sums share one layout). No weights: every load is one L2 round trip, all in flight at
-    once, and the data was written by other workers before this instruction's waits (hence `.cg`). With `k_only`
-    (attention normalised its q heads itself) only the k row."""
+def _op_qk_apply(q_ptr, sq_ptr, knew_ptr, kc_ptr, pos_ptr, layer, g, k_only, pos, NB: gl.constexpr,
+                 NBP: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
+                 EPS: gl.constexpr, G: gl.constexpr, GP: gl.constexpr, num_warps: gl.constexpr):
+    """qk_norm_apply of KV head g for all NB sequences at once: its G query heads times rsqrt(mean square + eps) in
+    place, and its new k row (`k_new`, weighted and roped by attn_norm_qkv_rope_sq) so scaled into the cache at the
+    sequence's position, bf16. The means come from each head's per-pair sums of squares in `qk_sq` (hd / 2 values,
+    read as the first half of an [.., hd] row so that the head's values and its sums share one layout). Sequence b's
+    q, `qk_sq` and `k_new` lie at b times one sequence's part, its position at pos_ptr[b] (batch 1: `pos`), its cache
+    slot is layer * NB + b. No weights: every load is one L2 round trip, up to `QK_APPLY_VALUES` q values in flight
+    at once, then every sequence's k row (one sequence after the other, a round trip each, took 6.3 us at batch 8
+    and 13.1 at 16 on qwen3-1.7b; so 1.5 and 2.0), and the data was written by other workers before this
+    instruction's waits (hence `.cg`). With `k_only` (attention normalised its q heads itself) only the k rows."""
     HALF: gl.constexpr = HD // 2
-    L2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [num_warps, 1], [1, 0])
-    h0 = g * G
-    hs = h0 + gl.arange(0, GP, layout=gl.SliceLayout(1, L2))
+    SQN: gl.constexpr = (NH + NKV) * HALF  # one sequence's sums of squares
+    # sequences whose q heads go at once: the batch, or as many as `QK_APPLY_VALUES` values hold (at least one)
+    QB: gl.constexpr = NBP if NBP * GP * HD <= QK_APPLY_VALUES else (
+        QK_APPLY_VALUES // (GP * HD) if GP * HD <= QK_APPLY_VALUES else 1)
+    # a row's values in 16-byte vectors where it has 4 a lane (128-dim heads: one load instruction each)
+    VEC: gl.constexpr = 4 if HD >= 128 else (2 if HD >= 64 else 1)
+    L2: gl.constexpr = gl.BlockedLayout([1, VEC], [1, 32], [num_warps, 1], [1, 0])
     d = gl.expand_dims(gl.arange(0, HD, layout=gl.SliceLayout(0, L2)), 0)  # [1, HD]
-    hm = gl.expand_dims(hs < h0 + G, 1) & (k_only == 0)
-    qoffs = gl.expand_dims(hs, 1) * HD + d
-    sq = gl.load(sq_ptr + gl.expand_dims(hs, 1) * HALF + d, mask=hm & (d < HALF), other=0.0, cache_modifier=".cg")
-    q = gl.load(q_ptr + qoffs, mask=hm, other=0.0, cache_modifier=".cg")
-    ksq = gl.load(sq_ptr + (NH + g) * HALF + d, mask=d < HALF, other=0.0, cache_modifier=".cg")
-    k = gl.load(knew_ptr + g * HD + d, cache_modifier=".cg")
-    inv = 1.0 / gl.sqrt(gl.sum(sq, axis=1) / HD + EPS)  # [GP]
-    # q is scaled in place and a [GP, hd] tensor can be smaller than the CTA (its layout then repeats it across
-    # warps): every warp's loads of q come before any warp's store
-    gl.thread_barrier()
-    gl.store(q_ptr + qoffs, q * gl.expand_dims(inv, 1), mask=hm)
-    kinv = 1.0 / gl.sqrt(gl.sum(ksq, axis=1) / HD + EPS)  # [1]
-    cb = ((layer * NKV + g).to(gl.int64) * S + pos) * HD
-    gl.store(kc_ptr + cb + d, (k * gl.expand_dims(kinv, 1)).to(gl.bfloat16))
+    b = gl.arange(0, NBP, layout=gl.SliceLayout(1, L2))
+    bm = gl.expand_dims(b < NB, 1)
+    bb = gl.expand_dims(b, 1)
+    if NB == 1:
+        p = bb * 0 + pos
+    else:
+        p = gl.expand_dims(gl.load(pos_ptr + b, mask=b < NB, other=0), 1)
+    if k_only == 0:
+        r = gl.arange(0, QB * GP, layout=gl.SliceLayout(1, L2))
+        for b0 in range(0, NB, QB):
+            rb = b0 + r // GP
+            rh = g * G + r % GP
+            rm = gl.expand_dims((r % GP < G) & (rb < NB), 1)
+            qoffs = gl.expand_dims(rb * (NH * HD) + rh * HD, 1) + d
+            sq = gl.load(sq_ptr + gl.expand_dims(rb * SQN + rh * HALF, 1) + d, mask=rm & (d < HALF), other=0.0,
+                         cache_modifier=".cg")
+            q = gl.load(q_ptr + qoffs, mask=rm, other=0.0, cache_modifier=".cg")
+            inv = 1.0 / gl.sqrt(gl.sum(sq, axis=1) / HD + EPS)
+            # q is scaled in place and a [QB * GP, hd] tensor can be smaller than the CTA (its layout then repeats
+            # it across warps): every warp's loads of q come before any warp's store
+            gl.thread_barrier()
+            gl.store(q_ptr + qoffs, q * gl.expand_dims(inv, 1), mask=rm)
+    ksq = gl.load(sq_ptr + bb * SQN + (NH + g) * HALF + d, mask=bm & (d < HALF), other=0.0, cache_modifier=".cg")
+    k = gl.load(knew_ptr + bb * (NKV * HD) + g * HD + d, mask=bm, other=0.0, cache_modifier=".cg")
+    kinv = 1.0 / gl.sqrt(gl.sum(ksq, axis=1) / HD + EPS)
+    cb = (((layer * NB + bb) * NKV + g).to(gl.int64) * S + p) * HD
+    gl.store(kc_ptr + cb + d, (k * gl.expand_dims(kinv, 1)).to(gl.bfloat16), mask=bm)
 
 
 @gluon.jit
@@ -2092,10 +2114,8 @@ def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_p
                               a0 * 0 + H, True, False, H, EPS, NS, NCHH, BK, NB, NBP, CG, CPS, NCHH * BK, TILE, KT, ep,
                               num_warps, tr, TRACE, SPIPE)
     elif SQ and op == OP_QK_APPLY:  # the QK-norm applied apart: compiled where QKV is attn_norm_qkv_rope_sq
-        for b in range(NB):
-            _op_qk_apply(q_ptr + b * (NH * HD), qk_sq_ptr + b * ((NH + NKV) * (HD // 2)), k_new_ptr + b * (NKV * HD),
-                         kc_ptr, layer * NB + b, a0, a1, gl.load(rt_ptr + NB + b), NH, NKV, HD, S, EPS, G, GP,
-                         num_warps)
+        _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, rt_ptr + NB, layer, a0, a1, 0, NB, NBP, NH, NKV, HD, S,
+                     EPS, G, GP, num_warps)
     return t
 
 
@@ -2152,8 +2172,8 @@ def _single_op(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty,
                     kc_ptr, vc_ptr, cos_ptr, sin_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, pos, H, NH, NKV, HD, S,
                     EPS, QKV_BIAS, False, True, QG, NS, SB, NCHH, BK, blk, MMA, num_warps, tr, TRACE)
     elif QK_NORM and op == OP_QK_APPLY:
-        _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, layer, a0, a1, pos, NH, NKV, HD, S, EPS, G, GP,
-                     num_warps)
+        _op_qk_apply(q_ptr, qk_sq_ptr, k_new_ptr, kc_ptr, qk_sq_ptr, layer, a0, a1, pos, 1, 1, NH, NKV, HD, S, EPS,
+                     G, GP, num_warps)
     return t
 
 
@@ -2559,14 +2579,15 @@ class StreamConfig:
     #: a tile build's weight ops stage their operand in this many groups of chunks and start each group's products
     #: (the first row group's slots over its K columns) as soon as it is in shared memory, the next group's loads in
     #: flight (`_staged_rows_batch`); 1 stages it whole first (in `stage_values` groups, one after the other). 0: by
-    #: build, 4 where the operand is at most `STAGE_PIPE_VALUES` values and QKV's tiles are K-packed at most 2 ways
-    #: (4 ways, the 16-row boxes of 64-dim heads, 4 groups spill 152-192 B); else with fp16 x (`x_dtype`) 2 up to
-    #: `STAGE_PIPE_F16_BATCH` sequences and whole past them, with fp32 x the `stage_values` groups, pipelined where
-    #: there are several. Measured at ctx 1024 against the whole stage: llama-1b batch 8 -1.8 % with 4, -1.0 % with
-    #: 2; with fp32 x llama-8b batch 16 (two groups of 32 K values anyway) -1.3 %, with fp16 x llama-8b batch 8
-    #: -2.7 % with 2; larger operands in more groups spill registers, and llama-1b's batch 16 took +3 % with 4,
-    #: llama-8b's batch 8 with fp32 x +2.4 % (4) and +0.5 % (2), its batch 16 with fp16 x +11 % (2)
-    #: (docs/perf-notes.md)
+    #: build, whole for a QK-norm model's RoPE-pair build at a hidden size in `STAGE_WHOLE_QK_PAIRS_HIDDEN`
+    #: (qwen3-1.7b, whose pipelined builds spill); else 4 where the operand is at most `STAGE_PIPE_VALUES` values and
+    #: QKV's tiles are K-packed at most 2 ways (4 ways, the 16-row boxes of 64-dim heads, 4 groups spill 152-192 B);
+    #: else with fp16 x (`x_dtype`) 2 up to `STAGE_PIPE_F16_BATCH` sequences and whole past them, with fp32 x the
+    #: `stage_values` groups, pipelined where there are several. Measured at ctx 1024 against the whole stage:
+    #: llama-1b batch 8 -1.8 % with 4, -1.0 % with 2; with fp32 x llama-8b batch 16 (two groups of 32 K values anyway)
+    #: -1.3 %, with fp16 x llama-8b batch 8 -2.7 % with 2; larger operands in more groups spill registers, and
+    #: llama-1b's batch 16 took +3 % with 4, llama-8b's batch 8 with fp32 x +2.4 % (4) and +0.5 % (2), its batch 16
+    #: with fp16 x +11 % (2) (docs/perf-notes.md)
     stage_groups: int = 0
     be: int = 1024  # embedding copy block
     #: at batch 1, o_proj's and down's K ranges start and end at multiples of `K_VEC` (16 B of fp32 activations), so
@@ -2620,6 +2641,11 @@ STAGE_PIPE_VALUES = 16384
 #: groups by default; larger batches stage whole. Measured against fp16's whole stage: llama-8b batch 8 -2.7 % with
 #: 2; at batch 16 2 groups spill 192 B and took 5.98 ms against the whole stage's 5.38 (docs/perf-notes.md)
 STAGE_PIPE_F16_BATCH = 8
+#: hidden sizes at which a QK-norm model's RoPE-pair batch build (`StreamConfig.qk_pairs`) stages whole at batch 8
+#: (where the rules below would pipeline it): qwen3-1.7b's pipelined builds spill (40 B in 2 groups) and its whole
+#: stage (none) measured 1.548 ms against 1.681 (2 groups) and 1.784 (4); qwen3-0.6b's and -8b's 2 groups do not
+#: spill and measured 3.5 and 4.6 % faster than their whole stage, which does (docs/perf-notes.md)
+STAGE_WHOLE_QK_PAIRS_HIDDEN = frozenset({2048})
 
 
 def stream_config(c: ModelConfig | None = None) -> StreamConfig:
@@ -2755,6 +2781,8 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
     x_dtype = (sc.x_dtype or "fp16") if tile else "fp32"
     if sc.stage_groups:
         groups, pipe = sc.stage_groups, sc.stage_groups != 1
+    elif x_dtype == "fp16" and c.qk_norm and not qk_heads and c.hidden_size in STAGE_WHOLE_QK_PAIRS_HIDDEN:
+        groups, pipe = 1, False  # qwen3-1.7b's RoPE-pair build: its pipelined stage spills
     elif nbp * c.hidden_size <= STAGE_PIPE_VALUES and qkp <= 2 and chunks["NCHH"] >= 2 * 4:
         # 4 groups of at least 2 chunks each (with QKV K-packed 4 ways they spill; so do groups of one chunk at
         # batch 8: qwen2.5-0.5b 192 B, qwen3-0.6b 224 B, against 64 and 0 in 2 groups)
