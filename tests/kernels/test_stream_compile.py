@@ -683,9 +683,10 @@ def test_v9_batch_builds_compile_without_spills() -> None:
 
 @pytest.mark.parametrize("model, batch", [("tiny", 3), ("tiny-qwen2", 3), ("tiny", 8), ("llama-1b", 4),
                                           ("llama-1b", 8), ("llama-1b", 16), ("llama-8b", 8), ("tiny-qwen3", 3),
-                                          ("qwen3-0.6b", 8), ("qwen3-1.7b", 8)])
+                                          ("qwen3-0.6b", 8), ("qwen3-1.7b", 8), ("qwen3-8b", 8)])
 def test_v10_batch_builds_fit(model: str, batch: int) -> None:
-    """Interpreter v10's batch builds for sm_90: no spill stack (llama-8b's batch 8 16 B, qwen3-1.7b's 40), shared
+    """Interpreter v10's batch builds for sm_90: no spill stack (llama-8b's batch 8 16 B; the Qwen3 builds' stage
+    split as measured without spill, `STAGE_WHOLE_QK_PAIRS_HIDDEN`), shared
     memory within a CTA's; the staged operand
     (every sequence's vector, 1 or 2 bf16 rows per 64-wide sub-chunk, the batch padded to 8 rows at least on
     the [128, 64] tiles of a batch of 8 or more; 4 or 8 per 256-wide chunk on the row-pair slots of the others)
