@@ -214,10 +214,9 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
     geo = stream.stream_geometry(c, config, batch)
     wdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo))
     qdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, qkv=True))
-    gdesc = "tensordesc<bf16{},{!r}>".format(*stream.weight_box(geo, gate_up=True))
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {geo['KVW']}],{stream.kv_box_layout(geo)!r}>"
-    types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_d", "d_lm")}, "d_g": gdesc, "d_u": gdesc, "d_qkv": qdesc,
-             "d_k": kvdesc, "d_v": kvdesc}
+    types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
+             "d_v": kvdesc}
     if geo["ACT_BF16"]:  # as `Megakernel` allocates them
         types.update(attn_ptr="*bf16", act_ptr="*bf16")
     if geo["X_DTYPE"] != "fp32":

@@ -390,7 +390,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
             SB: gl.constexpr, BK: gl.constexpr, BTK: gl.constexpr, KV_RING: gl.constexpr, MMA: gl.constexpr,
             TRACE: gl.constexpr, NB: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr, XR: gl.constexpr,
             QXR: gl.constexpr, KT: gl.constexpr, NL: gl.constexpr, V: gl.constexpr, CPF: gl.constexpr,
-            QKP: gl.constexpr, GIN: gl.constexpr, GXR: gl.constexpr):
+            QKP: gl.constexpr, GIN: gl.constexpr):
     """Walk this worker's queue and stream each instruction's weight tiles into the ring, never waiting on counters.
     The next row is read one instruction ahead, so its latency hides behind the current instruction's issue. With
     TRACE, each instruction's trace row also gets when the loader reached it (every earlier fill issued) and when
@@ -437,7 +437,7 @@ def _loader(ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_l
                 for r in range(a0, a1, GR):
                     n = gl.minimum(a1 - r, GR)
                     t = _load_tile_rows(d_g, d_u, base + r, base + r, n, n, 0, H, t, ring, ready, empty, NS, GIN,
-                                        GXR, KT)
+                                        XR, KT)
             else:
                 for r in range(a0, a1, BR):
                     for kb in range(0, NKH, SB // 2):
@@ -2338,8 +2338,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, GXR: gl.constexpr,
-    num_warps: gl.constexpr,
+    QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2377,7 +2376,7 @@ def stream_megakernel(
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
-                   CPF, QKP, GIN, GXR)),
+                   CPF, QKP, GIN)),
     ], [1], [LOADER_REGS])
 
 
@@ -2549,9 +2548,6 @@ class StreamConfig:
     #: with 32-row boxes 4.54 ms, with 64-row ones (half the next pairs' rows) 4.62, whole heads on 48 SMs 4.67;
     #: llama-1b at batch 16, tiles of 16 pairs with 16-row boxes 1.065 against whole heads' 1.084 (docs/perf-notes.md)
     qkv_box_rows: int = 0
-    #: rows of a batch's gate/up tile boxes (16, 32 or 64; 0: `tile_box_rows`): gate/up tiles of a multiple of these
-    #: rows stream only their own rows, so a tile may part-fill its slot halves without streaming the next tile's
-    gate_up_box_rows: int = 0
     #: a QK-norm model's batch (Qwen3) with QKV tiles of RoPE pairs, boxed and K-packed as any model's, the norm
     #: applied apart (`qk_norm_apply`) or inside attention (`attn_partial`'s qk_norm), as the batch lowering applies
     #: it; off: QKV tiles of whole heads that QKV normalises (a batch's QKV then one instruction a head: 32 on
@@ -2692,8 +2688,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
         raise ValueError(f"tile_box_rows must be 16, 32 or 64, got {sc.tile_box_rows}")
     if sc.qkv_box_rows not in (0, 16, 32, 64):
         raise ValueError(f"qkv_box_rows must be 0 (by build), 16, 32 or 64, got {sc.qkv_box_rows}")
-    if sc.gate_up_box_rows not in (0, 16, 32, 64):
-        raise ValueError(f"gate_up_box_rows must be 0 (tile_box_rows), 16, 32 or 64, got {sc.gate_up_box_rows}")
     why = batch_limits(c, sc, batch)
     if why:
         raise ValueError(f"interpreter v10 cannot run this batch: {why}")
@@ -2803,7 +2797,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "GXR": sc.gate_up_box_rows or sc.tile_box_rows,
             "QXR": qxr, "QKP": qkp, "QKH": batch > 1 and qk_heads,
             "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
             "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
@@ -2832,7 +2825,7 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], QKH=geo["QKH"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], GXR=geo["GXR"],
+        CPF=geo["CPF"], QKP=geo["QKP"], QKH=geo["QKH"], SPIPE=geo["SPIPE"], GIN=geo["GIN"],
         num_warps=sc.num_warps)
 
 
@@ -2846,7 +2839,7 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
 
     out = []
     for name in ("wqkv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
-        box, wlayout = weight_box(geo, qkv=name == "wqkv", gate_up=name in ("w_gate", "w_up"))
+        box, wlayout = weight_box(geo, qkv=name == "wqkv")
         t = w[name]
         t2 = t.reshape(-1, t.shape[-1])
         if geo["MMA"] and not geo["TILE"]:
@@ -2866,13 +2859,12 @@ def kv_box_layout(geo: dict[str, Any]) -> Any:
                                 rank=2)
 
 
-def weight_box(geo: dict[str, Any], qkv: bool = False, gate_up: bool = False) -> tuple[list[int], Any]:
+def weight_box(geo: dict[str, Any], qkv: bool = False) -> tuple[list[int], Any]:
     """The weight descriptors' TMA box and shared layout: [16, BK] unswizzled; on the batch-1 tensor-core path
     and on a batch's row-pair slots [16, BK / 64, 64] of the matrix viewed [rows, K / 64, 64], 128 B swizzle (one
-    wgmma tile); on a batch's tiles [XR, 64] (QXR rows for wqkv, GXR for w_gate and w_up), 128 B swizzle
-    (`_issue_tile`'s boxes)."""
+    wgmma tile); on a batch's tiles [XR, 64] (QXR rows for wqkv), 128 B swizzle (`_issue_tile`'s boxes)."""
     if geo["TILE"]:
-        rows = geo["QXR"] if qkv else geo["GXR"] if gate_up else geo["XR"]
+        rows = geo["QXR"] if qkv else geo["XR"]
         return [rows, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     if geo["MMA"]:
         return [16, geo["BK"] // 64, 64], gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
