@@ -217,7 +217,6 @@ def compile_v10(c: ModelConfig, max_seq_len: int, config: Any, trace: bool = Fal
     kvdesc = f"tensordesc<bf16[{consts['BTK']}, {geo['KVW']}],{stream.kv_box_layout(geo)!r}>"
     types = {**ARG_TYPES, **{d: wdesc for d in ("d_o", "d_g", "d_u", "d_d", "d_lm")}, "d_qkv": qdesc, "d_k": kvdesc,
              "d_v": kvdesc}
-    types["d_x"] = (f"tensordesc<fp16[{geo['XT']}, {geo['NBP']}, 64],{stream.MMA_BOX!r}>" if geo["XT"] else kvdesc)
     if geo["ACT_BF16"]:  # as `Megakernel` allocates them
         types.update(attn_ptr="*bf16", act_ptr="*bf16")
     if geo["X_DTYPE"] != "fp32":

@@ -107,16 +107,6 @@ else:
 # -- Gluon (interpreter v10) ---------------------------------------------------------------------------------------
 
 
-ASM_FENCE_PROXY_ASYNC_GLOBAL = tl.constexpr("fence.proxy.async.global; mov.u32 $0, 0;")
-
-
-@gluon.jit
-def gl_fence_proxy_async_global():
-    """Orders this thread's view of global memory (what its acquires made visible) before its async-proxy (TMA)
-    reads of it."""
-    return gl.inline_asm_elementwise(ASM_FENCE_PROXY_ASYNC_GLOBAL, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def gl_globaltimer():
     """Nanoseconds from the GPU's global timer (`%globaltimer`)."""

@@ -237,11 +237,7 @@ class Megakernel:
         if self.v10:
             from megasynth.kernels.gpu.stream import stream_descriptors
 
-            if self.geo["XT"]:  # experiment: QKV's stage by TMA takes the attention norm's weight inside wqkv
-                wq = self.w["wqkv"]
-                self.w = {**self.w, "wqkv": torch.stack([(wq[i].float() * self.w["attn_norm"][i].float()[None, :])
-                                                         .to(wq.dtype) for i in range(wq.shape[0])])}
-            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo, self.x)
+            self.descs = stream_descriptors(c, self.w, self.k_cache, self.v_cache, self.geo)
         self.compiled: Any = None
         self.occupancy: dict[str, Any] = {}
         self.packed: Packed | None = None

@@ -1919,50 +1919,13 @@ def _swiglu_rows(act_ptr, IS: gl.constexpr, rows, g, u, rs, a1, NB: gl.constexpr
 
 
 @gluon.jit
-def _stage_x_tma(vstage, d_x, sbar, sph, H: gl.constexpr, EPS: gl.constexpr, NCHK: gl.constexpr, BK: gl.constexpr,
-                 NBP: gl.constexpr, XT: gl.constexpr, num_warps: gl.constexpr, tr, TRACE: gl.constexpr):
-    """Experiment: QKV's operand (every sequence's x, fp16) by TMA from d_x (x viewed [H / 64, NB, 64], [XT, NBP, 64]
-    boxes, rows past NB zero-filled) into the staging buffer in the operand's own layout, then made bf16 in place,
-    each thread rewriting the values it read; the norm's weight is in wqkv (`Megakernel` folds it), and each
-    sequence's rstd (returned) is applied in the epilogue as before. sph: sbar's phase (QKV instructions run, mod 2)."""
-    NQ: gl.constexpr = BK // SUB
-    NSUB: gl.constexpr = H // SUB  # sub-chunks of x
-    gl.static_assert(NSUB % XT == 0, "x's sub-chunks in whole boxes")
-    gl.static_assert(NSUB <= NCHK * NQ, "x fits the staging buffer")
-    x16 = vstage._reinterpret(gl.float16, [NCHK * NQ, NBP, SUB], MMA_BOX)
-    xbf = vstage._reinterpret(gl.bfloat16, [NCHK * NQ, NBP, SUB], MMA_BOX)
-    gl.thread_barrier()  # every warp done with the buffer
-    fence_async_shared()
-    ptx.gl_fence_proxy_async_global()  # x as this CTA's counter acquire saw it, for the async proxy's reads
-    mbarrier.expect(sbar, NSUB * NBP * SUB * 2)
-    for i in gl.static_range(NSUB // XT):
-        tma.async_copy_global_to_shared(d_x, [i * XT, 0, 0], sbar, x16.slice(i * XT, XT, dim=0))
-    mbarrier.wait(sbar, sph)
-    SG: gl.constexpr = num_warps  # sub-chunks a pass: a warp each
-    gl.static_assert(NSUB % SG == 0, "x's sub-chunks in whole passes")
-    cl: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [num_warps, 1, 1], [2, 1, 0])
-    ss = gl.zeros([NBP], gl.float32, gl.SliceLayout(0, gl.SliceLayout(2, cl)))
-    for s0 in gl.static_range(0, NSUB, SG):
-        v = x16.slice(s0, SG, dim=0).load(cl)
-        f = v.to(gl.float32)
-        ss += gl.sum(gl.sum(f * f, axis=2), axis=0)
-        xbf.slice(s0, SG, dim=0).store(v.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-    if TRACE:
-        gl.store(tr + 6, ptx.gl_globaltimer())
-    return 1.0 / gl.sqrt(ss / H + EPS)
-
-
-@gluon.jit
 def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, q_ptr, kc_ptr, vc_ptr, cos_ptr,
                   sin_ptr, rt_ptr, sq_ptr, knew_ptr, layer, a0, a1, H: gl.constexpr, NH: gl.constexpr,
                   NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr, EPS: gl.constexpr, QKV_BIAS: gl.constexpr,
                   NS: gl.constexpr, NCHH: gl.constexpr, BK: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
                   CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, ep: gl.constexpr,
                   num_warps: gl.constexpr, tr, TRACE: gl.constexpr, QKP: gl.constexpr = 1,
-                  SPIPE: gl.constexpr = False, QK_NORM: gl.constexpr = False, SQ: gl.constexpr = False, d_x=None,
-                  sbar=None, sph=0, XT: gl.constexpr = 0):
+                  SPIPE: gl.constexpr = False, QK_NORM: gl.constexpr = False, SQ: gl.constexpr = False):
     """`_op_qkv` for every sequence of a batch: each sequence's rows rotated at its own position (rt[NB + b]), its q
     at b * q_size, its k/v in its own cache slot (layer * NB + b of the [L, B, nKV, S, hd] caches). A slot's halves
     are up to RG RoPE pairs' first and second rows (`_qkv_group`); with QKP > 1 (K-packed tiles, `_pair_rows_batch`)
@@ -1972,10 +1935,8 @@ def _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, nw_ptr, b_ptr, qkn_ptr, 
     RG: gl.constexpr = GR // QKP if TILE else BR
     gl.static_assert(not QK_NORM or RG >= HD // 2, "a batch's QK-norm in QKV takes a head's pairs in one group")
     KS: gl.constexpr = SUB * KT * QKP if TILE else BK
-    PIPE: gl.constexpr = SPIPE and NCHH > CG and XT == 0  # the stage in groups, the first pairs' products with it
-    if XT > 0:  # experiment: x by TMA, the norm's weight folded into wqkv (`StreamConfig.qkv_stage_tma`)
-        rs = _stage_x_tma(vstage, d_x, sbar, sph, H, EPS, NCHH, BK, NBP, XT, num_warps, tr, TRACE)
-    elif not PIPE:
+    PIPE: gl.constexpr = SPIPE and NCHH > CG  # the stage in groups, the first pairs' products with it
+    if not PIPE:
         rs = _stage_batch(vstage, x_ptr, H, nw_ptr + layer * H, a0 * 0, a0 * 0 + H, a0 * 0, True, H, EPS, NCHH, BK,
                           NB, NBP, CG, CPS, TILE, num_warps, tr, TRACE)
     ir = gl.arange(0, RG, layout=gl.SliceLayout(1, ep))
@@ -2091,7 +2052,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_p
               ATTN_EXP2: gl.constexpr, SP: gl.constexpr, BE: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr,
               CG: gl.constexpr, CPS: gl.constexpr, TILE: gl.constexpr, KT: gl.constexpr, num_warps: gl.constexpr, tr,
               TRACE: gl.constexpr, QKP: gl.constexpr, SPIPE: gl.constexpr, QK_NORM: gl.constexpr,
-              QKH: gl.constexpr, d_x, sbar, sph, XT: gl.constexpr):
+              QKH: gl.constexpr):
     """One instruction of a batched schedule. Weight ops serve every sequence (each weight tile streamed once, one
     wgmma per slot for all of them); attention and attn_reduce serve sequence a3 (`seq`): its q, its cache slot, its
     position rt[NB + seq], its split partials at seq * seq_splits (the schedule's largest split count) rows of the
@@ -2122,7 +2083,7 @@ def _batch_op(op, layer, a0, a1, a2, a3, a4, t, ring, ready, empty, vstage, rt_p
         t = _op_qkv_batch(ring, ready, empty, vstage, t, x_ptr, attn_norm_ptr, bqkv_ptr, qk_norm_ptr, q_ptr, kc_ptr,
                           vc_ptr, cos_ptr, sin_ptr, rt_ptr, qk_sq_ptr, k_new_ptr, layer, a0, a1, H, NH, NKV, HD, S,
                           EPS, QKV_BIAS, NS, NCHH, BK, NB, NBP, CG, CPS, TILE, KT, ep, num_warps, tr, TRACE, QKP,
-                          SPIPE, QKH, SQ, d_x, sbar, sph, XT)
+                          SPIPE, QKH, SQ)
     elif op == OP_PARTIAL:
         t = _op_attn_partial(q_ptr + a3 * (NH * HD), kc_ptr, vc_ptr, opart_ptr + a3 * seq_splits * (NH * HD),
                              lse_ptr + a3 * seq_splits * NH, qk_sq_ptr + a3 * ((NH + NKV) * (HD // 2)),
@@ -2291,7 +2252,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
              MB: gl.constexpr, BE: gl.constexpr,
              MMA: gl.constexpr, NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr,
              TILE: gl.constexpr, KT: gl.constexpr, KW: gl.constexpr, KA: gl.constexpr, num_warps: gl.constexpr,
-             QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, d_x, sbar, XT: gl.constexpr):
+             QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr):
     """The compute partition: waits, ops, signals, for every instruction of this worker's queue in order (its ops:
     `_single_op`, a batch's `_batch_op`)."""
     pid = gl.program_id(0)
@@ -2302,7 +2263,6 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
     pos = gl.load(rt_ptr + 1)
     ok = pid * 0 + 1
     t = pid * 0
-    nx = pid * 0  # QKV instructions run (XT: the stage barrier's phase)
     (op, layer, a0, a1, a2, a3, iid, woff, wn, soff, sn, c0, v0, sc0, sa0, idx, a4) = _row17(
         ins_ptr, gl.maximum(gl.minimum(qi, q1 - 1), 0), ROWW)
     while qi < q1:
@@ -2321,9 +2281,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
                           vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr, qk_sq_ptr,
                           k_new_ptr, seq_splits, H, IS, NH, NKV, HD, S, V, EPS, SCALE, G, GP, QKV_BIAS, NS, SB, NCHH,
                           NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, SP, BE, NB, NBP, CG, CPS, TILE, KT, num_warps, tr,
-                          TRACE, QKP, SPIPE, QK_NORM, QKH, d_x, sbar.index(0), nx & 1, XT)
-            if XT:
-                nx += ((op == OP_QKV) | (op == OP_QKV_SQ)).to(gl.int32)
+                          TRACE, QKP, SPIPE, QK_NORM, QKH)
         elif OP_CALL:  # the op a function of its own (`StreamConfig.op_call`)
             t = _single_op_call(op, layer, a0, a1, a2, a3, a4, token, pos, t, ring, ready, empty, vbuf, vstage,
                                 embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, x_ptr,
@@ -2366,7 +2324,7 @@ def _compute(ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trac
 def stream_megakernel(
     ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm,
-    d_k, d_v, d_x, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
+    d_k, d_v, wqkv_ptr, wo_ptr, wg_ptr, wu_ptr, wd_ptr, lm_head_ptr,
     x_ptr, q_ptr, kc_ptr, vc_ptr, opart_ptr, lse_ptr, attn_ptr, act_ptr, logits_ptr, cos_ptr, sin_ptr,
     qk_sq_ptr, k_new_ptr, timeout_ns, seq_splits,
     H: gl.constexpr, IS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr, S: gl.constexpr,
@@ -2380,8 +2338,7 @@ def stream_megakernel(
     MMA: gl.constexpr,
     NB: gl.constexpr, NBP: gl.constexpr, CG: gl.constexpr, CPS: gl.constexpr, KW: gl.constexpr, TILE: gl.constexpr,
     XR: gl.constexpr, QXR: gl.constexpr, KT: gl.constexpr, KA: gl.constexpr, NL: gl.constexpr, CPF: gl.constexpr,
-    QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, XT: gl.constexpr,
-    num_warps: gl.constexpr,
+    QKP: gl.constexpr, QKH: gl.constexpr, SPIPE: gl.constexpr, GIN: gl.constexpr, num_warps: gl.constexpr,
 ):
     if MMA:  # boxes are [16 * BK / 64, 64] wgmma tiles (the descriptors' [16, 64] boxes stacked)
         ring = gl.allocate_shared_memory(gl.bfloat16, [SB * NS * KT, BR * BK // SUB, SUB], MMA_SMEM)
@@ -2407,8 +2364,6 @@ def stream_megakernel(
     for i in gl.static_range(NS):
         mbarrier.init(ready.index(i), count=32 if CPF else 1)  # with CPF each loader thread's copies arrive
         mbarrier.init(empty.index(i), count=1)
-    sbar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())  # QKV's stage by TMA (XT)
-    mbarrier.init(sbar.index(0), count=1)
     gl.warp_specialize([
         (_compute, (ins_ptr, waits_ptr, sigs_ptr, qoff_ptr, counters_ptr, err_ptr, trace_ptr, smid_ptr, rt_ptr,
                     embed_ptr, attn_norm_ptr, mlp_norm_ptr, final_norm_ptr, bqkv_ptr, qk_norm_ptr,
@@ -2417,7 +2372,7 @@ def stream_megakernel(
                     NH, NKV, HD, S, V, EPS, SCALE, G, GP,
                     QKV_BIAS, QK_NORM, QG, NS, SB, NCHH, NCHQ, NCHI, BK, BTK, KV_RING, ATTN_EXP2, ATTN_CALL, OP_CALL,
                     TRACE, ROWW, WB, SP, MB, BE, MMA, NB, NBP, CG, CPS, TILE, KT, KW, KA, num_warps, QKP, QKH,
-                    SPIPE, d_x, sbar, XT)),
+                    SPIPE)),
         (_loader, (ins_ptr, qoff_ptr, rt_ptr, trace_ptr, d_qkv, d_o, d_g, d_u, d_d, d_lm, d_k, d_v, wqkv_ptr, wo_ptr,
                    wg_ptr, wu_ptr, wd_ptr, lm_head_ptr, kc_ptr, vc_ptr, ring, ready, empty, H, IS, NH, NKV, HD, S,
                    QK_NORM, ROWW, NS, INFLIGHT, QIN, SB, BK, BTK, KV_RING, MMA, TRACE, NB, KW, TILE, XR, QXR, KT, NL, V,
@@ -2593,9 +2548,6 @@ class StreamConfig:
     #: with 32-row boxes 4.54 ms, with 64-row ones (half the next pairs' rows) 4.62, whole heads on 48 SMs 4.67;
     #: llama-1b at batch 16, tiles of 16 pairs with 16-row boxes 1.065 against whole heads' 1.084 (docs/perf-notes.md)
     qkv_box_rows: int = 0
-    #: experiment: a tile batch's QKV stages x (fp16) by TMA and makes it bf16 in place, the attention norm's weight
-    #: folded into wqkv by `Megakernel` (`_stage_x_tma`)
-    qkv_stage_tma: bool = False
     #: a QK-norm model's batch (Qwen3) with QKV tiles of RoPE pairs, boxed and K-packed as any model's, the norm
     #: applied apart (`qk_norm_apply`) or inside attention (`attn_partial`'s qk_norm), as the batch lowering applies
     #: it; off: QKV tiles of whole heads that QKV normalises (a batch's QKV then one instruction a head: 32 on
@@ -2845,9 +2797,6 @@ def stream_geometry(c: ModelConfig, sc: StreamConfig, batch: int = 1) -> dict[st
             "stage_bytes": stage_bytes, "BTK": btk if kv_ring else 16,
             "KV_RING": 3 if rows else 2 if attn_mma else int(kv_ring), "MB": min(8, heads),
             "MMA": mma, "NB": batch, "NBP": nbp, "CG": cg, "CPS": cps, "TILE": tile, "KT": kt, "XR": sc.tile_box_rows,
-            "XT": (max(d for d in (8, 4, 2, 1) if (c.hidden_size // 64) % d == 0)
-                   if sc.qkv_stage_tma and tile and x_dtype == "fp16" and cps == 1 and batch > 1
-                   and c.hidden_size % (64 * sc.num_warps) == 0 else 0),
             "QXR": qxr, "QKP": qkp, "QKH": batch > 1 and qk_heads,
             "SPIPE": tile and chunks["NCHH"] > cg and pipe, "QIN": qin, "stage_k": window * bk,
             "GIN": min(sc.gate_up_inflight or max(inflight, slots // 2 if tile else 0), slots),
@@ -2876,12 +2825,12 @@ def stream_constexprs(c: ModelConfig, max_seq_len: int, sc: StreamConfig, trace:
         LOADER_REGS=sc.loader_regs or (CP_LOADER_REGS if geo["CPF"] else TILE_LOADER_REGS if geo["TILE"] else 32),
         MMA=geo["MMA"], NB=batch, NBP=geo["NBP"], CG=geo["CG"], CPS=geo["CPS"], KW=geo["stage_k"],
         TILE=geo["TILE"], XR=geo["XR"], QXR=geo["QXR"], KT=geo["KT"], KA=geo["KA"], NL=c.num_hidden_layers,
-        CPF=geo["CPF"], QKP=geo["QKP"], QKH=geo["QKH"], SPIPE=geo["SPIPE"], GIN=geo["GIN"], XT=geo["XT"],
+        CPF=geo["CPF"], QKP=geo["QKP"], QKH=geo["QKH"], SPIPE=geo["SPIPE"], GIN=geo["GIN"],
         num_warps=sc.num_warps)
 
 
-def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any],
-                       x: Any = None) -> list[Any]:
+def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache: Any, geo: dict[str, Any]
+                       ) -> list[Any]:
     """TMA descriptors of what the loader streams, in the kernel's argument order: the six weight matrices (wqkv,
     wo, w_gate, w_up, w_down, lm_head), each viewed 2-D ([layers * rows, K]) with `weight_box` boxes, then the K and V
     caches viewed [layers * kv heads * positions, hd] with a [BTK, hd] box (`kv_box_layout`; [BTK, 64] for
@@ -2900,11 +2849,6 @@ def stream_descriptors(c: ModelConfig, w: dict[str, Any], k_cache: Any, v_cache:
         t2 = cache.reshape(-1, c.hd)
         out.append(TensorDescriptor(t2, list(t2.shape), list(t2.stride()), [geo["BTK"], geo["KVW"]],
                                     kv_box_layout(geo)))
-    if geo["XT"]:  # x viewed [H / 64, NB, 64] (`_stage_x_tma`)
-        x3 = x.view(-1, c.hidden_size // 64, 64).permute(1, 0, 2)
-        out.append(TensorDescriptor(x3, list(x3.shape), list(x3.stride()), [geo["XT"], geo["NBP"], 64], MMA_BOX))
-    else:  # a stand-in the build never reads
-        out.append(out[-1])
     return out
 
 
