@@ -60,8 +60,9 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
     if schedules and len(schedules) != len(traces):
         raise click.BadParameter(f"{len(schedules)} schedules for {len(traces)} traces", param_hint="--schedule")
     pairs, devices = _read_traces(traces, schedules, allow_estimated)
-    base = load_params(prior)
     try:
+        base = load_params(prior)  # a CostParamsError names the file, the JSON path and the value
+        _check_inputs(list(fit_runs), list(check_runs), list(measured_files) + list(check_measured))
         if (check_runs or check_measured) and not (traces or fit_runs or measured_files):  # the model as it is
             _check_only(base, list(check_runs), list(check_measured))
             return
@@ -85,6 +86,20 @@ def calibrate(traces: tuple[str, ...], schedules: tuple[str, ...], output: str |
 
         write_json_atomic(output, doc)
         click.echo(f"wrote {output}")
+
+
+def _check_inputs(fit_runs: list[str], check_runs: list[str], measured: list[str]) -> None:
+    """Every run folder and measured-steps file checked before anything is fitted or printed: a folder that is no
+    run, a run with nothing measured or a malformed step is a ValueError naming it (exit 2), not an empty fit or an
+    error halfway through."""
+    from megasynth.search.calibrate import check_measured, require_measured_run
+
+    for run in fit_runs:
+        require_measured_run(run, "fit")
+    for run in check_runs:
+        require_measured_run(run, "check")
+    for path in measured:
+        check_measured(path)
 
 
 def _check_only(params: Any, check_runs: list[str], check_measured: list[str] | None = None) -> None:
@@ -215,6 +230,9 @@ def _fit_v10(pairs: list[tuple[dict[str, Any], Any]], base: Any, fit_runs: list[
                   int(trace.get("metadata", {}).get("ctx") or 1024), None)
         _add_trace(st, trace)
         steps.append(st)
+    if not steps and (fit_runs or measured_files):
+        raise ValueError("nothing to fit: every measured step of the given runs and files was left out (see the "
+                         "notes above)")
     if not steps:
         raise ValueError("nothing to fit: give --fit-run, --measured or traces")
     fit_set, held = split_held_out(steps, holdout)

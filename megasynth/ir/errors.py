@@ -11,8 +11,20 @@ def json_path(loc: tuple | list) -> str:
     return out
 
 
-class ScheduleError(Exception):
-    """A malformed schedule (exit code 2): unreadable, a schema violation or a structural defect."""
+def shown(value: object, width: int = 60) -> str:
+    """A bad value as its file spells it (JSON), cut to one short line for an error message."""
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = type(value).__name__
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+class LocatedError(Exception):
+    """An input file's defect with where it was found: `str()` is `FILE: $.json.path: message`, the one line a
+    command prints before it exits 2."""
 
     def __init__(self, message: str, path: str = "$", file: str | None = None) -> None:
         super().__init__(message)
@@ -23,3 +35,7 @@ class ScheduleError(Exception):
     def __str__(self) -> str:
         where = f"{self.file}: " if self.file else ""
         return f"{where}{self.path}: {self.message}"
+
+
+class ScheduleError(LocatedError):
+    """A malformed schedule (exit code 2): unreadable, a schema violation or a structural defect."""

@@ -32,9 +32,12 @@ import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from megasynth.ir.catalogue import OP_ORDER, OPS, Geometry, qkv_pair_pieces
+from megasynth.ir.errors import LocatedError, json_path, shown
 from megasynth.ir.program import Program, resolve
 from megasynth.ir.schedule import Schedule
 
@@ -95,9 +98,12 @@ class CostParams:
         return {**asdict(self), "ops": {k: asdict(v) for k, v in self.ops.items()}}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> CostParams:
-        ops = {k: OpParams(**v) for k, v in data.get("ops", {}).items()}
-        rest = {k: v for k, v in data.items() if k != "ops" and k in cls.__dataclass_fields__}
+    def from_json(cls, data: Any, file: str | None = None) -> CostParams:
+        """Parameters from decoded JSON, checked against `CostParamsFile` (a defect is a `CostParamsError` naming
+        `file`, the JSON path and the value); ops the document leaves out get the defaults."""
+        doc = parse_cost_params(data, file)
+        ops = {k: OpParams(**v.model_dump()) for k, v in doc.ops.items()}
+        rest = doc.model_dump(exclude={"ops", "fit", "refits"}, exclude_unset=True)
         return cls(ops={**{op: OpParams() for op in OWN_PARAMS}, **ops}, **rest)
 
     def save(self, path: str | Path) -> None:
@@ -106,12 +112,91 @@ class CostParams:
         write_json_atomic(path, self.to_json())
 
 
+class CostParamsError(LocatedError, ValueError):
+    """A cost-params file (`--cost-params`, `--prior`) that cannot be used: unreadable, not JSON, or not the
+    `CostParamsFile` schema; `str()` names the file, the JSON path and the bad value."""
+
+
+# The file format of `CostParams` (megasynth/data/h200_costmodel.json, what `synth calibrate -o` writes): closed
+# records with typed, range-checked numbers, so that a file of another kind (a bench result, a typo'd key) or a value
+# the simulation cannot use (a rate of 0 divides, a negative one runs time backwards) is refused when it is read, not
+# halfway through a search. Numbers are finite; an integer is a valid float, a string or a boolean is not.
+_Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+_Positive = Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]  # a divisor: bandwidths, rates
+_NonNegative = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]  # times, sizes; 0 switches a feature off
+_OpName = Annotated[StrictStr, Field(pattern="^(" + "|".join(OP_ORDER) + ")$")]
+
+
+class OpParamsFile(BaseModel):
+    """One op's parameters (`OpParams`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    #: bytes / (eff x bandwidth share): a fraction of the share, so in (0, 1] (the fits clamp it there too)
+    eff: Annotated[StrictFloat, Field(gt=0, le=1, allow_inf_nan=False)] = OpParams.eff
+    overhead_us: _NonNegative = OpParams.overhead_us
+
+
+class CostParamsFile(BaseModel):
+    """A cost-params file: the fields of `CostParams`, plus the records of the fit that wrote it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ops: dict[_OpName, OpParamsFile] = Field(default_factory=dict)
+    total_bw: _Positive = CostParams.total_bw
+    sm_peak: _Positive = CostParams.sm_peak
+    hop_us: _NonNegative = CostParams.hop_us
+    wait_us: _NonNegative = CostParams.wait_us
+    ring_bytes: _NonNegative = CostParams.ring_bytes
+    consume_bw: _NonNegative = CostParams.consume_bw  # 0: consumed at once
+    box_rows: Annotated[StrictInt, Field(ge=0)] = CostParams.box_rows
+    launch_us: _NonNegative = CostParams.launch_us
+    attn_flop_rate: _NonNegative = CostParams.attn_flop_rate  # 0: flops not modelled
+    attn_mma_flop_rate: _NonNegative = CostParams.attn_mma_flop_rate  # 0: attn_flop_rate's
+    attn_mma_batch: Annotated[StrictInt, Field(ge=1)] = CostParams.attn_mma_batch
+    source: StrictStr = CostParams.source
+    notes: StrictStr = CostParams.notes
+    #: what `synth calibrate` records about its fit (and later fits of some parameters); not read by the model
+    fit: dict[str, Any] | None = None
+    refits: list[dict[str, Any]] | None = None
+
+
+def parse_cost_params(data: Any, file: str | None = None) -> CostParamsFile:
+    """Decoded JSON checked against `CostParamsFile`; the first defect is a `CostParamsError`."""
+    if not isinstance(data, dict):
+        raise CostParamsError(f"cost-model parameters are a JSON object, got {shown(data)}", "$", file)
+    try:
+        return CostParamsFile.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = tuple(p for p in err["loc"] if p != "[key]" and not str(p).startswith("function-"))
+        if err["type"] == "extra_forbidden":
+            msg = (f"unknown key (got {shown(err.get('input'))}); a cost-params file holds only the fields of "
+                   "megasynth/data/h200_costmodel.json")
+        elif err["type"] == "string_pattern_mismatch":  # a key of `ops` that is no op of the catalogue
+            msg = f"unknown op {shown(err.get('input'))}; known: {', '.join(OP_ORDER)}"
+        else:
+            msg = f"{err['msg']} (got {shown(err.get('input'))})"
+        raise CostParamsError(msg, json_path(loc), file) from None
+
+
 def load_params(path: str | Path | None = None) -> CostParams:
-    """The committed H200 parameters (priors until calibrated), or a file written by `synth calibrate`."""
+    """The committed H200 parameters (priors until calibrated), or a file written by `synth calibrate`. A file that
+    cannot be used is a `CostParamsError` (a ValueError) naming it, the JSON path and the value."""
     p = Path(path) if path else DATA
-    if not p.exists():
+    if not path and not p.exists():
         return CostParams()
-    return CostParams.from_json(json.loads(p.read_text(encoding="utf-8")))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise CostParamsError(f"cannot read cost-model parameters: {why}", "$", str(p)) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CostParamsError(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", "$",
+                              str(p)) from None
+    except RecursionError:
+        raise CostParamsError("invalid JSON: nested too deeply", "$", str(p)) from None
+    return CostParams.from_json(data, str(p))
 
 
 def instruction_cost(geo: Geometry, op: str, layer: int | None, args: dict[str, int], ctx: int) -> tuple[int, int]:

@@ -16,11 +16,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from megasynth.ir.program import resolve
-from megasynth.ir.schedule import Schedule
+from megasynth.ir.schedule import MAX_WORKERS, Schedule
 from megasynth.lowering.costmodel import CostParams, OpParams, estimate, instruction_cost
+from megasynth.lowering.models import MAX_BATCH
 
 MIN_EVENTS = 3  # fewer traced instructions of an op than this: keep its prior
 HOP_STEPS = 14  # golden-section steps for hop_us over [0, 10] µs (precision ~0.01 µs)
@@ -455,48 +458,132 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return out
 
 
-def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None, bool]]:
-    """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms, and
-    optionally max_seq_len (the lowering's; default the model's), batch (sequences per step; default 1), a trace
-    summary and `always_fit` each) as (label, schedule lowered from the recorded strategy, ctx, ms, trace summary or
-    None, always_fit). A malformed step is a ValueError naming the file and its JSON path."""
+MEASURED_FORMAT = "megasynth-measured-steps/1"
+_Ms = Annotated[StrictFloat, Field(gt=0, allow_inf_nan=False)]
+_Us = Annotated[StrictFloat, Field(ge=0, allow_inf_nan=False)]
+
+
+class TraceSummary(BaseModel):
+    """A measured step's trace summary: the traced kernel's makespan and each op's mean instruction time (µs); the
+    fit takes their logarithms, so they must be positive numbers (0: not traced)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    makespan_us: _Us | None = None
+    op_mean_us: dict[str, _Us] = Field(default_factory=dict)
+
+
+class MeasuredStep(BaseModel):
+    """One step of a measured-steps file, typed and range-checked before anything is lowered (other keys, such as
+    `source` or `schedule_sha256`, are notes the fit does not read)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: StrictStr
+    model: StrictStr
+    workers: Annotated[StrictInt, Field(ge=1, le=MAX_WORKERS)]
+    strategy: Any
+    ctx: Annotated[StrictInt, Field(ge=1)]
+    ms: _Ms
+    max_seq_len: Annotated[StrictInt, Field(ge=1)] | None = None
+    batch: Annotated[StrictInt, Field(ge=1, le=MAX_BATCH)] = 1
+    trace: TraceSummary | None = None
+    always_fit: StrictBool = False
+
+
+@dataclass
+class CheckedStep:
+    """A measured step that passed `check_measured`: its fields, strategy and the model spec it is lowered for."""
+
+    step: MeasuredStep
+    strategy: Any
+    spec: Any
+
+
+def check_measured(path: str | Path) -> list[CheckedStep]:
+    """Every step of a `megasynth-measured-steps/1` file checked up front, before any is lowered: its fields typed
+    and in range (workers in [1, MAX_WORKERS], ms > 0), a known model at a max_seq_len it takes, a ctx within the
+    positions that lowering covers, a valid strategy. The first defect is a ValueError naming the file, the JSON
+    path and the value."""
     import json
 
-    from megasynth.lowering.lower import lower
-    from megasynth.lowering.models import MAX_BATCH, get_model, with_batch
+    from megasynth.ir.errors import ScheduleError, json_path, shown
+    from megasynth.lowering.models import get_model, with_batch
     from megasynth.lowering.strategy import parse_strategy
 
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"{path}: $: cannot read a measured-steps file: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != "megasynth-measured-steps/1":
-        raise ValueError(f"{path}: $.format: not a megasynth-measured-steps/1 file")
+    if not isinstance(doc, dict) or doc.get("format") != MEASURED_FORMAT:
+        raise ValueError(f"{path}: $.format: not a {MEASURED_FORMAT} file")
     if not isinstance(doc.get("steps"), list):
         raise ValueError(f"{path}: $.steps: a list of steps is required")
     out = []
     for k, e in enumerate(doc["steps"]):
         where = f"{path}: $.steps[{k}]"
         if not isinstance(e, dict):
-            raise ValueError(f"{where}: a step must be an object")
+            raise ValueError(f"{where}: a step must be an object (got {shown(e)})")
         missing = [f for f in ("name", "model", "workers", "strategy", "ctx", "ms") if f not in e]
         if missing:
             raise ValueError(f"{where}: missing {', '.join(missing)}")
-        st = parse_strategy(e["strategy"], str(path), f"$.steps[{k}].strategy")
-        seq = e.get("max_seq_len")  # a long-context step was lowered (and measured) for contexts up to it
         try:
-            spec = get_model(e["model"], int(seq) if seq is not None else None)
-            batch = int(e.get("batch", 1))
-            if not 1 <= batch <= MAX_BATCH:
-                raise ValueError(f"batch {batch} is out of range: it must be in [1, {MAX_BATCH}]")
-            sched = lower(with_batch(spec, batch), int(e["workers"]), st)
-            step = (f"{Path(path).name}:{e['name']}@{e['ctx']}", sched, int(e["ctx"]), float(e["ms"]),
-                    e.get("trace"), bool(e.get("always_fit", False)))
-        except (KeyError, TypeError, ValueError) as exc:  # an unknown model, a bad batch or number
-            why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            raise ValueError(f"{where}: {why}") from exc
-        out.append(step)
+            step = MeasuredStep.model_validate(e)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            loc = json_path(err["loc"])[1:]
+            raise ValueError(f"{where}{loc}: {err['msg']} (got {shown(err.get('input'))})") from None
+        try:
+            strategy = parse_strategy(step.strategy, str(path), f"$.steps[{k}].strategy")
+        except ScheduleError as exc:
+            raise ValueError(str(exc)) from None
+        try:
+            spec = with_batch(get_model(step.model, step.max_seq_len), step.batch)
+        except KeyError as exc:  # an unknown model
+            raise ValueError(f"{where}.model: {exc.args[0] if exc.args else exc}") from None
+        except ValueError as exc:  # a max_seq_len the model cannot take (the message names the option's spelling)
+            why = str(exc).replace("--max-seq-len ", "max_seq_len ", 1)
+            raise ValueError(f"{where}.max_seq_len: {why} (got {step.max_seq_len})") from None
+        if step.ctx > spec.max_seq_len:
+            limit = spec.max_position_embeddings
+            how = (f"; give the step a max_seq_len up to the model's max_position_embeddings {limit}" if limit
+                   and limit > spec.max_seq_len else "")
+            raise ValueError(f"{where}.ctx: context {step.ctx} is beyond the {spec.max_seq_len} positions the step's "
+                             f"lowering of {spec.name} covers{how} (got {step.ctx})")
+        out.append(CheckedStep(step, strategy, spec))
     return out
+
+
+def load_measured(path: str | Path) -> list[tuple[str, Schedule, int, float, dict[str, Any] | None, bool]]:
+    """The steps of a `megasynth-measured-steps/1` file (`steps`: name, model, workers, strategy, ctx, ms, and
+    optionally max_seq_len (the lowering's; default the model's), batch (sequences per step; default 1), a trace
+    summary and `always_fit` each) as (label, schedule lowered from the recorded strategy, ctx, ms, trace summary or
+    None, always_fit). Every step is checked (`check_measured`) before the first is lowered; a malformed step is a
+    ValueError naming the file, its JSON path and the value."""
+    from megasynth.lowering.lower import lower
+
+    out = []
+    for k, c in enumerate(check_measured(path)):
+        e = c.step
+        try:
+            sched = lower(c.spec, e.workers, c.strategy)
+        except ValueError as exc:  # a strategy this model cannot take
+            raise ValueError(f"{path}: $.steps[{k}]: {exc}") from exc
+        trace = e.trace.model_dump(exclude_unset=True) if e.trace is not None else None
+        out.append((f"{Path(path).name}:{e.name}@{e.ctx}", sched, e.ctx, e.ms, trace, e.always_fit))
+    return out
+
+
+def require_measured_run(run: str | Path, purpose: str = "fit") -> None:
+    """A ValueError unless `run` is a run folder (it has run.json, as `RunDir.init` writes it) with at least one
+    GPU-measured candidate: a cost-model estimate has nothing to fit (or, `purpose` "check", to check) against."""
+    from megasynth.runs.rundir import RunDir
+
+    rd = RunDir(run)
+    if not (rd.path / "run.json").is_file():
+        raise ValueError(f"{run} is not a run folder (no run.json)")
+    accepted = rd.accepted()
+    if not any(not t.get("estimated", True) for t in accepted.values()):
+        what = "only cost-model estimates" if accepted else "no accepted candidates"
+        raise ValueError(f"{run} holds {what}, nothing measured to {purpose}")
 
 
 def run_steps(run_dirs: list[str], skipped: list[str] | None = None) -> list[Step]:
