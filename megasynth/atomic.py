@@ -59,3 +59,12 @@ def read_text(path: str | os.PathLike[str]) -> str:
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
     write_text_atomic(path, json.dumps(data, indent=indent) + "\n")
+
+
+def write_json_file_atomic(path: str | os.PathLike[str], data: Any, indent: int | None = 1) -> None:
+    """Write JSON `data` to `path` atomically, gzip-compressed (compact, as runs keep it) when the name ends in
+    `.gz`, so a file's name never lies about its bytes; `read_text` reads either."""
+    if str(path).endswith(".gz"):
+        write_gz_atomic(path, json.dumps(data, separators=(",", ":")) + "\n")
+    else:
+        write_json_atomic(path, data, indent=indent)

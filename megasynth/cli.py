@@ -58,7 +58,8 @@ def models_table(width: int = 80) -> Any:
               help="A model name (synth models) or a Hugging Face checkpoint folder (its config.json).")
 @click.option("--workers", type=click.IntRange(1, 4096), default=132, show_default=True)
 @click.option("--strategy", "strategy_file", type=click.Path(dir_okay=False), help="Strategy JSON.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True)
+@click.option("-o", "--output", type=click.Path(dir_okay=False), default="schedule.json", show_default=True,
+              help="Where to write the schedule (atomically); a name ending in .gz is written gzip-compressed.")
 @max_seq_len_option()
 @batch_option("attention per sequence, every weight tile once for all of them")
 def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: str, max_seq_len: int | None,
@@ -76,7 +77,11 @@ def lower_cmd(model_name: str, workers: int, strategy_file: str | None, output: 
     except ScheduleError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    dump_schedule(schedule, output)
+    try:
+        dump_schedule(schedule, output)
+    except OSError as exc:
+        click.echo(f"error: {output}: cannot write: {exc.strerror or exc}", err=True)
+        sys.exit(2)
     lens = [len(q) for q in schedule.queues]
     click.echo(f"{output}: {len(schedule.instructions)} instructions, {schedule.counters} counters, "
                f"{workers} workers, queue length {min(lens)}..{max(lens)}", err=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from megasynth.lowering.models import ModelSpec
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
 
@@ -154,7 +154,7 @@ def _bench_one(spec: ModelSpec, schedule_file: str | None, ctxs: list[int], json
 
     from megasynth.atomic import write_json_atomic
     from megasynth.measure.bench import run_bench, split_by_ctx
-    from megasynth.measure.options import BenchError, BenchOptions
+    from megasynth.measure.options import BenchError, BenchOptions, ScheduleRejected
     from megasynth.measure.render import render
 
     variants = kw.pop("variants")
@@ -175,7 +175,7 @@ def _bench_one(spec: ModelSpec, schedule_file: str | None, ctxs: list[int], json
     except GpuHangError as exc:  # no JSON: nothing more could run on the GPU
         _fail(str(exc), 1)
     except BenchError as exc:
-        _fail(str(exc), 1 if "rejected" in str(exc) else 2)
+        _fail(str(exc), 1 if isinstance(exc, ScheduleRejected) else 2)
     finally:
         torch.set_num_threads(threads)
     if "{ctx}" in json_file:
@@ -225,18 +225,30 @@ def _pick_backend(backend: str, batch: int, cuda: bool) -> str:
 Step = Callable[[list[int], int], list[int]]  # each sequence's last token and the position -> its next tokens
 
 
-def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weights,
+def checked_schedule(spec: ModelSpec, schedule_file: str | None) -> Any:
+    """The schedule (or schedule set) the megakernel would run for `spec` (default: the naive lowering), checked as
+    `synth bench` checks it (it decodes this model, max_seq_len and batch; structure, coverage and deadlock pass),
+    so that a wrong file is refused before anything runs: exit 2 on a bad file, 1 when the validator rejects it."""
+    from megasynth.measure.bench import load_bench_schedule
+    from megasynth.measure.options import BenchError, ScheduleRejected
+
+    try:
+        return load_bench_schedule(spec, schedule_file, verify=True)[0]
+    except ScheduleError as exc:
+        _fail(str(exc))
+    except BenchError as exc:
+        _fail(str(exc), 1 if isinstance(exc, ScheduleRejected) else 2)
+
+
+def _megakernel_step(spec: ModelSpec, schedule: Any, weights: Weights,
                      firsts: list[int], config: Any = None) -> tuple[Step, str]:
-    """The megakernel's greedy step over `spec.batch` sequences in lockstep (on interpreter config `config`, or
-    its own choice), compiled and warmed up, and how it runs (for the rate line)."""
+    """The megakernel's greedy step over `spec.batch` sequences in lockstep on `schedule` (from `checked_schedule`; on
+    interpreter config `config`, or its own choice), compiled and warmed up, and how it runs (for the rate line)."""
     import torch
 
     from megasynth.ir.model import DoesNotFit
-    from megasynth.measure.bench import load_bench_schedule
-    from megasynth.measure.options import BenchError
 
     try:
-        schedule, _ = load_bench_schedule(spec, schedule_file, verify=True)
         import megasynth.kernels.gpu as gpu
 
         mk = gpu.Megakernel(schedule, weights, max_seq_len=spec.max_seq_len, config=config)
@@ -246,7 +258,7 @@ def _megakernel_step(spec: ModelSpec, schedule_file: str | None, weights: Weight
         torch.cuda.synchronize()
     except (ScheduleError, DoesNotFit) as exc:
         _fail(str(exc))
-    except (BenchError, RuntimeError) as exc:  # rejected schedule, residency refusal, watchdog timeout
+    except RuntimeError as exc:  # residency refusal, watchdog timeout
         _fail(str(exc), 1)
 
     def step(tokens: list[int], pos: int) -> list[int]:
@@ -320,6 +332,19 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     cuda = torch.cuda.is_available()
     backend = _pick_backend(backend, batch, cuda)
     device = "cuda" if cuda and backend == "megakernel" else "cpu"
+    from megasynth.lowering.models import with_batch
+
+    # --schedule and --kernel-option are checked as `synth bench` checks them, before anything runs, whichever
+    # backend runs: the kernel options for the device the megakernel would run on
+    config = kernel_options_config(kernel_options, model_name, max_seq_len, batch, "cuda" if cuda else "cpu")
+    schedule = checked_schedule(with_batch(spec, batch), schedule_file) if backend == "megakernel" or schedule_file \
+        else None
+    if backend != "megakernel" and (schedule_file or kernel_options):
+        given = " and ".join(([f"--schedule {schedule_file}"] if schedule_file else [])
+                             + ([f"--kernel-option {' '.join(kernel_options)}"] if kernel_options else []))
+        click.echo(f"notice: {given}: checked against {spec.name} at batch {batch} but not used: the tokens come "
+                   "from the PyTorch reference (kernels.reference.decode_batch) on the CPU, not the megakernel",
+                   err=True)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     from megasynth.kernels.weights import WeightsError, model_weights
 
@@ -328,10 +353,7 @@ def generate(model_name: str, tokens: int, schedule_file: str | None, prompt_tok
     except WeightsError as exc:
         _fail(str(exc))
     if backend == "megakernel":
-        from megasynth.lowering.models import with_batch
-
-        config = kernel_options_config(kernel_options, model_name, max_seq_len, batch, device)
-        step, how = _megakernel_step(with_batch(spec, batch), schedule_file, weights, firsts, config)
+        step, how = _megakernel_step(with_batch(spec, batch), schedule, weights, firsts, config)
     else:
         step, how = _reference_step(cfg, weights, tokens, batch, device)
     outs = [[first] for first in firsts]  # each sequence's first token, then its greedy tokens

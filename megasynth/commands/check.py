@@ -1,11 +1,13 @@
 """`synth check --weights DIR`: the megakernel path against Hugging Face transformers on one checkpoint.
 
-Both sides decode greedily from the same fixed prompt for `--tokens` steps, each feeding back its own tokens: the
+Both sides decode greedily from the same fixed prompt for `--tokens` steps, each feeding back its own tokens (the
+last generated token is compared, never fed back, so a prompt of P tokens takes positions 0..P+N-2): the
 megakernel path lowers the checkpoint's config (its config.json decides the architecture) into a schedule and runs it
 from weights loaded by `megasynth.kernels.weights`; transformers runs the checkpoint in fp32 with eager attention. Per
 step the relative L2 error of the fp32 logits and both tokens are printed. Exit 0 when every step agrees within
 `REL_L2` and the tokens are identical, 1 otherwise, 2 on bad input (missing folder, no config.json, a config the
-megakernel cannot run: the message names the file and the key).
+megakernel cannot run: the message names the file and the key; a checkpoint holding NaN or inf, named by tensor, or
+one whose logits come out non-finite on both sides: nothing can be compared).
 
 Where the megakernel path runs (`--device`, default: the GPU when CUDA is available):
 - `cpu`: the CPU executor, instruction by instruction, in fp32 with the checkpoint's weights as they are; transformers
@@ -27,6 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 
@@ -44,9 +47,46 @@ def default_prompt(vocab_size: int, n: int = PROMPT_LEN) -> list[int]:
     return [(1 + 7919 * i) % vocab_size for i in range(n)]
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(2)
+
+
+def positions_fed(prompts: list[list[int]], n_tokens: int) -> int:
+    """How many positions (0..n-1) the check feeds: every sequence steps from position 0 up to the longest prompt's
+    last token and then through `n_tokens` greedy steps, the last of whose tokens is compared but never fed back
+    (so the longest prompt plus `n_tokens`, less one). The KV cache and the schedule need exactly these."""
+    return max(map(len, prompts)) + n_tokens - 1
+
+
+def nonfinite_weights(weights: dict[str, Any], cfg: Any) -> list[str]:
+    """The checkpoint's tensors, by their Hugging Face names, that hold NaN or inf, each with how many: such a
+    checkpoint makes both sides' logits non-finite, which is bad input, not a disagreement. Empty when all are
+    finite (the common case costs one pass over the loaded weights)."""
+    import torch
+
+    from megasynth.kernels.weights import to_hf_state_dict
+
+    if all(bool(torch.isfinite(t).all()) for t in weights.values()):
+        return []
+    out = []
+    for name, t in to_hf_state_dict(weights, cfg).items():
+        counts = [f"{n} {kind}" for n, kind in ((int(t.isnan().sum()), "NaN"), (int(t.isinf().sum()), "inf")) if n]
+        if counts:
+            out.append(f"{name} ({', '.join(counts)} of {t.numel()})")
+    return out
+
+
+def _refuse_nonfinite(ours: Any, theirs: Any, folder: Path | None, where: str) -> None:
+    """Exit 2 when both sides' logits hold NaN or inf at `where`: with finite weights (checked before), the
+    checkpoint's activations overflow on this prompt, and the two sides cannot be compared. One side alone
+    non-finite stays a disagreement (exit 1)."""
+    import torch
+
+    if not bool(torch.isfinite(theirs).all()) and not bool(torch.isfinite(ours).all()):
+        _fail(f"{folder or 'the checkpoint'}: non-finite logits from the reference (transformers) and the megakernel "
+              f"path alike at {where}: the weights are finite, so the activations overflow on this checkpoint; "
+              "nothing to compare")
 
 
 def _cuda_available() -> bool:
@@ -137,7 +177,9 @@ def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu")
 @click.option("--weights", "weights_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="A Hugging Face checkpoint folder (config.json and safetensors).")
 @click.option("--tokens", "n_tokens", type=click.IntRange(1, 1024), default=8, show_default=True,
-              help="Greedy decode steps to compare.")
+              help="Greedy tokens generated and compared after the prompt; with --batch, after the longest prompt: "
+                   "a sequence with a shorter prompt starts generating earlier and compares as many more (prompts of "
+                   "4, 5, 6 tokens and --tokens 2: 4, 3 and 2 tokens).")
 @click.option("--prompt", default=None, help="Comma-separated prompt token ids (default: a fixed prompt of "
                                              f"{PROMPT_LEN} ids; with --batch, sequence b's is {PROMPT_LEN} + b ids "
                                              "long); prompts of a batch separated by ';'.")
@@ -148,7 +190,8 @@ def _hf_runner(folder: Path, kernel_numerics: bool = False, device: str = "cpu")
               help="Where the megakernel path runs: cuda = the GPU interpreter (bf16 matrices and KV cache; "
                    "transformers then gets the same bf16 roundings; not yet run on a GPU), cpu = the CPU executor "
                    "(fp32), auto = cuda when available.")
-@max_seq_len_option("the positions of the prompt and --tokens")
+@max_seq_len_option("the positions fed: the longest prompt plus --tokens, less one, since the last generated "
+                    "token is never fed back")
 @batch_option("the batched schedule on the CPU executor; transformers decodes each sequence alone")
 def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, seed: int, device: str,
           max_seq_len: int | None, batch: int) -> None:
@@ -186,21 +229,27 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
     if any(not p or any(not 0 <= t < cfg.vocab_size for t in p) for p in prompts):
         _fail(f"--prompt: token ids must lie in [0, {cfg.vocab_size}) and there must be one at least")
     tokens = prompts[0]
-    seq = max(map(len, prompts)) + n_tokens
+    seq = positions_fed(prompts, n_tokens)
+    fed = (f"the {seq} positions (0..{seq - 1}) that a prompt of {max(map(len, prompts))} tokens and --tokens "
+           f"{n_tokens} feed")
     if spec.max_position_embeddings is not None and seq > spec.max_position_embeddings:
-        _fail(f"--tokens: {seq} positions exceed max_position_embeddings = {spec.max_position_embeddings}")
+        _fail(f"--tokens: {fed} exceed max_position_embeddings = {spec.max_position_embeddings}")
     try:  # default: just the positions this check decodes
         spec = with_max_seq_len(spec, seq if max_seq_len is None else max_seq_len)
     except MaxSeqLenError as exc:
         _fail(str(exc))
     if spec.max_seq_len < seq:
-        _fail(f"--max-seq-len {spec.max_seq_len} is below the {seq} positions of the prompt and --tokens")
+        _fail(f"--max-seq-len {spec.max_seq_len} is below {fed}")
     try:
         weights = load_hf_weights(weights_dir, cfg)
         schedule = lower(replace(spec, batch=batch), workers, Strategy(attn_splits=2))
         prog = resolve(schedule)
     except (WeightsError, ScheduleError) as exc:
         _fail(str(exc))
+    bad = nonfinite_weights(weights, cfg)
+    if bad:
+        _fail(f"{weights_dir}: the checkpoint holds non-finite weights, so both sides' logits would be too and "
+              f"nothing can be compared: {'; '.join(bad)}")
     gpu = device == "cuda"
     try:
         theirs_of = _hf_runner(weights_dir, gpu, device)
@@ -208,7 +257,7 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         _fail(f"{weights_dir}: transformers cannot load the checkpoint: {type(exc).__name__}: {exc}")
     if batch > 1:
         sys.exit(check_batch(prog, weights, prompts, n_tokens, seed, theirs_of, f"{weights_dir}: {spec.description}",
-                             workers))
+                             workers, folder=weights_dir))
 
     try:
         run_step = megakernel_runner(schedule, weights, spec.max_seq_len, seed, device)
@@ -234,6 +283,7 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
         pos = len(ours_seq) - 1
         ours = ours_step(ours_seq[-1], pos)
         theirs = theirs_of(theirs_seq)
+        _refuse_nonfinite(ours, theirs, weights_dir, f"step {step} (pos {pos})")
         err = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
         a, b = int(ours.argmax()), int(theirs.argmax())
         agree = err <= REL_L2 and a == b and ours_seq == theirs_seq
@@ -248,11 +298,13 @@ def check(weights_dir: Path, n_tokens: int, prompt: str | None, workers: int, se
 
 
 def check_batch(prog, weights, prompts: list[list[int]], n_tokens: int, seed: int,  # noqa: ANN001
-                theirs_of: Callable[[list[int]], object], title: str, workers: int) -> int:
+                theirs_of: Callable[[list[int]], object], title: str, workers: int,
+                folder: Path | None = None) -> int:
     """The batched schedule on the CPU executor against transformers, which decodes each sequence alone. All
     sequences step together from position 0; a sequence whose prompt is shorter starts generating earlier (so in one
     step some sequences read their prompt and others their own tokens) and each generates until the longest prompt
-    plus `n_tokens`. Every generated step is compared; returns the exit code (0 agree, 1 differ)."""
+    plus `n_tokens`. Every generated step is compared; returns the exit code (0 agree, 1 differ). Logits that are
+    non-finite on both sides exit 2 (bad input, `folder` named)."""
     from megasynth.kernels.cpu_executor import run_program
     from megasynth.kernels.reference import new_kv_cache
 
@@ -274,6 +326,7 @@ def check_batch(prog, weights, prompts: list[list[int]], n_tokens: int, seed: in
                 continue
             ours = logits[b]
             theirs = theirs_of(theirs_seq[b])
+            _refuse_nonfinite(ours, theirs, folder, f"pos {pos} of sequence {b}")
             err = float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
             a, h = int(ours.argmax()), int(theirs.argmax())
             agree = err <= REL_L2 and a == h and ours_seq[b] == theirs_seq[b]

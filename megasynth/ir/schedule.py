@@ -196,10 +196,11 @@ def loads_schedule(text: str, file: str | None = None) -> Schedule:
 
 
 def dump_schedule(schedule: Schedule, path: str | os.PathLike[str]) -> None:
-    """Write a schedule atomically (temporary file + rename), so a crash never leaves half a file."""
-    from megasynth.atomic import write_json_atomic
+    """Write a schedule atomically (temporary file + rename), so a crash never leaves half a file; gzip-compressed
+    when the name ends in `.gz`."""
+    from megasynth.atomic import write_json_file_atomic
 
-    write_json_atomic(path, schedule.to_json())
+    write_json_file_atomic(path, schedule.to_json())
 
 
 def schema() -> dict[str, Any]:

@@ -32,7 +32,7 @@ from typing import Any
 from megasynth.ir.schedule_set import ScheduleSet
 from megasynth.lowering.models import BatchError, MaxSeqLenError, ModelSpec, get_model, with_batch
 from megasynth.measure.compile import run_compile
-from megasynth.measure.options import FORMAT, BenchError, BenchOptions
+from megasynth.measure.options import FORMAT, BenchError, BenchOptions, ScheduleRejected
 from megasynth.measure.timing import device_info, floor_bytes, measure_copy_bandwidth, schedule_bytes, versions
 from megasynth.measure.torch_step import CHECK_TOL, PYTORCH_TOL, check_ok, prefill
 from megasynth.measure.variants import PYTORCH, VARIANTS, default_variants, new_state, reference_step, run_variant
@@ -104,7 +104,7 @@ def _checked(spec: ModelSpec, schedule: Any, text: str, path: str | None, verify
         info["validation"] = {"verdict": report.verdict, "phases": "structure, coverage, deadlock (race proofs: "
                               "run `validate`)", "findings": [f.message for f in report.findings[:3]]}
         if not report.accepted:
-            raise BenchError(f"{path or 'the schedule'}: rejected by the validator: {report.findings[0].message}")
+            raise ScheduleRejected(f"{path or 'the schedule'}: rejected by the validator: {report.findings[0].message}")
     return schedule
 
 

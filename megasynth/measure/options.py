@@ -11,6 +11,10 @@ class BenchError(Exception):
     """Bad input or an unusable environment; the CLI prints it as one line."""
 
 
+class ScheduleRejected(BenchError):
+    """The validator rejected the schedule to be timed (exit 1, where bad input exits 2)."""
+
+
 class Skip(Exception):  # noqa: N818 - a control-flow signal, not an error
     """A variant cannot run here; the message says why (it is reported as `skipped: reason`)."""
 

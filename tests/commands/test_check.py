@@ -179,3 +179,82 @@ def test_check_batch_bad_input(tmp_path: Path) -> None:
     assert code == 2 and "--prompt holds 2 prompts; --batch 3 needs 1 or 3" in out
     code, out = _check(tmp_path, "--batch", "2", "--device", "cuda")
     assert code == 2 and "checked on the CPU executor only so far" in out
+
+
+def _write_scaled(folder: Path, tensor: str, edit) -> None:  # noqa: ANN001
+    """Rewrite one tensor of the checkpoint in `folder` as `edit(tensor)` returns it."""
+    from safetensors.torch import load_file, save_file
+
+    file = folder / "model.safetensors"
+    state = load_file(str(file))
+    state[tensor] = edit(state[tensor].clone())
+    save_file(state, str(file), metadata={"format": "pt"})
+
+
+DOWN = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_check_nan_weight_is_bad_input_naming_the_tensor(tmp_path: Path, batch: str) -> None:
+    """One NaN in a down_proj makes both sides' logits NaN: not a disagreement (exit 1) but bad input (exit 2),
+    found before anything decodes and named by the checkpoint's tensor name."""
+    save_hf_checkpoint(tmp_path, "mistral")
+
+    def one_nan(t: torch.Tensor) -> torch.Tensor:
+        t[3, 5] = float("nan")
+        return t
+
+    _write_scaled(tmp_path, DOWN, one_nan)
+    code, out = _check(tmp_path, "--batch", batch)
+    assert code == 2, out
+    assert f"{tmp_path}: the checkpoint holds non-finite weights" in out and f"{DOWN} (1 NaN of " in out, out
+    assert "MISMATCH" not in out and "DISAGREE" not in out
+
+
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_check_logits_non_finite_on_both_sides_is_bad_input(tmp_path: Path, batch: str) -> None:
+    """Finite weights whose activations overflow fp32 (a down_proj scaled to 3e38) give non-finite logits on both
+    sides: exit 2 naming the step, not a disagreement."""
+    save_hf_checkpoint(tmp_path, "mistral")
+    _write_scaled(tmp_path, DOWN, lambda t: t / t.abs().max() * 3e38)
+    code, out = _check(tmp_path, "--batch", batch)
+    assert code == 2, out
+    assert "non-finite logits from the reference (transformers) and the megakernel path alike at " in out, out
+    assert ("step 0 (pos 3)" if batch == "1" else "pos 3 of sequence 0") in out, out
+    assert "MISMATCH" not in out
+
+
+def test_positions_fed_is_exact(tmp_path: Path) -> None:
+    """The check feeds positions 0..P+N-2 (the last generated token is compared, never fed back): a model with
+    max_position_embeddings 16 takes a 4-token prompt with --tokens 13, not 14; --max-seq-len 5 takes the default
+    4-token prompt with --tokens 2, 4 does not."""
+    from megasynth.commands.check import positions_fed
+
+    assert positions_fed([[1, 2, 3, 4]], 125) == 128
+    assert positions_fed([[1] * 4, [1] * 5, [1] * 6], 2) == 7
+    save_hf_checkpoint(tmp_path, "mistral", max_position_embeddings=16)
+    code, out = _check(tmp_path, "--prompt", "1,2,3,4", "--tokens", "13")
+    assert code == 0, out
+    assert [line.split()[1] for line in out.splitlines() if line[:4].strip().isdigit()][-1] == "15"  # the last pos
+    code, out = _check(tmp_path, "--prompt", "1,2,3,4", "--tokens", "14")
+    assert code == 2 and "the 17 positions (0..16)" in out and "max_position_embeddings = 16" in out, out
+    code, out = _check(tmp_path, "--tokens", "2", "--max-seq-len", "5")
+    assert code == 0, out
+    code, out = _check(tmp_path, "--tokens", "2", "--max-seq-len", "4")
+    assert code == 2 and "--max-seq-len 4 is below the 5 positions (0..4)" in out, out
+
+
+def test_check_batch_positions_and_help(tmp_path: Path) -> None:
+    """With --batch 3 (prompts of 4, 5, 6 tokens) and --tokens 2 the sequences generate 4, 3 and 2 tokens, up to
+    position 6: --max-seq-len 7 is enough, 6 is not; the help of --tokens says so."""
+    save_hf_checkpoint(tmp_path, "qwen3")
+    code, out = _check(tmp_path, "--batch", "3", "--tokens", "2", "--max-seq-len", "7")
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if line[:4].strip().isdigit() and len(line.split()) == 6]
+    assert [sum(r[1] == str(b) for r in rows) for b in range(3)] == [4, 3, 2]
+    assert max(int(r[2]) for r in rows) == 6
+    code, out = _check(tmp_path, "--batch", "3", "--tokens", "2", "--max-seq-len", "6")
+    assert code == 2 and "below the 7 positions (0..6)" in out, out
+    help_text = " ".join(CliRunner().invoke(main, ["check", "--help"]).output.split())
+    assert "Greedy decode steps to compare" not in help_text
+    assert "after the longest prompt" in help_text and "4, 3 and 2 tokens" in help_text

@@ -144,7 +144,7 @@ def test_check_takes_max_seq_len_up_to_the_checkpoint_limit(tmp_path: Path) -> N
     code, out = _invoke(*base, "--max-seq-len", "65")
     assert code == 2 and "65" in out and "64" in out and "--max-seq-len" in out
     code, out = _invoke(*base, "--max-seq-len", "3")
-    assert code == 2 and "--max-seq-len 3" in out and "6 positions" in out
+    assert code == 2 and "--max-seq-len 3" in out and "5 positions (0..4)" in out
     code, out = _invoke(*base, "--max-seq-len", "64")
     assert code == 0, out
 
