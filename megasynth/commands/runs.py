@@ -13,8 +13,9 @@ from typing import Any
 
 import click
 
-from megasynth.runs.reader import Run, list_runs, load_run, parse_trace, read_json, summarize
+from megasynth.runs.reader import Run, bench_problem, list_runs, load_run, parse_trace, read_json, summarize
 from megasynth.runs.report import fmt_ms, ranking_decimals, write_index, write_report
+from megasynth.runs.rundir import run_name_problem
 from megasynth.trace import format_layer_chain
 
 _RUNS_DIR = click.option("--runs-dir", type=click.Path(file_okay=False), default="runs", show_default=True,
@@ -22,11 +23,16 @@ _RUNS_DIR = click.option("--runs-dir", type=click.Path(file_okay=False), default
 
 
 def _resolve_run(runs_dir: str, name: str) -> Path:
-    """A run named by folder name (under runs_dir), by path, or by a unique prefix; a clear error otherwise."""
+    """A run named by folder name (under runs_dir), by path, or by a unique prefix; a clear error otherwise. Only a
+    plain run name is looked up under runs_dir (`..` or `a/b` there would reach folders that are no runs of it, and a
+    report would be written there); a path must lead to a run folder itself."""
     p = Path(name)
     if p.is_dir() and any((p / f).exists() for f in ("run.json", "leaderboard.json", "best")):
         return p
     root = Path(runs_dir)
+    problem = run_name_problem(name)
+    if problem is not None:
+        raise click.BadParameter(f"{name!r} is no run folder, and {problem}", param_hint="RUN")
     if (root / name).is_dir():
         return root / name
     matches = [r.path for r in list_runs(root) if r.name.startswith(name)]
@@ -181,6 +187,13 @@ def report_cmd(run: str | None, bench_file: str | None, runs_dir: str) -> None:
             sys.exit(2)
         except json.JSONDecodeError as exc:
             click.echo(f"error: {bench_file}: invalid JSON ({exc.msg} at line {exc.lineno})", err=True)
+            sys.exit(2)
+        info = load_run(paths[0]).info
+        model = info.get("model") if isinstance(info.get("model"), str) else None
+        batch = info.get("batch") if isinstance(info.get("batch"), int) else None
+        problem = bench_problem(doc, model, batch)
+        if problem is not None:  # nothing is stored: the run keeps the bench it had
+            click.echo(f"error: {bench_file}: {problem}; not kept in {paths[0]}", err=True)
             sys.exit(2)
         write_json_atomic(paths[0] / "bench.json", doc)
     for p in paths:

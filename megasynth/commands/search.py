@@ -89,9 +89,21 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
            llm_model: str | None, llm_max_calls: int | None, llm_temperature: float | None,
            llm_timeout: float | None, batch: int) -> None:
     """Search schedules for a model: propose, prove safe, time (GPU) or estimate (CPU), keep them in runs/."""
-    from megasynth.lowering.costmodel import load_params
+    from megasynth.lowering.costmodel import CostParamsError, load_params
+    from megasynth.runs.rundir import run_name_problem
     from megasynth.search.config import SearchConfig
 
+    # every check of the input comes before the run folder is made: a search that cannot start leaves nothing behind
+    for value, option in ((run_name, "--run"), (resume, "--resume")):
+        problem = run_name_problem(value) if value is not None else None
+        if problem is not None:
+            raise click.BadParameter(f"{value!r}: {problem}", param_hint=option)
+    if resume and run_name and resume != run_name:
+        raise click.BadParameter("give either --resume RUN or --run NAME", param_hint="--run")
+    if resume and ctx_ranges is None:
+        model_name, batch, max_seq_len, ctx, workers = _resumed_settings(
+            click.get_current_context(), Path(runs_dir) / resume,
+            {"model_name": model_name, "batch": batch, "max_seq_len": max_seq_len, "ctx": ctx, "workers": workers})
     spec = model_spec(model_name, max_seq_len, batch)
     if ctx_ranges is not None:
         if ctx is not None:
@@ -109,12 +121,10 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
     elif ctx > spec.max_seq_len:
         raise click.BadParameter(f"{ctx} exceeds max_seq_len {spec.max_seq_len} of {spec.name} (raise it with "
                                  f"--max-seq-len)", param_hint="--ctx")
-    if resume and run_name and resume != run_name:
-        raise click.BadParameter("give either --resume RUN or --run NAME", param_hint="--run")
     try:
         params = load_params(cost_params) if cost_params else None
-    except (OSError, ValueError, TypeError) as exc:
-        click.echo(f"error: {cost_params}: cannot read cost-model parameters: {exc}", err=True)
+    except CostParamsError as exc:  # it names the file, the JSON path and the value
+        click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     cfg = SearchConfig(model=model_name, workers=workers, proposer=proposer, budget=budget, time_limit=time_limit,
                        seed=seed, runs_dir=Path(runs_dir), run=resume or run_name, resume=bool(resume),
@@ -130,6 +140,56 @@ def search(model_name: str, workers: int | None, proposer: str, budget: int, tim
         search_once(cfg)
     else:
         search_ranges(cfg, ctx_ranges, model_name, spec.max_seq_len)
+
+
+def _given(ctx: click.Context, options: dict[str, str]) -> list[str]:
+    """The options among `options` (parameter name -> option) that the user gave, on the command line or through the
+    environment, rather than left at their default."""
+    from click.core import ParameterSource
+
+    return [opt for name, opt in options.items()
+            if ctx.get_parameter_source(name) not in (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)]
+
+
+#: What a resumed run keeps of its own: (parameter, option, run.json key, the value a run without that key had).
+_RESUMED = (("model_name", "--model", "model", None), ("batch", "--batch", "batch", 1),
+            ("max_seq_len", "--max-seq-len", "max_seq_len", None), ("ctx", "--ctx", "ctx", None),
+            ("workers", "--workers", "workers", None))
+
+
+def _resumed_settings(ctx: click.Context, path: Path, values: dict[str, Any]) -> tuple[Any, ...]:
+    """`--resume`: the model, batch, max_seq_len, ctx and workers of the run at `path` (its run.json) for each of
+    them the user left out, so that `--resume RUN` alone continues it as it was; one given that differs from the
+    run's is a bad parameter naming both (a run's candidates are only comparable under one setting). A run with no
+    run.json here (one to join through --storage) is left to the search, which asks the study."""
+    if not (path / "run.json").is_file():
+        return tuple(values[name] for name, *_ in _RESUMED)
+    try:
+        info = json.loads((path / "run.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        click.echo(f"error: {path / 'run.json'}: cannot read the run's settings ({exc})", err=True)
+        sys.exit(2)
+    if not isinstance(info, dict):
+        click.echo(f"error: {path / 'run.json'}: $: expected an object, got {type(info).__name__}", err=True)
+        sys.exit(2)
+    given = _given(ctx, {name: option for name, option, *_ in _RESUMED})
+    out = []
+    for name, option, key, old_default in _RESUMED:
+        theirs = info.get(key, old_default)
+        kind = str if key == "model" else int
+        if theirs is not None and (not isinstance(theirs, kind) or isinstance(theirs, bool)):
+            click.echo(f"error: {path / 'run.json'}: $.{key}: expected {'a string' if kind is str else 'an integer'}"
+                       f", got {json.dumps(theirs)}", err=True)
+            sys.exit(2)
+        mine = values[name]
+        if theirs is None:
+            out.append(mine)
+        elif option in given and mine != theirs:
+            raise click.BadParameter(f"{mine}: run {path.name} was searched with {option} {theirs}; leave {option} "
+                                     f"out to continue it with the run's", param_hint=option)
+        else:
+            out.append(theirs)
+    return tuple(out)
 
 
 def _parse_ranges(value: str | None) -> list[int] | None:
@@ -153,10 +213,20 @@ def _parse_ranges(value: str | None) -> list[int] | None:
 def search_once(cfg: SearchConfig) -> SearchSummary:
     """One search (`synth search` at one --ctx): run it, print its summary; an error in the settings exits 2."""
     from megasynth.kernels.gpu.timing import GpuHangError
-    from megasynth.search.loop import run_search
+    from megasynth.search.loop import SearchInterrupted, run_search
 
     try:
         summary = run_search(cfg)
+    except SearchInterrupted as exc:  # Ctrl-C: one line, what is kept and how to go on (no traceback, no "Aborted!")
+        if exc.started:
+            click.echo(f"interrupted: {exc.kept} candidates kept in {exc.run_dir}; continue with "
+                       f"{_resume_command(cfg, exc.run_dir.name)}", err=True)
+        else:
+            click.echo(f"interrupted before run {exc.run_dir} started; nothing to resume", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted before the search started; nothing was written", err=True)
+        sys.exit(130)
     except (ValueError, ScheduleError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -193,6 +263,27 @@ def search_once(cfg: SearchConfig) -> SearchSummary:
         click.echo(f"agent {u.get('model')}: {u.get('calls')} calls, {u.get('total_tokens')} tokens{cost}, "
                    f"{u.get('proposals')} proposals ({u.get('accepted')} accepted, {u.get('rejected')} rejected)")
     return summary
+
+
+def _resume_command(cfg: SearchConfig, run: str) -> str:
+    """The command that continues an interrupted run: --resume takes the model, batch, context and workers from the
+    run itself; what it does not record for this process (where runs live, the budget, the proposer, the study,
+    --cpu) is repeated."""
+    import shlex
+
+    from megasynth.runs.study import without_password
+
+    parts = ["synth", "search", "--resume", run]
+    if cfg.runs_dir != Path("runs"):
+        parts += ["--runs-dir", str(cfg.runs_dir)]
+    parts += ["--budget", str(cfg.budget)]
+    if cfg.proposer != "auto":
+        parts += ["--proposer", cfg.proposer]
+    if cfg.storage:
+        parts += ["--storage", without_password(cfg.storage)]
+    if cfg.gpu is False:
+        parts.append("--cpu")
+    return shlex.join(parts)
 
 
 def search_ranges(cfg: SearchConfig, bounds: list[int], model: str, max_seq_len: int) -> None:
@@ -235,7 +326,15 @@ def search_ranges(cfg: SearchConfig, bounds: list[int], model: str, max_seq_len:
 @batch_option("the search space at that batch (from batch 8 the weight tiles are whole tile slots) with --space.")
 def strategy_schema(patches: bool, space_model: str | None, workers: int, batch: int) -> None:
     """Print the JSON Schema of a strategy (what `synth lower --strategy` takes), of a patch, or the search space."""
-    if space_model:
+    given = _given(click.get_current_context(), {"workers": "--workers", "batch": "--batch"})
+    if patches and space_model is not None:
+        raise click.UsageError("--patches and --space do not go together: give --patches for the patch schema, or "
+                               "--space MODEL for the search space")
+    if given and space_model is None:
+        named = " and ".join(given)
+        raise click.UsageError(f"{named} only {'shapes' if len(given) == 1 else 'shape'} the search space (--space "
+                               f"MODEL): add --space MODEL, or leave {named} out")
+    if space_model is not None:
         from megasynth.lowering.models import get_model, with_batch
         from megasynth.lowering.strategy import SearchSpace
 

@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from megasynth.ir.errors import json_path, shown
 from megasynth.runs.rundir import PackError, RunDir, read_stored_text, screened_text
 
 #: Copy bandwidth measured on the H200 (a streaming copy kernel); used for a floor only when no bench JSON gives one.
@@ -374,6 +377,67 @@ def bench_rows(doc: Any, ctx: int | None = None) -> tuple[list[tuple[str, float]
         floor = num(f)
     est = bool(first_of(doc, "estimated")) if isinstance(doc, dict) else False
     return rows, floor, est
+
+
+#: The format `synth bench --json` writes (megasynth.measure.options.FORMAT; not imported: runs sit below measure).
+BENCH_FORMAT = "megasynth-bench/1"
+
+
+class _BenchRow(BaseModel):
+    """One ctx of a bench: what the report charts from it (its variants) must be there."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    ctx: StrictInt = Field(ge=1)
+    batch: StrictInt | None = Field(default=None, ge=1)
+    variants: dict[str, dict[str, Any]]
+
+
+class _BenchDoc(BaseModel):
+    """The part of a `synth bench --json` document that says what was measured, for which model and batch."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    format: StrictStr
+    model: StrictStr  # the run it is kept with must be of this model
+    batch: StrictInt | None = Field(default=None, ge=1)
+    results: list[_BenchRow] = Field(min_length=1)
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two spellings of one model: the same row name, or the same checkpoint folder (one relative, one absolute)."""
+    if a == b:
+        return True
+    if "/" in a or "/" in b:
+        try:
+            return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+        except (OSError, RuntimeError):
+            return False
+    return False
+
+
+def bench_problem(doc: Any, model: str | None, batch: int | None) -> str | None:
+    """Why `doc` cannot be kept as a run's bench.json (None when it can): it must be a `synth bench --json` output
+    (format, results per ctx with their variants) of the run's `model` and, where the run records one, its `batch`;
+    a bench of another model would chart baselines that are not this run's. The answer names the JSON path."""
+    expected = "expected a `synth bench --json` output"
+    if not isinstance(doc, dict):
+        return f"$: {json.dumps(doc)[:80] if not isinstance(doc, list) else 'a list'} is no JSON object; {expected}"
+    if isinstance(doc.get("format"), str) and doc["format"] != BENCH_FORMAT:  # another file of ours (a schedule)
+        return f"$.format: {json.dumps(doc['format'])} is not {json.dumps(BENCH_FORMAT)}; {expected}"
+    try:
+        bench = _BenchDoc.model_validate(doc)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "missing":
+            return f"{json_path(err['loc'])}: missing; {expected}"
+        return f"{json_path(err['loc'])}: {err['msg']} (got {shown(err.get('input'))}); {expected}"
+    if model is not None and not _same_model(bench.model, model):
+        return f"$.model: {json.dumps(bench.model)} is a bench of another model; the run is for {json.dumps(model)}"
+    if batch is not None:
+        rows = [(("batch",), bench.batch)] + [(("results", i, "batch"), r.batch) for i, r in enumerate(bench.results)]
+        for loc, got in rows:
+            if got is not None and got != batch:
+                return f"{json_path(loc)}: {got} is a bench at another batch; the run is for --batch {batch}"
+    return None
 
 
 def _bench_by_ctx(doc: dict[str, Any], ctx: int | None) -> tuple[list[tuple[str, float]], float | None, bool]:

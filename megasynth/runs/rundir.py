@@ -67,6 +67,24 @@ def candidate_id(number: int) -> str:
     return f"c{number:04d}"
 
 
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a run folder under --runs-dir (None when it can). A run is one folder directly under
+    the runs folder, so that `synth runs list` sees it and nothing is written outside: no path separator, no `..`,
+    no leading dot (hidden, `.` or `..`), not empty."""
+    if not name:
+        return "a run name cannot be empty"
+    seps = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+    if any(s in name for s in seps):
+        return "a run name is one folder under --runs-dir: no path separators"
+    if ".." in name:
+        return "a run name cannot contain '..'"
+    if name.startswith("."):
+        return "a run name cannot start with a dot"
+    if "\0" in name or any(not ch.isprintable() for ch in name):
+        return "a run name cannot contain control characters"
+    return None
+
+
 def versions() -> dict[str, str | None]:
     """Versions of what produced a run (missing packages are None; torch is not imported here)."""
     from importlib import metadata

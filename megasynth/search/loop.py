@@ -48,7 +48,7 @@ from megasynth.search.evaluate import (
     gpu_name,
 )
 from megasynth.search.finals import run_finals
-from megasynth.search.pool import Pool, Prepared
+from megasynth.search.pool import InterruptWatch, Pool, Prepared
 from megasynth.search.proposers.auto import close_proposer, resolve_proposer
 from megasynth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 
@@ -107,6 +107,8 @@ class Search:
 
     def __init__(self, cfg: SearchConfig) -> None:
         self.cfg = cfg
+        self.interrupts = InterruptWatch()
+        check_proposer(cfg)  # (like every check here: before the run folder exists, so a refused run leaves none)
         self.spec = with_batch(get_model(cfg.model, cfg.max_seq_len), cfg.sequences)
         self.gpu = cuda_available() if cfg.gpu is None else cfg.gpu
         self.workers = cfg.workers or default_workers()
@@ -132,7 +134,10 @@ class Search:
                 if cfg.sequences != 1:
                     raise ValueError(f"run {path} is for --batch {info.get('batch', 1)}, not {cfg.sequences}")
                 self.spec = with_batch(self.spec, int(info["batch"]))
-            self.workers = int(info.get("workers", self.workers))
+            theirs = info.get("workers")
+            if theirs is not None and cfg.workers is not None and int(theirs) != cfg.workers:
+                raise ValueError(f"run {path} is for --workers {theirs}, not {cfg.workers}")
+            self.workers = int(theirs) if theirs is not None else self.workers
         self.standing = Standing()
         self.evaluator = Evaluator(cfg, self.spec, self.workers, self.gpu, self.params, self.run, self.standing)
         self.proposer: Proposer | None = None
@@ -179,8 +184,9 @@ class Search:
         if theirs.get("ctx") != cfg.ctx:
             raise ValueError(f"run {name} in {shown(url)} estimates at --ctx {theirs.get('ctx')}, not {cfg.ctx}")
         if theirs.get("workers") != self.workers:
-            if cfg.workers is not None:
-                cfg.notice(f"run {name} has {theirs.get('workers')} workers; --workers {cfg.workers} is ignored")
+            if cfg.workers is not None:  # (left out, it is this machine's SM count: the run's wins)
+                raise ValueError(f"run {name} in {shown(url)} is for --workers {theirs.get('workers')}, not "
+                                 f"{cfg.workers}")
             self.workers = self.evaluator.workers = int(theirs["workers"])
 
     def _adopt(self) -> None:
@@ -366,6 +372,14 @@ class Search:
 
     # -- the loop ----------------------------------------------------------------------------------------------
     def run_loop(self) -> SearchSummary:
+        """Run this process's part of the search. Ctrl-C (SIGINT to the terminal's process group) reaches this
+        process alone: the worker processes it starts never get it (`pool.interrupts_held`) and are stopped by it,
+        so a KeyboardInterrupt here is one clean stop (claims given back, leaderboard written); `InterruptWatch`
+        makes sure one comes even where Python swallows the first."""
+        with self.interrupts:
+            return self._run_loop()
+
+    def _run_loop(self) -> SearchSummary:
         cfg = self.cfg
         t_start = time.monotonic()
         self._open()
@@ -439,6 +453,8 @@ class Search:
             self.evaluator.promote_again(best)
 
     def _timed_out(self, t_start: float) -> bool:
+        """Whether to stop taking new work: the time limit reached (or Ctrl-C, raised here once a loop step)."""
+        self.interrupts.check()
         limit = self.cfg.time_limit
         if limit is not None and time.monotonic() - t_start > limit and not self.stopping:
             self.cfg.notice(f"time limit of {limit:g} s reached")
@@ -584,6 +600,40 @@ class _Progress:
             self.progress.stop()
 
 
+def check_proposer(cfg: SearchConfig) -> None:
+    """What `resolve_proposer` would refuse, checked before anything is written: an unknown proposer, `llm` without
+    an endpoint, an agent setting in the environment that is no number. Raises ValueError."""
+    from megasynth.search.proposers.auto import NAMES
+    from megasynth.search.proposers.llm import LLMOptions, agent_configured
+
+    if cfg.proposer not in NAMES:
+        raise ValueError(f"unknown proposer {cfg.proposer!r}; choose one of {', '.join(NAMES)}")
+    if cfg.proposer == "llm" and not agent_configured():
+        raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
+    if cfg.proposer in ("llm", "auto") and agent_configured():
+        LLMOptions.from_env(**cfg.llm)
+
+
+class SearchInterrupted(Exception):
+    """The search stopped on Ctrl-C. `kept`: the candidates its run folder holds (every one whole: files are written
+    atomically, and a candidate cut short is discarded when the run is resumed); `started`: whether the run folder
+    has its run.json (else there is nothing to resume)."""
+
+    def __init__(self, run_dir: Path, kept: int, started: bool) -> None:
+        super().__init__(f"interrupted: {kept} candidates kept in {run_dir}")
+        self.run_dir, self.kept, self.started = run_dir, kept, started
+
+
 def run_search(cfg: SearchConfig) -> SearchSummary:
-    """Run (or resume, or join) a search; returns what this run folder holds at the end."""
-    return Search(cfg).run_loop()
+    """Run (or resume, or join) a search; returns what this run folder holds at the end. Ctrl-C during the search
+    raises SearchInterrupted, saying what was kept (before the run exists, the KeyboardInterrupt itself)."""
+    search = Search(cfg)
+    try:
+        return search.run_loop()
+    except KeyboardInterrupt:
+        run = search.run
+        try:
+            kept = len(run.accepted()) + len(run.rejected())
+        except (OSError, ValueError):
+            kept = 0
+        raise SearchInterrupted(run.path, kept, (run.path / "run.json").is_file()) from None

@@ -85,7 +85,12 @@ class Surrogate:
         if self.jobs <= 1 or len(strategies) < 2:
             return [extrapolated_ms(self.spec, self.workers, s, self.params, self.ctx) for s in strategies]
         if self._pool is None:
+            from megasynth.search.pool import interrupts_held
+
             self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+            with interrupts_held():  # each submit spawns a process (none idle yet): none of them gets Ctrl-C
+                for _ in range(self.jobs):
+                    self._pool.submit(int)
         # the whole spec, not its name: a name would lose the batch, the context length and a checkpoint's config
         args = [(self.spec, self.workers, s.model_dump(mode="json"), self.params.to_json(), self.ctx)
                 for s in strategies]

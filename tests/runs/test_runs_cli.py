@@ -288,7 +288,7 @@ def test_serve_answers_on_localhost(runs_dir: Path) -> None:
 def test_report_charts_a_synth_bench_json(runs_dir: Path, tmp_path: Path) -> None:
     """`synth runs report RUN --bench FILE` keeps the bench in the run and charts its variants and measured floor
     (format megasynth-bench/1: results per ctx, variants with timing.median_ms, floor.ms)."""
-    bench = {"format": "megasynth-bench/1", "dry_run": False, "results": [
+    bench = {"format": "megasynth-bench/1", "model": "tiny", "dry_run": False, "results": [
         {"ctx": 1024, "floor": {"bytes": {"total": 1}, "ms": 0.61},
          "variants": {"torch_eager": {"status": "ok", "timing": {"median_ms": 19.3}},
                       "torch_graph": {"status": "ok", "timing": {"median_ms": 3.24}},
