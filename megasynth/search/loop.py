@@ -49,7 +49,7 @@ from megasynth.search.evaluate import (
 )
 from megasynth.search.finals import run_finals
 from megasynth.search.pool import InterruptWatch, Pool, Prepared
-from megasynth.search.proposers.auto import close_proposer, resolve_proposer
+from megasynth.search.proposers.auto import check_proposer, close_proposer, resolve_proposer
 from megasynth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 
 MAX_EMPTY_ROUNDS = 5  # proposer rounds with no new proposal before the search stops
@@ -108,7 +108,8 @@ class Search:
     def __init__(self, cfg: SearchConfig) -> None:
         self.cfg = cfg
         self.interrupts = InterruptWatch()
-        check_proposer(cfg)  # (like every check here: before the run folder exists, so a refused run leaves none)
+        # like every check here, before the run folder exists: a search refused leaves none
+        check_proposer(cfg.proposer, **cfg.llm)
         self.spec = with_batch(get_model(cfg.model, cfg.max_seq_len), cfg.sequences)
         self.gpu = cuda_available() if cfg.gpu is None else cfg.gpu
         self.workers = cfg.workers or default_workers()
@@ -598,20 +599,6 @@ class _Progress:
     def close(self) -> None:
         if self.mode == "bar":
             self.progress.stop()
-
-
-def check_proposer(cfg: SearchConfig) -> None:
-    """What `resolve_proposer` would refuse, checked before anything is written: an unknown proposer, `llm` without
-    an endpoint, an agent setting in the environment that is no number. Raises ValueError."""
-    from megasynth.search.proposers.auto import NAMES
-    from megasynth.search.proposers.llm import LLMOptions, agent_configured
-
-    if cfg.proposer not in NAMES:
-        raise ValueError(f"unknown proposer {cfg.proposer!r}; choose one of {', '.join(NAMES)}")
-    if cfg.proposer == "llm" and not agent_configured():
-        raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
-    if cfg.proposer in ("llm", "auto") and agent_configured():
-        LLMOptions.from_env(**cfg.llm)
 
 
 class SearchInterrupted(Exception):

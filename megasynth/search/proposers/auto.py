@@ -106,6 +106,19 @@ def builtin_chain(space: SearchSpace, seed: int, descent: Proposer) -> ChainProp
                           (EvolveProposer(space, seed), None)])
 
 
+def check_proposer(name: str, **llm_options: Any) -> None:
+    """What `resolve_proposer` refuses, without building anything (a search checks it before it makes its run
+    folder): an unknown name, `llm` without an endpoint, an agent setting that is no number. Raises ValueError."""
+    from megasynth.search.proposers.llm import LLMOptions, agent_configured
+
+    if name not in NAMES:
+        raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(NAMES)}")
+    if name == "llm" and not agent_configured():
+        raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
+    if name in ("llm", "auto") and agent_configured():
+        LLMOptions.from_env(**llm_options)
+
+
 def resolve_proposer(name: str, spec_name: str | ModelSpec, workers: int, seed: int = 0, run_dir: Path | None = None,
                      notice: Callable[[str], None] | None = None, *, ctx: int = 1024,
                      params: CostParams | None = None, jobs: int = 1,
@@ -118,6 +131,7 @@ def resolve_proposer(name: str, spec_name: str | ModelSpec, workers: int, seed: 
     from megasynth.search.proposers.evolve import EvolveProposer
     from megasynth.search.proposers.heuristic import HeuristicProposer
 
+    check_proposer(name, **llm_options)
     spec = spec_name if isinstance(spec_name, ModelSpec) else get_model(spec_name)
     space = SearchSpace(spec, workers)
 
@@ -145,10 +159,8 @@ def resolve_proposer(name: str, spec_name: str | ModelSpec, workers: int, seed: 
             if name == "llm":
                 return agent
             return FallbackProposer(agent, builtin_chain(space, seed, descent()), notice)
-        if name == "llm":
-            raise ValueError("--proposer llm needs OPENAI_API_KEY or OPENAI_BASE_URL (an OpenAI-compatible endpoint)")
         if notice:
             notice(f"auto: no OPENAI_API_KEY / OPENAI_BASE_URL, so no LLM agent: the {AUTO_SEEDS} best hand-written "
                    "seeds, then the cost-model descent, then evolve")
         return builtin_chain(space, seed, descent())
-    raise ValueError(f"unknown proposer {name!r}; choose one of {', '.join(NAMES)}")
+    raise AssertionError(name)  # (check_proposer refused every other name)
