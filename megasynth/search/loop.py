@@ -48,7 +48,8 @@ from megasynth.search.evaluate import (
     gpu_name,
 )
 from megasynth.search.finals import run_finals
-from megasynth.search.pool import InterruptWatch, Pool, Prepared
+from megasynth.search.interrupts import InterruptWatch
+from megasynth.search.pool import Pool, Prepared
 from megasynth.search.proposers.auto import check_proposer, close_proposer, resolve_proposer
 from megasynth.search.proposers.base import Proposal, Proposer, Result, SearchContext
 
@@ -374,7 +375,7 @@ class Search:
     # -- the loop ----------------------------------------------------------------------------------------------
     def run_loop(self) -> SearchSummary:
         """Run this process's part of the search. Ctrl-C (SIGINT to the terminal's process group) reaches this
-        process alone: the worker processes it starts never get it (`pool.interrupts_held`) and are stopped by it,
+        process alone: the worker processes it starts never get it (`interrupts.interrupts_held`) and are stopped by it,
         so a KeyboardInterrupt here is one clean stop (claims given back, leaderboard written); `InterruptWatch`
         makes sure one comes even where Python swallows the first."""
         with self.interrupts:

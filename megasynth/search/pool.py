@@ -8,20 +8,16 @@ that proposal comes back with `failure` saying how the worker died, a fresh work
 search goes on (a `concurrent.futures` pool would instead break as a whole, failing every proposal in flight).
 
 Ctrl-C in a terminal sends SIGINT to every process of the search; the workers start with it blocked
-(`interrupts_held`, as do the descent's cost-model processes), so that the main process alone decides what an
+(`interrupts.interrupts_held`, as do the descent's cost-model processes), so that the main process alone decides what an
 interrupt does: it stops them and says what the run kept, instead of each worker printing a KeyboardInterrupt
 traceback.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.connection as mpc
-import os
 import signal
-import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -32,6 +28,7 @@ from megasynth.ir.schedule import Schedule, parse_schedule
 from megasynth.lowering.models import ModelSpec, get_model
 from megasynth.runs.rundir import schedule_key
 from megasynth.search.evaluate import Verdict, build
+from megasynth.search.interrupts import interrupts_held
 from megasynth.search.proposers.base import Proposal
 from megasynth.validator.verify import Options, verify
 
@@ -60,79 +57,19 @@ def prepare(model: str | ModelSpec, workers: int, proposal: Proposal, interleavi
 def _serve(conn: mpc.Connection, target: Prepare, model: str | ModelSpec, workers: int, interleavings: int,
            seed: int) -> None:
     """A worker's loop: one (proposal, schedule claim) in, its prepared result out, until told to stop (None) or the
-    parent is gone. SIGINT is the parent's to handle (it stops the workers): ignored here, and one that arrives
-    before that ends the worker quietly."""
-    with contextlib.suppress(ValueError):  # (ValueError: not the main thread, as under a test's thread)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        while True:
-            try:
-                task = conn.recv()
-            except (EOFError, OSError):
-                return
-            if task is None:
-                return
-            proposal, claim_schedule = task
-            conn.send(target(model, workers, proposal, interleavings, seed, claim_schedule))
-    except KeyboardInterrupt:
-        return
-
-
-@contextlib.contextmanager
-def interrupts_held() -> Iterator[None]:
-    """SIGINT blocked in this thread while open. A process spawned meanwhile inherits the blocked mask through its
-    exec, and Python leaves it so: Ctrl-C never reaches it, from its first instruction on, before its imports. An
-    interrupt that arrives inside is held, not lost: it is delivered here when the block closes. Open it only
-    around a spawn."""
-    if not hasattr(signal, "pthread_sigmask"):  # (no signal masks: Windows)
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-class InterruptWatch:
-    """Ctrl-C in the search's main process, while open (from the main thread; elsewhere it does nothing). Python's
-    own handler raises KeyboardInterrupt wherever the main thread is: inside a database transaction, whose
-    connection then holds its lock while the interrupted search tries to give its claims back, or inside a weakref
-    callback, which prints it and loses it. So the first Ctrl-C is only recorded, and `check`, called once a loop
-    step where no transaction is open, raises it; a second one raises at once (and if Python swallows that one,
-    `check` raises it too, and its "Exception ignored" report is left out)."""
-
-    def __init__(self) -> None:
-        self.hit = False
-        self._previous: Any = None
-        self._hook: Any = None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.hit:
-            raise KeyboardInterrupt
-        self.hit = True
-        # (os.write: a handler that prints through sys.stderr can interrupt a write to it)
-        os.write(2, b"\ninterrupt: stopping at the next candidate (Ctrl-C again: at once)\n")
-
-    def _unraisable(self, unraisable: Any) -> None:
-        if not (self.hit and isinstance(unraisable.exc_value, KeyboardInterrupt)):
-            self._hook(unraisable)
-
-    def __enter__(self) -> InterruptWatch:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-            self._hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            sys.unraisablehook = self._hook
-
-    def check(self) -> None:
-        """Raise KeyboardInterrupt if Ctrl-C came, even where the first one was swallowed."""
-        if self.hit:
-            raise KeyboardInterrupt
+    parent is gone. Ctrl-C is the parent's (it stops the workers): the worker starts with SIGINT blocked
+    (`interrupts.interrupts_held`), and ignores it from here on, since a blocked signal still reaches any thread a
+    library starts with it unblocked."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        if task is None:
+            return
+        proposal, claim_schedule = task
+        conn.send(target(model, workers, proposal, interleavings, seed, claim_schedule))
 
 
 def death_reason(exitcode: int | None) -> str:

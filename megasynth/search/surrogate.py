@@ -16,6 +16,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import multiprocessing
+import os
+import signal
+import threading
 from dataclasses import replace
 from typing import Any
 
@@ -24,6 +27,7 @@ from megasynth.lowering.costmodel import CostParams, simulate
 from megasynth.lowering.lower import lower
 from megasynth.lowering.models import ModelSpec
 from megasynth.lowering.strategy import Strategy
+from megasynth.search.interrupts import interrupts_held
 from megasynth.search.proposers.base import strategy_key
 
 LAYERS = 3  # layers simulated: the first settles the pipeline, layers 1 -> 2 give the period
@@ -61,6 +65,15 @@ def _worker(args: tuple[ModelSpec, int, dict[str, Any], dict[str, Any], int]) ->
     return extrapolated_ms(spec, workers, Strategy.model_validate(strategy), CostParams.from_json(params), ctx)
 
 
+def _init_worker() -> None:
+    """A cost-model process's start: Ctrl-C is the search's to handle (`interrupts`), and the process ends with the
+    search's, however that ends (a killed search would otherwise leave its idle workers behind for good)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=lambda: (parent.join(), os._exit(0)), daemon=True).start()
+
+
 class Surrogate:
     """Cached extrapolated estimates for one model, worker count, context and cost model."""
 
@@ -85,9 +98,8 @@ class Surrogate:
         if self.jobs <= 1 or len(strategies) < 2:
             return [extrapolated_ms(self.spec, self.workers, s, self.params, self.ctx) for s in strategies]
         if self._pool is None:
-            from megasynth.search.pool import interrupts_held
-
-            self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = cf.ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_init_worker)
             with interrupts_held():  # each submit spawns a process (none idle yet): none of them gets Ctrl-C
                 for _ in range(self.jobs):
                     self._pool.submit(int)
