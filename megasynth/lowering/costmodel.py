@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import json
 import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -37,9 +36,9 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from megasynth.ir.catalogue import OP_ORDER, OPS, Geometry, qkv_pair_pieces
-from megasynth.ir.errors import LocatedError, json_path, shown
+from megasynth.ir.errors import LocatedError, ScheduleError, json_path, shown
 from megasynth.ir.program import Program, resolve
-from megasynth.ir.schedule import Schedule
+from megasynth.ir.schedule import Schedule, read_json
 
 DATA = Path(__file__).parents[1] / "data" / "h200_costmodel.json"  # megasynth/data/, package data of `synth`
 MAX_EVENTS_FACTOR = 12  # bound on simulation events per instruction (start, consume, bytes, loader segments, end)
@@ -185,17 +184,9 @@ def load_params(path: str | Path | None = None) -> CostParams:
     if not path and not p.exists():
         return CostParams()
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        why = getattr(exc, "strerror", None) or exc
-        raise CostParamsError(f"cannot read cost-model parameters: {why}", "$", str(p)) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise CostParamsError(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", "$",
-                              str(p)) from None
-    except RecursionError:
-        raise CostParamsError("invalid JSON: nested too deeply", "$", str(p)) from None
+        data = read_json(p)  # (plain or gzip-compressed, as a schedule is read)
+    except ScheduleError as exc:  # unreadable, or invalid JSON: the same one line, as this file's error
+        raise CostParamsError(exc.message, exc.path, exc.file) from None
     return CostParams.from_json(data, str(p))
 
 
